@@ -1,0 +1,1 @@
+"""bench: real workloads (models, data), benchmark harnesses, reports and plots."""

@@ -1,0 +1,1 @@
+"""cim_sim: arrives with its own issue."""

@@ -1,0 +1,1 @@
+"""fp8: arrives with its own issue."""

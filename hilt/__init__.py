@@ -1,0 +1,1 @@
+"""hilt: the command line. Parses arguments, calls the packages, prints."""

@@ -1,0 +1,249 @@
+"""The `hilt` command: parses arguments, calls the packages, prints.
+
+Every user mistake arrives as a HiltError and is printed as one line on
+stderr with a non-zero exit (the traceback only with --debug).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+from kernels import HiltError
+
+EXIT_ERROR, EXIT_INTERRUPTED = 1, 130
+
+
+def _write_json(path: str, obj) -> None:
+    """Write JSON atomically: a temporary name, renamed when complete."""
+    target = Path(path)
+    if not target.parent.is_dir():
+        raise HiltError(f"{target}: folder {target.parent} does not exist")
+    tmp = target.with_name(target.name + ".tmp")
+    try:
+        tmp.write_text(json.dumps(obj, indent=1) + "\n")
+        os.replace(tmp, target)
+    except OSError as e:
+        tmp.unlink(missing_ok=True)
+        raise HiltError(f"{target}: cannot write ({e.strerror})") from None
+
+
+def _parser_with_example(sub, name, help_text, example):
+    return sub.add_parser(name, help=help_text, description=help_text,
+                          epilog=f"example:\n  {example}", formatter_class=argparse.RawDescriptionHelpFormatter)
+
+
+# ------------------------------------------------------------------ quantize
+
+
+def cmd_quantize(args) -> int:
+    from quant import QuantConfig, open_source, quantize_checkpoint
+    from quant.checkpoint import select_targets
+    from quant.quantize import check_quantizable, expected_bits_per_weight
+
+    method = "int-asym" if args.method == "int" and args.asymmetric else args.method
+    if args.asymmetric and args.method != "int":
+        raise HiltError("--asymmetric applies to --method int only")
+    config = QuantConfig(method=method, bits=args.bits, block_size=args.block_size, codebook=args.codebook,
+                         solver=args.solver, seed=args.seed).validate()
+    if args.dry_run:
+        with open_source(args.src) as source:
+            targets = select_targets(source, args.only, args.ignore)
+            rows = []
+            for name in targets:
+                check_quantizable(name, source.shape(name), config)
+                rows.append({"name": name, "shape": list(source.shape(name)),
+                             "bits_per_weight": round(expected_bits_per_weight(source.shape(name), config), 4)})
+            kept = len(source.names()) - len(targets)
+        for r in rows:
+            print(f"would quantize {r['name']:<48} {str(tuple(r['shape'])):>14}  {r['bits_per_weight']:.3f} bits/weight")
+        print(f"{len(rows)} tensors to quantize, {kept} kept as they are; nothing written (--dry-run)")
+        if args.json:
+            _write_json(args.json, {"dry_run": True, "tensors": rows})
+        return 0
+
+    from tqdm import tqdm
+
+    records = []
+
+    def on_tensor(entry):
+        if entry["kind"] == "quantized":
+            records.append({"name": entry["name"], "bits_per_weight": entry["bits_per_weight"],
+                            "rel_error": entry["rel_error"], "shape": entry["shape"]})
+            if not args.quiet:
+                tqdm.write(f"{entry['name']:<48} {entry['bits_per_weight']:7.3f} bits/weight  "
+                           f"rel. error {entry['rel_error']:.4f}")
+
+    header = quantize_checkpoint(args.src, args.dst, config, only=args.only, ignore=args.ignore,
+                                 overwrite=args.overwrite, resume=args.resume,
+                                 shard_bytes=int(args.shard_size * (1 << 20)), on_tensor=on_tensor,
+                                 progress=not args.quiet and sys.stderr.isatty())
+    totals = header["totals"]
+    size = sum((Path(args.dst) / s).stat().st_size for s in header["shards"])
+    print(f"wrote {args.dst}: {totals['quantized_tensors']} of {totals['tensors']} tensors quantized "
+          f"({config.method}, {config.bits} bits, block {config.block_size}), "
+          f"{totals['bits_per_weight']:.3f} bits/weight on quantized tensors, "
+          f"mean rel. error {totals['rel_error_mean']:.4f}, {size / 1e6:.1f} MB")
+    if args.json:
+        # resumed runs report tensors quantized earlier from the header
+        done = {r["name"] for r in records}
+        for name, e in header["tensors"].items():
+            if e["kind"] == "quantized" and name not in done:
+                records.append({"name": name, "bits_per_weight": e["bits_per_weight"],
+                                "rel_error": e["rel_error"], "shape": e["shape"]})
+        _write_json(args.json, {"dst": str(args.dst), "config": header["config"], "tensors": records,
+                                "totals": {**totals, "bytes": size}})
+    return 0
+
+
+# ------------------------------------------------------------------- inspect
+
+
+def cmd_inspect(args) -> int:
+    from quant import read_header
+
+    h = read_header(args.dst)
+    dst = Path(args.dst)
+    size = sum((dst / s).stat().st_size for s in h["shards"] if (dst / s).exists())
+    c = h["config"]
+    t = h["totals"]
+    print(f"{dst}: {h['format']} v{h['format_version']} (written by hilt {h['tool_version']})")
+    print(f"source      {h['source']['path']} ({h['source']['format']})")
+    print(f"method      {c['method']}, {c['bits']} bits, block {c['block_size']}, codebook per {c['codebook']}")
+    print(f"tensors     {t['tensors']} ({t['quantized_tensors']} quantized, {t['quantized_weights']:,} weights)")
+    print(f"bits/weight {t['bits_per_weight']:.4f} on quantized tensors (codes + scales + codebooks)")
+    print(f"size        {size / 1e6:.2f} MB in {len(h['shards'])} shard(s)")
+    if args.tensors:
+        for name, e in h["tensors"].items():
+            if e["kind"] == "quantized":
+                print(f"  {name:<48} {str(tuple(e['shape'])):>14} {e['bits_per_weight']:7.3f} b/w  err {e['rel_error']:.4f}")
+            else:
+                print(f"  {name:<48} {str(tuple(e['shape'])):>14} {e['dtype']} (kept)")
+    if args.json:
+        _write_json(args.json, {**h, "bytes": size})
+    return 0
+
+
+# ---------------------------------------------------------------------- eval
+
+
+def cmd_eval_ppl(args) -> int:
+    from bench import evaluate
+
+    result = evaluate.perplexity_run(args.model, quantized=args.quantized, text=args.text, tokens=args.tokens,
+                                     context=args.context, progress=sys.stderr.isatty())
+    label = args.quantized or "unquantized"
+    print(f"perplexity {result['perplexity']:.3f} over {result['tokens']} tokens "
+          f"(context {result['context']}) of {result['text']} — {label}")
+    if args.json:
+        _write_json(args.json, result)
+    return 0
+
+
+def cmd_eval_embed(args) -> int:
+    from bench import evaluate
+
+    result = evaluate.embedding_run(args.model, quantized=args.quantized, sentences=args.sentences)
+    label = args.quantized or "unquantized"
+    print(f"mean cosine similarity to fp32 embeddings {result['cosine_similarity']:.5f} "
+          f"(min {result['cosine_similarity_min']:.5f}) over {result['sentences']} sentences — {label}")
+    if args.json:
+        _write_json(args.json, result)
+    return 0
+
+
+# ------------------------------------------------------------------- report
+
+
+def cmd_report(args) -> int:
+    from bench import quant_table
+
+    quant_table.run(out=args.out, quick=args.quick, json_path=args.json)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="hilt", description="hilt: low-precision inference, from checkpoint to hardware.")
+    p.add_argument("--debug", action="store_true", help="show tracebacks")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    q = _parser_with_example(sub, "quantize", "quantize a checkpoint (safetensors file or folder, GGUF)",
+                             "hilt quantize model.safetensors out-2bit --method kmeans --bits 2")
+    q.add_argument("src", help="safetensors file, Hugging Face-style folder, or GGUF file")
+    q.add_argument("dst", help="output folder (hilt format: safetensors shards + hilt.json)")
+    q.add_argument("--method", choices=["kmeans", "int", "binary"], default="kmeans",
+                   help="kmeans codebook (default), integer grid, or sign x absmean (1 bit)")
+    q.add_argument("--bits", type=int, default=4, help="bits per code, 1-8 (default 4)")
+    q.add_argument("--block-size", type=int, default=64, help="weights per scale along the input dim (default 64)")
+    q.add_argument("--codebook", choices=["layer", "block"], default="layer", help="kmeans: one codebook per layer or per block")
+    q.add_argument("--solver", choices=["optimal", "lloyd"], default="optimal",
+                   help="kmeans: certified-optimal DP (default) or k-means++ + Lloyd")
+    q.add_argument("--asymmetric", action="store_true", help="int: min/max grid with a per-block offset")
+    q.add_argument("--only", metavar="RE", help="quantize only 2-D tensors whose name matches RE")
+    q.add_argument("--ignore", metavar="RE", help="keep tensors whose name matches RE unquantized")
+    q.add_argument("--dry-run", action="store_true", help="list what would be quantized; write nothing")
+    q.add_argument("--resume", action="store_true", help="continue an interrupted run (DST.partial)")
+    q.add_argument("--overwrite", action="store_true", help="replace an existing DST (only once the new one is complete)")
+    q.add_argument("--shard-size", type=float, default=512, metavar="MB", help="output shard size (default 512 MB)")
+    q.add_argument("--seed", type=int, default=0, help="seed for k-means++ (--solver lloyd)")
+    q.add_argument("--json", metavar="FILE", help="write per-tensor results and totals as JSON")
+    q.add_argument("--quiet", action="store_true", help="no per-tensor lines or progress bar")
+    q.set_defaults(func=cmd_quantize)
+
+    i = _parser_with_example(sub, "inspect", "show what is in a quantized checkpoint", "hilt inspect out-2bit --tensors")
+    i.add_argument("dst")
+    i.add_argument("--tensors", action="store_true", help="one line per tensor")
+    i.add_argument("--json", metavar="FILE")
+    i.set_defaults(func=cmd_inspect)
+
+    e = sub.add_parser("eval", help="evaluate a model, quantized or not", description="evaluate a model, quantized or not")
+    esub = e.add_subparsers(dest="metric", required=True)
+    pp = _parser_with_example(esub, "ppl", "perplexity of a Llama-architecture GGUF (SmolLM2-135M by default) on text",
+                              "hilt eval ppl smollm2 --quantized out-2bit --tokens 2048")
+    pp.add_argument("model", nargs="?", default="smollm2", help="'smollm2' (the packaged model) or a GGUF path")
+    pp.add_argument("--quantized", metavar="DST", help="hilt checkpoint made from MODEL by `hilt quantize`")
+    pp.add_argument("--text", metavar="FILE", help="UTF-8 text file (default: Shakespeare's Hamlet)")
+    pp.add_argument("--tokens", type=int, default=2048, help="tokens to score (default 2048)")
+    pp.add_argument("--context", type=int, default=512, help="window length (default 512)")
+    pp.add_argument("--json", metavar="FILE")
+    pp.set_defaults(func=cmd_eval_ppl)
+    em = _parser_with_example(esub, "embed", "cosine similarity of MiniLM sentence embeddings against the fp32 model",
+                              "hilt eval embed minilm --quantized minilm-2bit")
+    em.add_argument("model", nargs="?", default="minilm", help="'minilm' (the packaged model) or its folder")
+    em.add_argument("--quantized", metavar="DST")
+    em.add_argument("--sentences", type=int, default=256, help="sentences from Hamlet to embed (default 256)")
+    em.add_argument("--json", metavar="FILE")
+    em.set_defaults(func=cmd_eval_embed)
+
+    r = _parser_with_example(sub, "report", "the end-to-end run on the embedded defaults (real models)",
+                             "hilt report --out report/")
+    r.add_argument("--out", default="report", help="output folder (default ./report)")
+    r.add_argument("--quick", action="store_true", help="fewer tokens and configurations")
+    r.add_argument("--json", metavar="FILE")
+    r.set_defaults(func=cmd_report)
+    return p
+
+
+def main(argv=None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return args.func(args)
+    except HiltError as e:
+        if args.debug:
+            raise
+        print(f"hilt: error: {e}", file=sys.stderr)
+        return EXIT_ERROR
+    except KeyboardInterrupt:
+        if args.debug:
+            raise
+        hint = " (run the same command with --resume to continue)" if args.command == "quantize" else ""
+        print(f"hilt: interrupted{hint}", file=sys.stderr)
+        return EXIT_INTERRUPTED
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,19 @@
+"""quant: quantizers, the quantized-weight type, checkpoint I/O, QuantLinear.
+
+Public API:
+    QuantConfig, QuantizedWeight, quantize_tensor, relative_error
+    quantize_checkpoint, load_checkpoint, read_header, open_source
+    QuantLinear, quantize_model_, load_quantized_
+"""
+
+from kernels import HiltError
+from quant.checkpoint import load_checkpoint, quantize_checkpoint, read_header
+from quant.nn import QuantLinear, load_quantized_, quantize_model_
+from quant.quantize import QuantConfig, quantize_tensor, relative_error
+from quant.qweight import QuantizedWeight
+from quant.sources import open_source
+
+__all__ = [
+    "HiltError", "QuantConfig", "QuantizedWeight", "QuantLinear", "quantize_tensor", "relative_error",
+    "quantize_checkpoint", "load_checkpoint", "read_header", "open_source", "quantize_model_", "load_quantized_",
+]

@@ -1,0 +1,312 @@
+"""The hilt on-disk format, and quantizing a whole checkpoint into it.
+
+A quantized checkpoint is a folder (documented in docs/format.md):
+
+    DST/hilt.json                  header: format name and version, tool version,
+                                   settings, and per tensor its kind, method,
+                                   bits, block size, shape, dtype, shard, stats
+    DST/model-00001.safetensors    shards: for a quantized tensor NAME the parts
+    DST/model-00002.safetensors    NAME.codes, NAME.codebook, NAME.scales
+    ...                            (and NAME.offsets); other tensors as they were
+
+Writing streams tensor by tensor, so memory follows the largest tensor plus
+one shard. Everything is written under ``DST.partial/``, each shard to a
+temporary name renamed when complete; the folder becomes DST only when the
+header is written. An interrupted run leaves ``DST.partial/`` (never a
+half-written DST) and ``resume=True`` continues it, giving the same bytes as
+an uninterrupted run.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+from dataclasses import asdict
+from pathlib import Path
+from typing import Callable, Iterable
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from kernels import HiltError
+from quant.quantize import QuantConfig, check_quantizable, quantize_tensor, relative_error
+from quant.qweight import QuantizedWeight
+from quant.sources import Source, open_source
+
+FORMAT_NAME = "hilt-quantized"
+FORMAT_VERSION = 1
+TOOL_VERSION = "0.1.0"
+HEADER = "hilt.json"
+PROGRESS = "progress.json"
+PARTS = ("codes", "codebook", "scales", "offsets")
+
+# Embeddings and LM heads stay in 16/32-bit by default (REFERENCES.md §1).
+KEEP_DENSE = re.compile(
+    r"(^|\.)(embed_tokens|embeddings?|word_embeddings|position_embeddings|token_type_embeddings|"
+    r"wte|wpe|tok_embeddings|token_embd|lm_head|output)\.weight$|(^|\.)(lm_head|embed_tokens)(\.|$)"
+)
+
+__all__ = ["quantize_checkpoint", "load_checkpoint", "read_header", "select_targets", "open_source"]
+
+
+def select_targets(source: Source, only: str | None = None, ignore: str | None = None) -> list[str]:
+    """Names of the tensors to quantize, in file order.
+
+    Default: 2-D floating weights named ``*.weight`` except embeddings and the
+    LM head. ``only`` replaces the default with the 2-D floating tensors whose
+    name matches it (re.search), so it can select an embedding on purpose;
+    ``ignore`` then removes matches.
+    """
+    try:
+        only_re = re.compile(only) if only else None
+        ignore_re = re.compile(ignore) if ignore else None
+    except re.error as e:
+        raise HiltError(f"bad regular expression in --only/--ignore: {e}") from None
+    chosen = []
+    for name in source.names():
+        if len(source.shape(name)) != 2 or not source.is_floating(name):
+            continue
+        if only_re is not None:
+            if not only_re.search(name):
+                continue
+        elif not name.endswith("weight") or KEEP_DENSE.search(name):
+            continue
+        if ignore_re is not None and ignore_re.search(name):
+            continue
+        chosen.append(name)
+    return chosen
+
+
+def _check_destination(dst: Path, overwrite: bool, resume: bool) -> Path:
+    partial = dst.with_name(dst.name + ".partial")
+    parent = dst.parent if str(dst.parent) else Path(".")
+    if not parent.is_dir():
+        raise HiltError(f"{dst}: parent folder {parent} does not exist")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise HiltError(f"{dst}: folder {parent} is not writable")
+    if dst.exists():
+        if not overwrite:
+            raise HiltError(f"{dst}: already exists; pass --overwrite to replace it")
+        if not (dst.is_dir() and (dst / HEADER).exists()):
+            raise HiltError(f"{dst}: exists and is not a hilt checkpoint; refusing to replace it")
+    if partial.exists() and not resume and not overwrite:
+        raise HiltError(f"{partial}: an interrupted run is there; pass --resume to continue it or --overwrite to start over")
+    return partial
+
+
+def _write_json(path: Path, obj) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(obj, indent=1, sort_keys=True) + "\n")
+    os.replace(tmp, path)
+
+
+def _tensor_parts(name: str, q: QuantizedWeight) -> dict[str, torch.Tensor]:
+    parts = {f"{name}.codes": q.codes, f"{name}.codebook": q.codebook, f"{name}.scales": q.scales}
+    if q.offsets is not None:
+        parts[f"{name}.offsets"] = q.offsets
+    return {k: v.contiguous() for k, v in parts.items()}
+
+
+def quantize_checkpoint(
+    src,
+    dst,
+    config: QuantConfig,
+    *,
+    only: str | None = None,
+    ignore: str | None = None,
+    overwrite: bool = False,
+    resume: bool = False,
+    shard_bytes: int = 512 << 20,
+    on_tensor: Callable[[dict], None] | None = None,
+    progress: bool = False,
+) -> dict:
+    """Quantize the selected tensors of ``src`` into a hilt checkpoint at ``dst``.
+
+    Returns the header written to ``dst/hilt.json``. ``on_tensor`` is called
+    with each tensor's entry (name, kind, bits_per_weight, rel_error, ...).
+    """
+    config.validate()
+    dst = Path(dst)
+    partial = _check_destination(dst, overwrite, resume)
+    source = open_source(src)
+    try:
+        targets = set(select_targets(source, only, ignore))
+        if not targets:
+            raise HiltError(f"{src}: no tensor selected for quantization (check --only/--ignore)")
+        for name in source.names():
+            if name in targets:
+                check_quantizable(name, source.shape(name), config)
+        settings = {
+            "config": asdict(config),
+            "source": {"path": str(src), "format": source.format},
+            "only": only,
+            "ignore": ignore,
+            "shard_bytes": shard_bytes,
+        }
+        state = _start_or_resume(partial, settings, resume)
+        try:
+            _stream(source, targets, config, partial, state, shard_bytes, on_tensor, progress)
+        except KeyboardInterrupt:
+            raise
+        except BaseException:
+            shutil.rmtree(partial, ignore_errors=True)  # no half-written output for a failed run
+            raise
+        header = {
+            "format": FORMAT_NAME,
+            "format_version": FORMAT_VERSION,
+            "tool_version": TOOL_VERSION,
+            **settings,
+            "shards": state["shards"],
+            "tensors": state["tensors"],
+            "totals": _totals(state["tensors"]),
+        }
+        _write_json(partial / HEADER, header)
+        (partial / PROGRESS).unlink()
+        _move_into_place(partial, dst)
+        return header
+    finally:
+        source.close()
+
+
+def _start_or_resume(partial: Path, settings: dict, resume: bool) -> dict:
+    if resume and (partial / PROGRESS).exists():
+        state = json.loads((partial / PROGRESS).read_text())
+        if state["settings"] != json.loads(json.dumps(settings)):
+            raise HiltError(f"{partial}: the interrupted run used other settings; rerun them or pass --overwrite")
+        return state
+    if partial.exists():
+        shutil.rmtree(partial)
+    partial.mkdir()
+    state = {"settings": settings, "shards": [], "tensors": {}}
+    _write_json(partial / PROGRESS, state)
+    return state
+
+
+def _stream(source, targets, config, partial, state, shard_bytes, on_tensor, progress):
+    from tqdm import tqdm
+
+    done = set(state["tensors"])
+    todo = [n for n in source.names() if n not in done]
+    buffer: dict[str, torch.Tensor] = {}
+    entries: dict[str, dict] = {}
+    size = 0
+    bar = tqdm(todo, desc="quantize", unit="tensor", disable=not progress, dynamic_ncols=True)
+    for name in bar:
+        bar.set_postfix_str(name, refresh=False)
+        if name in targets:
+            w = source.get(name)
+            if not torch.isfinite(w).all():
+                raise HiltError(f"{source.path}: tensor '{name}' contains NaN or Inf values")
+            q = quantize_tensor(w, config, name=name)
+            parts = _tensor_parts(name, q)
+            entry = {
+                "kind": "quantized",
+                "method": q.method,
+                "bits": q.bits,
+                "block_size": q.block_size,
+                "codebook": q.codebook_scope,
+                "shape": list(q.shape),
+                "dtype": str(q.dtype).removeprefix("torch."),
+                "stored_type": source.stored_type(name),
+                "bits_per_weight": round(q.bits_per_weight, 6),
+                "rel_error": round(relative_error(w, q), 6),
+            }
+            del w
+        else:
+            t = source.get_stored(name)
+            parts = {name: t.contiguous()}
+            entry = {"kind": "dense", "shape": list(t.shape), "dtype": str(t.dtype).removeprefix("torch."),
+                     "stored_type": source.stored_type(name)}
+        buffer.update(parts)
+        entries[name] = entry
+        size += sum(p.numel() * p.element_size() for p in parts.values())
+        if on_tensor is not None:
+            on_tensor({"name": name, **entry})
+        if size >= shard_bytes:
+            _flush(partial, state, buffer, entries)
+            buffer, entries, size = {}, {}, 0
+    if buffer:
+        _flush(partial, state, buffer, entries)
+
+
+def _flush(partial: Path, state: dict, buffer: dict, entries: dict) -> None:
+    """Write one complete shard (temporary name, then rename), then record it as done."""
+    shard = f"model-{len(state['shards']) + 1:05d}.safetensors"
+    tmp = partial / (shard + ".tmp")
+    save_file(buffer, str(tmp), metadata={"format": "pt", "producer": FORMAT_NAME})
+    os.replace(tmp, partial / shard)
+    for e in entries.values():
+        e["shard"] = shard
+    state["shards"].append(shard)
+    state["tensors"].update(entries)
+    _write_json(partial / PROGRESS, state)
+
+
+def _totals(tensors: dict) -> dict:
+    q = [t for t in tensors.values() if t["kind"] == "quantized"]
+    n_q = sum(t["shape"][0] * t["shape"][1] for t in q)
+    bits_q = sum(t["bits_per_weight"] * t["shape"][0] * t["shape"][1] for t in q)
+    return {
+        "tensors": len(tensors),
+        "quantized_tensors": len(q),
+        "quantized_weights": n_q,
+        "bits_per_weight": round(bits_q / n_q, 6) if n_q else None,
+        "rel_error_mean": round(sum(t["rel_error"] for t in q) / len(q), 6) if q else None,
+    }
+
+
+def _move_into_place(partial: Path, dst: Path) -> None:
+    """Publish the finished folder; an old DST (--overwrite) is removed only after."""
+    if dst.exists():
+        old = dst.with_name(dst.name + ".old")
+        shutil.rmtree(old, ignore_errors=True)
+        os.replace(dst, old)
+        os.replace(partial, dst)
+        shutil.rmtree(old)
+    else:
+        os.replace(partial, dst)
+
+
+def read_header(dst) -> dict:
+    """The header of a hilt checkpoint, validated."""
+    dst = Path(dst)
+    path = dst / HEADER
+    if not path.exists():
+        raise HiltError(f"{dst}: not a hilt checkpoint (no {HEADER})")
+    try:
+        header = json.loads(path.read_text())
+    except ValueError as e:
+        raise HiltError(f"{path}: corrupt header ({e})") from None
+    if header.get("format") != FORMAT_NAME:
+        raise HiltError(f"{path}: not a {FORMAT_NAME} header")
+    if header.get("format_version", 0) > FORMAT_VERSION:
+        raise HiltError(f"{path}: format version {header['format_version']} is newer than this hilt reads ({FORMAT_VERSION})")
+    return header
+
+
+def load_checkpoint(dst, names: Iterable[str] | None = None) -> dict[str, torch.Tensor | QuantizedWeight]:
+    """Every tensor of a hilt checkpoint: QuantizedWeight for quantized ones, tensors otherwise."""
+    dst = Path(dst)
+    header = read_header(dst)
+    wanted = set(header["tensors"]) if names is None else set(names)
+    out: dict[str, torch.Tensor | QuantizedWeight] = {}
+    by_shard: dict[str, list[str]] = {}
+    for name in wanted:
+        by_shard.setdefault(header["tensors"][name]["shard"], []).append(name)
+    for shard, shard_names in by_shard.items():
+        with safe_open(str(dst / shard), framework="pt") as f:
+            keys = set(f.keys())
+            for name in shard_names:
+                e = header["tensors"][name]
+                if e["kind"] == "dense":
+                    out[name] = f.get_tensor(name)
+                    continue
+                parts = {p: f.get_tensor(f"{name}.{p}") if f"{name}.{p}" in keys else None for p in PARTS}
+                out[name] = QuantizedWeight(
+                    parts["codes"], parts["codebook"], parts["scales"], parts["offsets"],
+                    tuple(e["shape"]), getattr(torch, e["dtype"]), e["bits"], e["block_size"], e["method"],
+                )
+    return out

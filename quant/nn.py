@@ -1,0 +1,110 @@
+"""QuantLinear and the model-level API, in the style of torchao's ``quantize_``.
+
+    quantize_model_(model, QuantConfig(method="kmeans", bits=2))   # in place
+    load_quantized_(model, "model-2bit/")                          # from `hilt quantize`
+"""
+
+from __future__ import annotations
+
+import re
+
+import torch
+from torch import nn
+
+from kernels import HiltError, lut_matmul
+from quant.checkpoint import KEEP_DENSE, load_checkpoint
+from quant.quantize import QuantConfig, quantize_tensor
+from quant.qweight import QuantizedWeight
+
+
+class QuantLinear(nn.Module):
+    """A Linear whose weight is a QuantizedWeight; runs through ``kernels.lut_matmul``."""
+
+    def __init__(self, qweight: QuantizedWeight, bias: torch.Tensor | None = None):
+        super().__init__()
+        self.out_features, self.in_features = qweight.shape
+        self.bits, self.block_size, self.method = qweight.bits, qweight.block_size, qweight.method
+        self.weight_dtype = qweight.dtype
+        # buffers so that .to(device) and state_dict carry the packed weight
+        self.register_buffer("codes", qweight.codes)
+        self.register_buffer("codebook", qweight.codebook)
+        self.register_buffer("scales", qweight.scales)
+        self.register_buffer("offsets", qweight.offsets)
+        self.bias = None if bias is None else nn.Parameter(bias.detach().clone(), requires_grad=False)
+
+    @property
+    def qweight(self) -> QuantizedWeight:
+        return QuantizedWeight(
+            self.codes, self.codebook, self.scales, self.offsets, (self.out_features, self.in_features),
+            self.weight_dtype, self.bits, self.block_size, self.method,
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return lut_matmul(x, self.codes, self.codebook, self.scales, self.offsets, self.bits,
+                          self.block_size, self.in_features, self.bias)
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, method={self.method}, "
+                f"bits={self.bits}, block_size={self.block_size}, bias={self.bias is not None}")
+
+
+def _replace(model: nn.Module, path: str, new: nn.Module) -> None:
+    parent_path, _, attr = path.rpartition(".")
+    parent = model.get_submodule(parent_path) if parent_path else model
+    setattr(parent, attr, new)
+
+
+def quantize_model_(model: nn.Module, config: QuantConfig, filter_fn=None) -> nn.Module:
+    """Swap every eligible ``nn.Linear`` of ``model`` for a QuantLinear, in place.
+
+    Eligible by default: Linear layers whose ``<path>.weight`` is not an
+    embedding or LM head name (same rule as ``hilt quantize``) and whose input
+    size the block size divides. ``filter_fn(module, path) -> bool`` overrides.
+    Returns the model.
+    """
+    config.validate()
+    for path, module in list(model.named_modules()):
+        if not isinstance(module, nn.Linear):
+            continue
+        ok = filter_fn(module, path) if filter_fn else (
+            not KEEP_DENSE.search(f"{path}.weight") and module.in_features % config.block_size == 0
+        )
+        if ok:
+            q = quantize_tensor(module.weight.detach(), config, name=f"{path}.weight")
+            _replace(model, path, QuantLinear(q, module.bias))
+    return model
+
+
+def load_quantized_(model: nn.Module, dst, strict: bool = True) -> nn.Module:
+    """Load a hilt checkpoint into ``model`` whose parameter names match its tensor names.
+
+    Linear layers whose weight was quantized become QuantLinear; every other
+    tensor is copied into the matching parameter or buffer. With ``strict``,
+    a checkpoint tensor with no home in the model is an error naming it.
+    """
+    tensors = load_checkpoint(dst)
+    modules = dict(model.named_modules())
+    dense = {}
+    for name, value in tensors.items():
+        if isinstance(value, QuantizedWeight):
+            path = re.sub(r"\.weight$", "", name)
+            module = modules.get(path)
+            if not isinstance(module, nn.Linear):
+                raise HiltError(f"{dst}: quantized tensor '{name}' has no matching nn.Linear in the model")
+            if (module.out_features, module.in_features) != value.shape:
+                raise HiltError(f"{dst}: tensor '{name}' has shape {value.shape}, layer '{path}' expects "
+                                f"{(module.out_features, module.in_features)}")
+            _replace(model, path, QuantLinear(value, module.bias))
+        else:
+            dense[name] = value
+    own = model.state_dict()
+    unknown = [n for n in dense if n not in own]
+    if strict and unknown:
+        raise HiltError(f"{dst}: tensor '{unknown[0]}' has no matching parameter in the model")
+    with torch.no_grad():
+        for name, value in dense.items():
+            if name in own:
+                if own[name].shape != value.shape:
+                    raise HiltError(f"{dst}: tensor '{name}' has shape {tuple(value.shape)}, model expects {tuple(own[name].shape)}")
+                own[name].copy_(value)
+    return model

@@ -1,0 +1,183 @@
+"""Quantize one weight tensor into a QuantizedWeight.
+
+Formats (REFERENCES.md §1), all on blocks of ``block_size`` along the input
+dimension with one bf16 scale per block:
+
+* ``kmeans``: 2**bits centroids over the block-normalised weights, one
+  codebook per layer (published) or per block. Scale = absmax of the block
+  above 2 bits, absmean at 1-2 bits. ``bits=1`` is the published 1-bit format.
+* ``int``: symmetric absmax grid, levels -2**(b-1) .. 2**(b-1)-1 times
+  absmax / (2**(b-1) - 1) (the published baseline). Needs bits >= 2.
+* ``int-asym``: min/max grid, levels 0 .. 2**b-1 times (max-min)/(2**b-1),
+  plus a per-block offset (the block minimum).
+* ``binary``: sign x absmean, the 1-bit baseline (codebook [-1, +1]).
+
+Stored scales, offsets and codebooks are rounded to their storage dtypes
+*before* codes are chosen, so the error measured is the error of what is saved.
+"""
+
+from __future__ import annotations
+
+import zlib
+from dataclasses import dataclass
+
+import torch
+
+from kernels import HiltError, pack_codes, packed_row_bytes
+from quant import kmeans
+from quant.qweight import METHODS, QuantizedWeight
+
+_ROWS_BYTES = 1 << 24  # rows processed together when coding: bounds temporary memory
+
+
+@dataclass(frozen=True)
+class QuantConfig:
+    method: str = "kmeans"  # kmeans | int | int-asym | binary
+    bits: int = 4
+    block_size: int = 64
+    codebook: str = "layer"  # kmeans only: one codebook per "layer" or per "block"
+    solver: str = "optimal"  # kmeans only: "optimal" (certified DP) or "lloyd" (k-means++ + Lloyd)
+    seed: int = 0
+
+    def validate(self) -> "QuantConfig":
+        if self.method not in METHODS:
+            raise HiltError(f"unknown method {self.method!r}; choose one of {', '.join(METHODS)}")
+        if not 1 <= self.bits <= 8:
+            raise HiltError(f"--bits must be between 1 and 8, got {self.bits}")
+        if self.method == "int" and self.bits < 2:
+            raise HiltError("symmetric int needs at least 2 bits; use --method binary or kmeans for 1 bit")
+        if self.method == "binary" and self.bits != 1:
+            raise HiltError(f"--method binary is 1 bit, got --bits {self.bits}")
+        if self.block_size < 1:
+            raise HiltError(f"--block-size must be positive, got {self.block_size}")
+        if self.codebook not in ("layer", "block"):
+            raise HiltError(f"--codebook must be layer or block, got {self.codebook!r}")
+        if self.codebook == "block" and self.method != "kmeans":
+            raise HiltError("--codebook block applies to --method kmeans only")
+        if self.solver not in ("optimal", "lloyd"):
+            raise HiltError(f"unknown k-means solver {self.solver!r}; choose optimal or lloyd")
+        return self
+
+
+def check_quantizable(name: str, shape, config: QuantConfig) -> None:
+    """Refuse (naming the tensor) what this format cannot represent. We refuse rather than pad."""
+    if len(shape) != 2:
+        raise HiltError(f"tensor '{name}' has shape {tuple(shape)}: only 2-D weights can be quantized")
+    if shape[1] % config.block_size:
+        raise HiltError(
+            f"tensor '{name}' has {shape[1]} input columns, not a multiple of --block-size {config.block_size}; "
+            "choose a block size that divides it, or leave it out with --ignore"
+        )
+
+
+def _block_scales(blocks: torch.Tensor, config: QuantConfig):
+    """(scales, offsets) per block, rounded to bf16 storage."""
+    if config.method == "int-asym":
+        lo, hi = blocks.amin(-1), blocks.amax(-1)
+        return ((hi - lo) / ((1 << config.bits) - 1)).to(torch.bfloat16), lo.to(torch.bfloat16)
+    if config.method == "int":
+        s = blocks.abs().amax(-1) / ((1 << (config.bits - 1)) - 1)
+    elif config.method == "binary" or config.bits <= 2:
+        s = blocks.abs().mean(-1)  # absmax would flush most low-bit values to zero
+    else:
+        s = blocks.abs().amax(-1)
+    return s.to(torch.bfloat16), None
+
+
+def _fixed_codebook(config: QuantConfig) -> torch.Tensor | None:
+    if config.method == "int":
+        half = 1 << (config.bits - 1)
+        return torch.arange(-half, half, dtype=torch.float64)
+    if config.method == "int-asym":
+        return torch.arange(1 << config.bits, dtype=torch.float64)
+    if config.method == "binary":
+        return torch.tensor([-1.0, 1.0], dtype=torch.float64)
+    return None
+
+
+def _normalised(w: torch.Tensor, scales, offsets, block_size) -> torch.Tensor:
+    n, k = w.shape
+    blocks = w.float().view(n, k // block_size, block_size)
+    if offsets is not None:
+        blocks = blocks - offsets.float().unsqueeze(-1)
+    s = scales.float().unsqueeze(-1)
+    return blocks / torch.where(s == 0, torch.ones_like(s), s)  # an all-zero block stays zero
+
+
+def quantize_tensor(
+    w: torch.Tensor,
+    config: QuantConfig,
+    name: str = "tensor",
+    importance: torch.Tensor | None = None,
+) -> QuantizedWeight:
+    """Quantize a 2-D weight (out_features, in_features).
+
+    ``importance`` (k-means only): non-negative per-weight importance,
+    broadcastable to ``w`` (e.g. the mean squared input activation per input
+    column, shape (in_features,)). The k-means then minimises the importance
+    weighted error of the *weights* (so normalised values are weighted by
+    importance x scale^2).
+    """
+    config.validate()
+    check_quantizable(name, w.shape, config)
+    if not torch.isfinite(w).all():
+        raise HiltError(f"tensor '{name}' contains NaN or Inf values")
+    if importance is not None and config.method != "kmeans":
+        raise HiltError("importance weights apply to --method kmeans only")
+    n, k = w.shape
+    B = config.block_size
+    scales, offsets = _block_scales(w.float().view(n, k // B, B), config)
+    u = _normalised(w, scales, offsets, B)  # (n, blocks, B)
+    levels = 1 << config.bits
+
+    codebook = _fixed_codebook(config)
+    if codebook is None:
+        weights = None
+        if importance is not None:
+            imp = torch.broadcast_to(importance.float(), w.shape).reshape(n, k // B, B)
+            weights = imp * scales.float().unsqueeze(-1) ** 2
+        if config.codebook == "block":
+            codebook = kmeans.kmeans_optimal_batched(
+                u.reshape(-1, B), levels, None if weights is None else weights.reshape(-1, B)
+            ).view(n, k // B, levels)
+        elif config.solver == "optimal":
+            codebook = kmeans.kmeans_optimal(u, levels, weights).centroids
+        else:
+            gen = torch.Generator().manual_seed(config.seed + zlib.crc32(name.encode()))
+            codebook = kmeans.kmeans_lloyd(u, levels, weights, generator=gen).centroids
+        codebook = codebook.to(torch.float16).sort(dim=-1).values
+    else:
+        codebook = codebook.to(torch.float16)
+
+    codes = torch.empty(n, packed_row_bytes(k, config.bits), dtype=torch.uint8)
+    rows = max(1, _ROWS_BYTES // (k * 8))
+    book = codebook.double()
+    for r in range(0, n, rows):
+        ur = u[r : r + rows]
+        if book.ndim == 1:
+            idx = kmeans.assign(ur, book)
+        else:  # per-block codebooks: nearest of each block's own sorted levels
+            br = book[r : r + rows]
+            mids = ((br[..., 1:] + br[..., :-1]) / 2).to(ur.dtype)
+            idx = torch.searchsorted(mids.contiguous(), ur.contiguous())
+        codes[r : r + rows] = pack_codes(idx.reshape(idx.shape[0], k), config.bits)
+    return QuantizedWeight(codes, codebook, scales, offsets, (n, k), w.dtype, config.bits, B, config.method)
+
+
+def relative_error(w: torch.Tensor, q: QuantizedWeight) -> float:
+    """||W - Q(W)||_F / ||W||_F (0 for an all-zero W that is reproduced exactly)."""
+    diff = (w.float() - q.dequantize().float()).norm()
+    ref = w.float().norm()
+    return float(diff / ref) if ref > 0 else float(diff)
+
+
+def expected_bits_per_weight(shape, config: QuantConfig) -> float:
+    """Bits per weight a tensor of ``shape`` will take, without quantizing it (for --dry-run)."""
+    n, k = shape
+    blocks = n * (k // config.block_size)
+    levels = 1 << config.bits
+    bits = n * packed_row_bytes(k, config.bits) * 8 + blocks * 16  # codes (row padded) + bf16 scales
+    if config.method == "int-asym":
+        bits += blocks * 16  # bf16 offsets
+    bits += 16 * levels * (blocks if config.codebook == "block" and config.method == "kmeans" else 1)
+    return bits / (n * k)

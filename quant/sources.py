@@ -1,0 +1,212 @@
+"""Read weights from checkpoints a user already has, one tensor at a time.
+
+Supported: a safetensors file; a Hugging Face-style folder (one or many
+safetensors shards, with or without ``model.safetensors.index.json``); a GGUF
+file (through the ``gguf`` package, dequantized to float32). Pickle-based
+files (``.bin``, ``.pt``, ``.pth``, ``.ckpt``) are refused, never loaded.
+
+Tensors come in PyTorch orientation: a linear weight is (out_features,
+in_features). Every error names the file, and the tensor where there is one.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from kernels import HiltError
+
+PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
+
+
+class Source:
+    """A read-only, lazily loaded set of named tensors."""
+
+    path: Path
+    format: str
+
+    def names(self) -> list[str]:
+        raise NotImplementedError
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        raise NotImplementedError
+
+    def stored_type(self, name: str) -> str:
+        """The dtype as stored in the file (e.g. 'BF16', 'F32', 'Q4_1')."""
+        raise NotImplementedError
+
+    def get(self, name: str) -> torch.Tensor:
+        """The tensor, floating types as float32 (others unchanged)."""
+        t = self.get_stored(name)
+        return t.float() if t.is_floating_point() else t
+
+    def get_stored(self, name: str) -> torch.Tensor:
+        """The tensor in its stored dtype (GGUF block formats: dequantized float32)."""
+        raise NotImplementedError
+
+    def is_floating(self, name: str) -> bool:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        pass
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+class SafetensorsSource(Source):
+    format = "safetensors"
+
+    def __init__(self, path: Path, files: list[Path]):
+        from safetensors import SafetensorError, safe_open
+
+        self.path = path
+        self._where: dict[str, object] = {}
+        self._handles = []
+        for f in files:
+            _check_safetensors_size(f)
+            try:
+                h = safe_open(str(f), framework="pt")
+            except (SafetensorError, OSError, ValueError) as e:
+                raise HiltError(f"{f}: not a readable safetensors file ({_one_line(e)})") from None
+            self._handles.append(h)
+            for name in h.keys():
+                if name in self._where:
+                    raise HiltError(f"{f}: tensor '{name}' also appears in another shard")
+                self._where[name] = (h, f)
+
+    def names(self):
+        return list(self._where)
+
+    def _slice(self, name):
+        h, f = self._where[name]
+        return h.get_slice(name), f
+
+    def shape(self, name):
+        return tuple(self._slice(name)[0].get_shape())
+
+    def stored_type(self, name):
+        return self._slice(name)[0].get_dtype()
+
+    def is_floating(self, name):
+        return self.stored_type(name) in ("F64", "F32", "F16", "BF16", "F8_E4M3", "F8_E5M2")
+
+    def get_stored(self, name):
+        h, f = self._where[name]
+        try:
+            return h.get_tensor(name)
+        except Exception as e:  # safetensors raises several types for damaged data
+            raise HiltError(f"{f}: cannot read tensor '{name}' ({_one_line(e)})") from None
+
+
+def _check_safetensors_size(f: Path) -> None:
+    """Refuse a truncated file up front: the header must fit and its offsets must match the size."""
+    size = f.stat().st_size
+    try:
+        with open(f, "rb") as fh:
+            (n,) = struct.unpack("<Q", fh.read(8))
+            if n > size - 8:
+                raise ValueError("header is longer than the file")
+            header = json.loads(fh.read(n))
+        end = max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"), default=0)
+    except (struct.error, ValueError, KeyError, TypeError, UnicodeDecodeError) as e:
+        raise HiltError(f"{f}: not a readable safetensors file ({_one_line(e)})") from None
+    if 8 + n + end > size:
+        raise HiltError(f"{f}: truncated safetensors file ({size} bytes, header promises {8 + n + end})")
+
+
+class GGUFSource(Source):
+    format = "gguf"
+    _DIRECT = {"F32": np.float32, "F16": np.float16}
+
+    def __init__(self, path: Path):
+        import gguf
+
+        self.path = path
+        try:
+            self.reader = gguf.GGUFReader(str(path))
+        except Exception as e:
+            raise HiltError(f"{path}: not a readable GGUF file ({_one_line(e)})") from None
+        self._tensors = {t.name: t for t in self.reader.tensors}
+
+    def names(self):
+        return list(self._tensors)
+
+    def shape(self, name):
+        return tuple(int(s) for s in reversed(self._tensors[name].shape))  # GGUF lists dims innermost first
+
+    def stored_type(self, name):
+        return self._tensors[name].tensor_type.name
+
+    def is_floating(self, name):
+        return True
+
+    def get_stored(self, name):
+        import gguf
+
+        t = self._tensors[name]
+        kind = t.tensor_type.name
+        try:
+            if kind in self._DIRECT:
+                arr = np.asarray(t.data, dtype=np.float32)
+            else:
+                arr = gguf.quants.dequantize(t.data, t.tensor_type)
+        except (NotImplementedError, ValueError, KeyError) as e:
+            raise HiltError(f"{self.path}: tensor '{name}' has GGUF type {kind}, which hilt cannot read ({_one_line(e)})") from None
+        return torch.from_numpy(np.array(arr, dtype=np.float32)).reshape(self.shape(name))  # a writable copy
+
+
+def _one_line(e: Exception) -> str:
+    return " ".join(str(e).split()) or type(e).__name__
+
+
+def open_source(path) -> Source:
+    """Open a checkpoint for reading (see module docstring). Raises HiltError on bad input."""
+    path = Path(path)
+    if not path.exists():
+        raise HiltError(f"{path}: no such file or directory")
+    if path.is_dir():
+        return _open_folder(path)
+    if path.suffix in PICKLE_SUFFIXES:
+        raise HiltError(f"{path}: pickle-based checkpoint; hilt never loads pickles, convert it to safetensors")
+    try:
+        with open(path, "rb") as fh:
+            magic = fh.read(4)
+    except OSError as e:
+        raise HiltError(f"{path}: cannot read ({e.strerror})") from None
+    if magic == b"GGUF":
+        return GGUFSource(path)
+    if path.suffix == ".gguf":
+        raise HiltError(f"{path}: not a GGUF file (bad magic {magic!r})")
+    return SafetensorsSource(path, [path])
+
+
+def _open_folder(path: Path) -> Source:
+    index = path / "model.safetensors.index.json"
+    if index.exists():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (ValueError, KeyError, TypeError) as e:
+            raise HiltError(f"{index}: not a valid safetensors index ({_one_line(e)})") from None
+        files = sorted({path / f for f in weight_map.values()})
+        missing = [f for f in files if not f.exists()]
+        if missing:
+            raise HiltError(f"{index}: shard {missing[0].name} is missing")
+        return SafetensorsSource(path, files)
+    files = sorted(path.glob("*.safetensors"))
+    if files:
+        return SafetensorsSource(path, files)
+    ggufs = sorted(path.glob("*.gguf"))
+    if len(ggufs) == 1:
+        return GGUFSource(ggufs[0])
+    pickles = [f.name for f in path.iterdir() if f.suffix in PICKLE_SUFFIXES]
+    if pickles:
+        raise HiltError(f"{path}: only pickle-based weights ({pickles[0]}); hilt never loads pickles, convert to safetensors")
+    raise HiltError(f"{path}: no weights found (no *.safetensors, index or single *.gguf file)")
