@@ -146,13 +146,18 @@ def quantize_checkpoint(
             "ignore": ignore,
             "shard_bytes": shard_bytes,
         }
-        state = _start_or_resume(partial, settings, resume)
+        try:
+            state = _start_or_resume(partial, settings, resume)
+        except OSError as e:
+            raise HiltError(f"{dst}: cannot write there ({e.strerror})") from None
         try:
             _stream(source, targets, config, partial, state, shard_bytes, on_tensor, progress)
         except KeyboardInterrupt:
-            raise
-        except BaseException:
+            raise  # keep DST.partial for --resume
+        except BaseException as e:
             shutil.rmtree(partial, ignore_errors=True)  # no half-written output for a failed run
+            if isinstance(e, OSError):
+                raise HiltError(f"{dst}: cannot write there ({e.strerror})") from None
             raise
         header = {
             "format": FORMAT_NAME,

@@ -50,14 +50,15 @@ class SortedValues:
     """
 
     def __init__(self, x: torch.Tensor, weights: torch.Tensor | None = None):
+        if weights is not None:  # same shape as x, or broadcastable to it
+            weights = torch.broadcast_to(weights.float(), x.shape).reshape(-1)
         x = x.reshape(-1).float()
         if weights is None:
             self.x = torch.from_numpy(np.sort(x.numpy()))  # no index array: saves 8 bytes per value
             w = None
         else:
-            w = torch.broadcast_to(weights.float(), x.shape).reshape(-1)
             order = torch.argsort(x)
-            self.x, w = x[order], w[order].double()
+            self.x, w = x[order], weights[order].double()
             if bool((w < 0).any()):
                 raise ValueError("importance weights must be non-negative")
         z = torch.zeros(1, dtype=torch.float64)
@@ -219,7 +220,7 @@ def _pad_centroids(c: torch.Tensor, k: int) -> torch.Tensor:
     return torch.cat([c, c[-1:].expand(k - c.numel())])
 
 
-def kmeans_optimal(x, k, weights=None, bins=8192, max_exact=1 << 14, tol=1e-4, max_iter=100) -> KMeansResult:
+def kmeans_optimal(x, k, weights=None, bins=8192, max_exact=1 << 14, tol=0.0, max_iter=1000) -> KMeansResult:
     """Globally optimal 1-D k-means: exact, or certified within ``gap_bound`` (see module doc)."""
     sv = x if isinstance(x, SortedValues) else SortedValues(x, weights)
     if sv.n == 0:
@@ -243,7 +244,7 @@ def kmeans_optimal(x, k, weights=None, bins=8192, max_exact=1 << 14, tol=1e-4, m
     c = _pad_centroids(_centroids_from(W, S, bounds), k)
     if h == 0.0:
         return KMeansResult(c, sv.cost(c), 0, 0.0)
-    c, iters = sv.lloyd(c, tol, max_iter)  # polish on the points: never raises the cost
+    c, iters = sv.lloyd(c, tol, max_iter)  # polish on the points to a fixed point: never raises the cost
     cost = sv.cost(c)
     bound = 2.0 * h * (hi - lo) * float((W[1:] - W[:-1]).max())
     return KMeansResult(c, cost, iters, max(0.0, cost - (dp_cost - bound)))

@@ -77,7 +77,7 @@ class SafetensorsSource(Source):
             except (SafetensorError, OSError, ValueError) as e:
                 raise HiltError(f"{f}: not a readable safetensors file ({_one_line(e)})") from None
             self._handles.append(h)
-            for name in h.keys():
+            for name in sorted(h.keys()):  # keys() order is not stable across processes
                 if name in self._where:
                     raise HiltError(f"{f}: tensor '{name}' also appears in another shard")
                 self._where[name] = (h, f)
@@ -124,7 +124,8 @@ def _check_safetensors_size(f: Path) -> None:
 
 class GGUFSource(Source):
     format = "gguf"
-    _DIRECT = {"F32": np.float32, "F16": np.float16}
+    _DIRECT = ("F64", "F32", "F16")
+    _INTEGER = ("I8", "I16", "I32", "I64")
 
     def __init__(self, path: Path):
         import gguf
@@ -146,13 +147,15 @@ class GGUFSource(Source):
         return self._tensors[name].tensor_type.name
 
     def is_floating(self, name):
-        return True
+        return self.stored_type(name) not in self._INTEGER
 
     def get_stored(self, name):
         import gguf
 
         t = self._tensors[name]
         kind = t.tensor_type.name
+        if kind in self._INTEGER:
+            return torch.from_numpy(np.array(t.data)).reshape(self.shape(name))
         try:
             if kind in self._DIRECT:
                 arr = np.asarray(t.data, dtype=np.float32)

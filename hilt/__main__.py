@@ -1,0 +1,5 @@
+import sys
+
+from hilt.cli import main
+
+sys.exit(main())

@@ -1,0 +1,237 @@
+"""`hilt quantize` / `hilt inspect` as a user runs them, including every bad input."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from conftest import make_checkpoint, read_json, run_hilt
+from quant import load_checkpoint
+
+
+def assert_clean_failure(result, *needles, dst=None):
+    assert result.returncode != 0
+    err = result.stderr.strip()
+    assert len(err.splitlines()) == 1, err  # one line, no traceback
+    assert err.startswith("hilt: error:") or err.startswith("hilt: interrupted"), err
+    for n in needles:
+        assert n in err, err
+    if dst is not None:
+        assert not Path(dst).exists()
+        assert not Path(str(dst) + ".partial").exists()
+
+
+def test_quantize_inspect_and_json(tiny_ckpt, tmp_path):
+    dst, js = tmp_path / "out", tmp_path / "report.json"
+    r = run_hilt("quantize", tiny_ckpt, dst, "--method", "kmeans", "--bits", "2", "--json", js)
+    assert r.returncode == 0, r.stderr
+    assert "model.layers.0.mlp.up_proj.weight" in r.stdout and "bits/weight" in r.stdout
+    report = read_json(js)
+    names = {t["name"] for t in report["tensors"]}
+    # embeddings, the LM head and 1-D norms stay unquantized by default
+    assert names == {f"model.layers.{i}.{p}.weight" for i in range(2)
+                     for p in ("self_attn.q_proj", "mlp.up_proj", "mlp.down_proj")}
+    for t in report["tensors"]:
+        assert set(t) >= {"name", "bits_per_weight", "rel_error"}
+        assert t["bits_per_weight"] == pytest.approx(2.25, abs=0.01) and 0 < t["rel_error"] < 0.6
+    header = read_json(dst / "hilt.json")
+    assert header["format"] == "hilt-quantized" and header["format_version"] == 1
+    loaded = load_checkpoint(dst)
+    assert torch.equal(loaded["lm_head.weight"], make_checkpoint(tmp_path / "again.safetensors")["lm_head.weight"])
+    r = run_hilt("inspect", dst, "--tensors")
+    assert r.returncode == 0 and "kmeans, 2 bits, block 64" in r.stdout and "lm_head.weight" in r.stdout
+
+
+def test_only_and_ignore_select_tensors(tiny_ckpt, tmp_path):
+    r = run_hilt("quantize", tiny_ckpt, tmp_path / "o", "--only", r"layers\.0\.", "--ignore", "down_proj",
+                 "--json", tmp_path / "o.json")
+    assert r.returncode == 0, r.stderr
+    names = {t["name"] for t in read_json(tmp_path / "o.json")["tensors"]}
+    assert names == {"model.layers.0.self_attn.q_proj.weight", "model.layers.0.mlp.up_proj.weight"}
+
+
+def test_dry_run_writes_nothing(tiny_ckpt, tmp_path):
+    r = run_hilt("quantize", tiny_ckpt, tmp_path / "d", "--bits", "3", "--dry-run")
+    assert r.returncode == 0 and "6 tensors to quantize" in r.stdout and "3.25" in r.stdout
+    assert not (tmp_path / "d").exists()
+
+
+def test_folder_with_sharded_index(tmp_path):
+    folder = tmp_path / "hf"
+    folder.mkdir()
+    t = make_checkpoint(tmp_path / "full.safetensors")
+    names = sorted(t)
+    half = len(names) // 2
+    save_file({n: t[n] for n in names[:half]}, str(folder / "model-00001-of-00002.safetensors"))
+    save_file({n: t[n] for n in names[half:]}, str(folder / "model-00002-of-00002.safetensors"))
+    index = {"weight_map": {n: f"model-0000{1 + (i >= half)}-of-00002.safetensors" for i, n in enumerate(names)}}
+    (folder / "model.safetensors.index.json").write_text(__import__("json").dumps(index))
+    (folder / "config.json").write_text("{}")
+    r = run_hilt("quantize", folder, tmp_path / "q", "--method", "int", "--bits", "4")
+    assert r.returncode == 0, r.stderr
+    assert len(load_checkpoint(tmp_path / "q")) == len(names)
+
+
+def test_real_minilm_all_methods(minilm_dir, tmp_path):
+    errors = {}
+    for method, bits in [("kmeans", 2), ("int", 2), ("binary", 1), ("kmeans", 1)]:
+        js = tmp_path / f"{method}{bits}.json"
+        r = run_hilt("quantize", minilm_dir, tmp_path / f"{method}{bits}", "--method", method, "--bits", bits,
+                     "--json", js, "--quiet")
+        assert r.returncode == 0, r.stderr
+        errors[method, bits] = read_json(js)["totals"]["rel_error_mean"]
+    assert errors["kmeans", 2] < errors["int", 2]
+    assert errors["kmeans", 1] <= errors["binary", 1] + 1e-4
+
+
+# ------------------------------------------------------------------ bad input
+
+
+def test_missing_source(tmp_path):
+    r = run_hilt("quantize", tmp_path / "nope.safetensors", tmp_path / "o")
+    assert_clean_failure(r, "nope.safetensors", "no such file", dst=tmp_path / "o")
+
+
+def test_truncated_safetensors(tiny_ckpt, tmp_path):
+    bad = tmp_path / "cut.safetensors"
+    bad.write_bytes(tiny_ckpt.read_bytes()[:-1000])
+    assert_clean_failure(run_hilt("quantize", bad, tmp_path / "o"), "cut.safetensors", "truncated", dst=tmp_path / "o")
+
+
+def test_corrupt_safetensors(tmp_path):
+    bad = tmp_path / "junk.safetensors"
+    bad.write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not json at all" + bytes(100))
+    assert_clean_failure(run_hilt("quantize", bad, tmp_path / "o"), "junk.safetensors", "not a readable safetensors",
+                         dst=tmp_path / "o")
+
+
+def test_folder_without_weights(tmp_path):
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "empty" / "config.json").write_text("{}")
+    assert_clean_failure(run_hilt("quantize", tmp_path / "empty", tmp_path / "o"), "no weights found", dst=tmp_path / "o")
+
+
+def test_pickles_are_refused(tmp_path):
+    (tmp_path / "m").mkdir()
+    (tmp_path / "m" / "pytorch_model.bin").write_bytes(b"\x80\x04not really")
+    assert_clean_failure(run_hilt("quantize", tmp_path / "m", tmp_path / "o"), "never loads pickles", dst=tmp_path / "o")
+
+
+def _gguf_with(tmp_path, raw_type, data: np.ndarray, shape):
+    import gguf
+
+    path = tmp_path / "odd.gguf"
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_tensor("blk.0.ffn_up.weight", data, raw_shape=shape, raw_dtype=raw_type)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+def test_gguf_unreadable_tensor_type(tmp_path):
+    import gguf
+
+    block, size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType.Q8_K]
+    path = _gguf_with(tmp_path, gguf.GGMLQuantizationType.Q8_K, np.zeros((64, size), dtype=np.uint8), (64, size))
+    r = run_hilt("quantize", path, tmp_path / "o")
+    assert_clean_failure(r, "odd.gguf", "blk.0.ffn_up.weight", "Q8_K", dst=tmp_path / "o")
+
+
+def test_gguf_small_file_quantizes(tmp_path):
+    import gguf
+
+    data = np.random.default_rng(0).standard_normal((32, 128)).astype(np.float32)
+    path = _gguf_with(tmp_path, gguf.GGMLQuantizationType.F32, data, (32, 128))
+    r = run_hilt("quantize", path, tmp_path / "o", "--bits", "3")
+    assert r.returncode == 0, r.stderr
+    q = load_checkpoint(tmp_path / "o")["blk.0.ffn_up.weight"]
+    assert q.shape == (32, 128)  # PyTorch orientation (GGUF lists dims innermost first)
+    ref = torch.from_numpy(data)
+    assert float((q.dequantize() - ref).norm() / ref.norm()) < 0.25  # 3-bit error, and not transposed
+
+
+def test_nan_weight_names_tensor(tmp_path):
+    t = make_checkpoint(tmp_path / "m.safetensors")
+    t["model.layers.1.mlp.up_proj.weight"][0, 0] = float("inf")
+    save_file(t, str(tmp_path / "m.safetensors"))
+    r = run_hilt("quantize", tmp_path / "m.safetensors", tmp_path / "o")
+    assert_clean_failure(r, "model.layers.1.mlp.up_proj.weight", "NaN or Inf", dst=tmp_path / "o")
+
+
+@pytest.mark.parametrize("bits", ["0", "9"])
+def test_bits_out_of_range(tiny_ckpt, tmp_path, bits):
+    assert_clean_failure(run_hilt("quantize", tiny_ckpt, tmp_path / "o", "--bits", bits), "between 1 and 8",
+                         dst=tmp_path / "o")
+
+
+def test_block_size_that_does_not_divide(tiny_ckpt, tmp_path):
+    r = run_hilt("quantize", tiny_ckpt, tmp_path / "o", "--block-size", "48")
+    assert_clean_failure(r, "model.layers.0.mlp.down_proj.weight", "not a multiple of --block-size 48",
+                         dst=tmp_path / "o")
+
+
+def test_existing_destination_needs_overwrite(tiny_ckpt, tmp_path):
+    dst = tmp_path / "o"
+    assert run_hilt("quantize", tiny_ckpt, dst, "--bits", "2").returncode == 0
+    before = (dst / "hilt.json").read_bytes()
+    r = run_hilt("quantize", tiny_ckpt, dst, "--bits", "4")
+    assert_clean_failure(r, "already exists", "--overwrite")
+    assert (dst / "hilt.json").read_bytes() == before  # untouched
+    assert run_hilt("quantize", tiny_ckpt, dst, "--bits", "4", "--overwrite").returncode == 0
+    assert read_json(dst / "hilt.json")["config"]["bits"] == 4
+
+
+def test_overwrite_refuses_a_folder_that_is_not_ours(tiny_ckpt, tmp_path):
+    mine = tmp_path / "photos"
+    mine.mkdir()
+    (mine / "cat.jpg").write_bytes(b"meow")
+    r = run_hilt("quantize", tiny_ckpt, mine, "--overwrite")
+    assert_clean_failure(r, "not a hilt checkpoint")
+    assert (mine / "cat.jpg").exists()
+
+
+def test_unwritable_destination(tiny_ckpt, tmp_path):
+    # root ignores permission bits, so use a place no one can create folders in
+    r = run_hilt("quantize", tiny_ckpt, "/proc/hilt-out")
+    assert_clean_failure(r, "/proc/hilt-out")
+    r = run_hilt("quantize", tiny_ckpt, tmp_path / "missing-parent" / "o")
+    assert_clean_failure(r, "does not exist")
+
+
+def test_interrupt_then_resume_gives_identical_bytes(tmp_path):
+    src = tmp_path / "big.safetensors"
+    make_checkpoint(src, n_layers=12, hidden=256)
+    args = ["--method", "kmeans", "--bits", "3", "--shard-size", "0.05"]
+    ref = tmp_path / "ref"
+    assert run_hilt("quantize", src, ref, *args).returncode == 0
+    dst = tmp_path / "dst"
+    partial = Path(str(dst) + ".partial")
+    proc = subprocess.Popen([sys.executable, "-m", "hilt", "quantize", str(src), str(dst), *args],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 120
+    while not (partial / "model-00002.safetensors").exists() and proc.poll() is None and time.time() < deadline:
+        time.sleep(0.01)
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130, err
+    assert "interrupted" in err and "--resume" in err and "Traceback" not in err
+    assert not dst.exists() and partial.exists()
+    r = run_hilt("quantize", src, dst, *args)  # without --resume: refuse, keep the partial run
+    assert_clean_failure(r, "--resume")
+    assert partial.exists()
+    r = run_hilt("quantize", src, dst, *args, "--resume")
+    assert r.returncode == 0, r.stderr
+    assert not partial.exists()
+    ref_files = sorted(p.name for p in ref.iterdir())
+    assert ref_files == sorted(p.name for p in dst.iterdir()) and len(ref_files) > 3
+    for name in ref_files:
+        assert (ref / name).read_bytes() == (dst / name).read_bytes(), name
