@@ -80,24 +80,29 @@ def load_quantized_(model: nn.Module, dst, strict: bool = True) -> nn.Module:
 
     Linear layers whose weight was quantized become QuantLinear; every other
     tensor is copied into the matching parameter or buffer. With ``strict``,
-    a checkpoint tensor with no home in the model is an error naming it.
+    a checkpoint tensor with no home in the model is an error naming it;
+    without, such tensors (e.g. a pooler the model does not use) are skipped.
     """
     tensors = load_checkpoint(dst)
     modules = dict(model.named_modules())
+    own = model.state_dict()
+    if not any(n in own for n in tensors):
+        raise HiltError(f"{dst}: no tensor name matches the model (was it quantized from another model?)")
     dense = {}
     for name, value in tensors.items():
         if isinstance(value, QuantizedWeight):
             path = re.sub(r"\.weight$", "", name)
             module = modules.get(path)
             if not isinstance(module, nn.Linear):
-                raise HiltError(f"{dst}: quantized tensor '{name}' has no matching nn.Linear in the model")
+                if strict or name in own:
+                    raise HiltError(f"{dst}: quantized tensor '{name}' has no matching nn.Linear in the model")
+                continue
             if (module.out_features, module.in_features) != value.shape:
                 raise HiltError(f"{dst}: tensor '{name}' has shape {value.shape}, layer '{path}' expects "
                                 f"{(module.out_features, module.in_features)}")
             _replace(model, path, QuantLinear(value, module.bias))
         else:
             dense[name] = value
-    own = model.state_dict()
     unknown = [n for n in dense if n not in own]
     if strict and unknown:
         raise HiltError(f"{dst}: tensor '{unknown[0]}' has no matching parameter in the model")

