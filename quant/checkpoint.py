@@ -296,22 +296,25 @@ def load_checkpoint(dst, names: Iterable[str] | None = None) -> dict[str, torch.
     """Every tensor of a hilt checkpoint: QuantizedWeight for quantized ones, tensors otherwise."""
     dst = Path(dst)
     header = read_header(dst)
-    wanted = set(header["tensors"]) if names is None else set(names)
-    out: dict[str, torch.Tensor | QuantizedWeight] = {}
+    wanted = list(header["tensors"]) if names is None else list(names)
+    missing = [n for n in wanted if n not in header["tensors"]]
+    if missing:
+        raise HiltError(f"{dst}: no tensor '{missing[0]}'")
     by_shard: dict[str, list[str]] = {}
     for name in wanted:
         by_shard.setdefault(header["tensors"][name]["shard"], []).append(name)
+    loaded: dict[str, torch.Tensor | QuantizedWeight] = {}
     for shard, shard_names in by_shard.items():
         with safe_open(str(dst / shard), framework="pt") as f:
             keys = set(f.keys())
             for name in shard_names:
                 e = header["tensors"][name]
                 if e["kind"] == "dense":
-                    out[name] = f.get_tensor(name)
+                    loaded[name] = f.get_tensor(name)
                     continue
                 parts = {p: f.get_tensor(f"{name}.{p}") if f"{name}.{p}" in keys else None for p in PARTS}
-                out[name] = QuantizedWeight(
+                loaded[name] = QuantizedWeight(
                     parts["codes"], parts["codebook"], parts["scales"], parts["offsets"],
                     tuple(e["shape"]), getattr(torch, e["dtype"]), e["bits"], e["block_size"], e["method"],
                 )
-    return out
+    return {name: loaded[name] for name in wanted}  # header (file) order
