@@ -32,6 +32,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+_CHUNK = 1 << 22  # values per chunk when summing squares: bounds temporary memory
+
 @dataclass
 class KMeansResult:
     centroids: torch.Tensor  # (k,) float64, sorted ascending
@@ -55,21 +57,37 @@ class SortedValues:
         x = x.reshape(-1).float()
         if weights is None:
             self.x = torch.from_numpy(np.sort(x.numpy()))  # no index array: saves 8 bytes per value
-            w = None
+            self.w = None
         else:
             order = torch.argsort(x)
-            self.x, w = x[order], weights[order].double()
-            if bool((w < 0).any()):
+            self.x, self.w = x[order], weights[order]
+            if bool((self.w < 0).any()):
                 raise ValueError("importance weights must be non-negative")
+        self.n = self.x.numel()
         z = torch.zeros(1, dtype=torch.float64)
-        xd = self.x.double()
-        self.n = xd.numel()
-        self.W = None if w is None else torch.cat([z, w.cumsum(0)])
-        self.S = torch.cat([z, (xd if w is None else w * xd).cumsum(0)])
-        self.Q = torch.cat([z, (xd * xd if w is None else w * xd * xd).cumsum(0)])
+        # Only the prefix sums Lloyd needs are kept (8 bytes per value each);
+        # sums of squares are computed on demand in chunks (see squares_before).
+        self.W = None if self.w is None else torch.cat([z, torch.cumsum(self.w, 0, dtype=torch.float64)])
+        wx = self.x if self.w is None else self.x.double() * self.w.double()
+        self.S = torch.cat([z, torch.cumsum(wx, 0, dtype=torch.float64)])
 
     def weight(self, idx: torch.Tensor) -> torch.Tensor:
         return idx.double() if self.W is None else self.W[idx]
+
+    def squares_before(self, idx: torch.Tensor) -> torch.Tensor:
+        """sum_{t < i} w_t x_t^2 for each i of ascending ``idx``, in one chunked pass."""
+        out = torch.zeros(idx.numel(), dtype=torch.float64)
+        base = 0.0
+        for start in range(0, self.n, _CHUNK):
+            stop = min(start + _CHUNK, self.n)
+            xs = self.x[start:stop].double()
+            sq = xs * xs if self.w is None else xs * xs * self.w[start:stop].double()
+            local = sq.cumsum(0)
+            inside = (idx > start) & (idx <= stop)
+            out[inside] = base + local[idx[inside] - start - 1]
+            base += float(local[-1])
+        out[idx > self.n] = base
+        return out
 
     def boundaries(self, centroids: torch.Tensor) -> torch.Tensor:
         """(k + 1,) indices: points [b[j], b[j+1]) are nearest to centroid j (sorted)."""
@@ -81,7 +99,8 @@ class SortedValues:
         c = centroids.double().sort().values
         b = self.boundaries(c)
         w = self.weight(b[1:]) - self.weight(b[:-1])
-        s, q = self.S[b[1:]] - self.S[b[:-1]], self.Q[b[1:]] - self.Q[b[:-1]]
+        s = self.S[b[1:]] - self.S[b[:-1]]
+        q = self.squares_before(b).diff()
         return float((q - 2 * c * s + c * c * w).clamp_min(0).sum())
 
     def lloyd(self, centroids: torch.Tensor, tol: float = 1e-4, max_iter: int = 1000):
@@ -116,7 +135,7 @@ def assign(x: torch.Tensor, centroids: torch.Tensor) -> torch.Tensor:
 def kmeans_plusplus(sv: SortedValues, k: int, generator=None) -> torch.Tensor:
     """k-means++ seeding (D^2 sampling, weighted) on sorted values. Returns k sorted centroids."""
     x = sv.x.double()
-    w = torch.ones_like(x) if sv.W is None else sv.W.diff()
+    w = torch.ones_like(x) if sv.w is None else sv.w.double()
 
     def draw(p):  # inverse-CDF sampling: no 2**24 category limit, seeded by ``generator``
         cdf = p.cumsum(0)
@@ -235,7 +254,7 @@ def kmeans_optimal(x, k, weights=None, bins=8192, max_exact=1 << 14, tol=0.0, ma
         h = (hi - lo) / bins
         inner = torch.searchsorted(sv.x, lo + h * torch.arange(1, bins, dtype=torch.float64).float())
         edges = torch.cat([torch.zeros(1, dtype=torch.int64), inner, torch.tensor([sv.n])]).unique_consecutive()
-    W, S, Q = sv.weight(edges), sv.S[edges], sv.Q[edges]
+    W, S, Q = sv.weight(edges), sv.S[edges], sv.squares_before(edges)
     keep = torch.cat([torch.tensor([True]), W[1:] > W[:-1]])  # drop zero-weight bins
     W, S, Q, edges = W[keep], S[keep], Q[keep], edges[keep]
     m = W.numel() - 1

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels import HiltError, pack_codes, packed_row_bytes
+from kernels import HiltError, dequantize_lut, pack_codes, packed_row_bytes
 from quant import kmeans
 from quant.qweight import METHODS, QuantizedWeight
 
@@ -165,10 +165,21 @@ def quantize_tensor(
 
 
 def relative_error(w: torch.Tensor, q: QuantizedWeight) -> float:
-    """||W - Q(W)||_F / ||W||_F (0 for an all-zero W that is reproduced exactly)."""
-    diff = (w.float() - q.dequantize().float()).norm()
-    ref = w.float().norm()
-    return float(diff / ref) if ref > 0 else float(diff)
+    """||W - Q(W)||_F / ||W||_F (0 for an all-zero W that is reproduced exactly).
+
+    Dequantizes a band of rows at a time, so memory stays near the weight's own size.
+    """
+    n, k = q.shape
+    rows = max(1, _ROWS_BYTES // (k * 8))
+    diff2 = ref2 = 0.0
+    for r in range(0, n, rows):
+        book = q.codebook if q.codebook.ndim == 1 else q.codebook[r : r + rows]
+        offsets = None if q.offsets is None else q.offsets[r : r + rows]
+        d = dequantize_lut(q.codes[r : r + rows], book, q.scales[r : r + rows], offsets, q.bits, q.block_size, k)
+        band = w[r : r + rows].float()
+        diff2 += float(((band - d) ** 2).sum(dtype=torch.float64))
+        ref2 += float((band**2).sum(dtype=torch.float64))
+    return (diff2 / ref2) ** 0.5 if ref2 > 0 else diff2**0.5
 
 
 def expected_bits_per_weight(shape, config: QuantConfig) -> float:
