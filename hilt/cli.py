@@ -78,7 +78,7 @@ def cmd_quantize(args) -> int:
                            f"rel. error {entry['rel_error']:.4f}")
 
     header = quantize_checkpoint(args.src, args.dst, config, only=args.only, ignore=args.ignore,
-                                 overwrite=args.overwrite, resume=args.resume,
+                                 overwrite=args.overwrite, resume=args.resume, importance=args.importance,
                                  shard_bytes=int(args.shard_size * (1 << 20)), on_tensor=on_tensor,
                                  progress=not args.quiet and sys.stderr.isatty())
     totals = header["totals"]
@@ -165,6 +165,23 @@ def cmd_report(args) -> int:
     return 0
 
 
+def cmd_calibrate(args) -> int:
+    from bench.calibrate import calibrate
+
+    r = calibrate(args.model, args.out, work=args.work, tokens=args.tokens, sentences=args.sentences,
+                  overwrite=args.overwrite)
+    print(f"wrote {r['out']}: input importance of {r['layers']} linear layers from {r['calibration']}")
+    return 0
+
+
+def cmd_bench_quantize(args) -> int:
+    from bench import quant_speed
+
+    argv = ["--quick"] if args.quick else []
+    argv += ["--json", args.json] if args.json else []
+    return quant_speed.main(argv)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="hilt", description="hilt: low-precision inference, from checkpoint to hardware.")
     p.add_argument("--debug", action="store_true", help="show tracebacks")
@@ -182,6 +199,8 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("--solver", choices=["optimal", "lloyd"], default="optimal",
                    help="kmeans: certified-optimal DP (default) or k-means++ + Lloyd")
     q.add_argument("--asymmetric", action="store_true", help="int: min/max grid with a per-block offset")
+    q.add_argument("--importance", metavar="FILE",
+                   help="kmeans: per-column importance from `hilt calibrate` (weights the k-means error)")
     q.add_argument("--only", metavar="RE", help="quantize only 2-D tensors whose name matches RE")
     q.add_argument("--ignore", metavar="RE", help="keep tensors whose name matches RE unquantized")
     q.add_argument("--dry-run", action="store_true", help="list what would be quantized; write nothing")
@@ -198,6 +217,16 @@ def build_parser() -> argparse.ArgumentParser:
     i.add_argument("--tensors", action="store_true", help="one line per tensor")
     i.add_argument("--json", metavar="FILE")
     i.set_defaults(func=cmd_inspect)
+
+    c = _parser_with_example(sub, "calibrate", "per-column input importance of every linear layer, from real text",
+                             "hilt calibrate smollm2 --out smollm2-importance.safetensors")
+    c.add_argument("model", nargs="?", default="smollm2", help="'smollm2', 'minilm', a GGUF path or a MiniLM folder")
+    c.add_argument("--out", required=True, metavar="FILE", help="safetensors file to write")
+    c.add_argument("--work", default="macbeth", help="Shakespeare work to calibrate on (default macbeth)")
+    c.add_argument("--tokens", type=int, default=2048, help="tokens for a causal LM (default 2048)")
+    c.add_argument("--sentences", type=int, default=256, help="sentences for an encoder (default 256)")
+    c.add_argument("--overwrite", action="store_true")
+    c.set_defaults(func=cmd_calibrate)
 
     e = sub.add_parser("eval", help="evaluate a model, quantized or not", description="evaluate a model, quantized or not")
     esub = e.add_subparsers(dest="metric", required=True)
@@ -217,6 +246,15 @@ def build_parser() -> argparse.ArgumentParser:
     em.add_argument("--sentences", type=int, default=256, help="sentences from Hamlet to embed (default 256)")
     em.add_argument("--json", metavar="FILE")
     em.set_defaults(func=cmd_eval_embed)
+
+    b = sub.add_parser("bench", help="benchmarks (ratios against baselines measured in the same run)",
+                       description="benchmarks (ratios against baselines measured in the same run)")
+    bsub = b.add_subparsers(dest="bench", required=True)
+    bq = _parser_with_example(bsub, "quantize", "quantization speed vs the published k-means procedure, and peak memory",
+                              "hilt bench quantize --quick --json speed.json")
+    bq.add_argument("--quick", action="store_true", help="4 reference tensors and a 1 GB memory checkpoint")
+    bq.add_argument("--json", metavar="FILE")
+    bq.set_defaults(func=cmd_bench_quantize)
 
     r = _parser_with_example(sub, "report", "the end-to-end run on the embedded defaults (real models)",
                              "hilt report --out report/")

@@ -120,17 +120,25 @@ def quantize_checkpoint(
     overwrite: bool = False,
     resume: bool = False,
     shard_bytes: int = 512 << 20,
+    importance=None,
     on_tensor: Callable[[dict], None] | None = None,
     progress: bool = False,
 ) -> dict:
     """Quantize the selected tensors of ``src`` into a hilt checkpoint at ``dst``.
+
+    ``importance``: a safetensors file (from `hilt calibrate`) mapping tensor
+    names to per-input-column importance; k-means then weights each weight's
+    error by it. Tensors it does not list are fitted unweighted.
 
     Returns the header written to ``dst/hilt.json``. ``on_tensor`` is called
     with each tensor's entry (name, kind, bits_per_weight, rel_error, ...).
     """
     config.validate()
     dst = Path(dst)
+    if importance is not None and config.method != "kmeans":
+        raise HiltError("--importance applies to --method kmeans only")
     partial = _check_destination(dst, overwrite, resume)
+    weights = {} if importance is None else load_importance(importance)
     source = open_source(src)
     try:
         targets = set(select_targets(source, only, ignore))
@@ -139,11 +147,14 @@ def quantize_checkpoint(
         for name in source.names():
             if name in targets:
                 check_quantizable(name, source.shape(name), config)
+        if weights and not targets & set(weights):
+            raise HiltError(f"{importance}: lists none of the tensors to quantize (made for another model?)")
         settings = {
             "config": asdict(config),
             "source": {"path": str(src), "format": source.format},
             "only": only,
             "ignore": ignore,
+            "importance": None if importance is None else str(importance),
             "shard_bytes": shard_bytes,
         }
         try:
@@ -151,7 +162,7 @@ def quantize_checkpoint(
         except OSError as e:
             raise HiltError(f"{dst}: cannot write there ({e.strerror})") from None
         try:
-            _stream(source, targets, config, partial, state, shard_bytes, on_tensor, progress)
+            _stream(source, targets, weights, config, partial, state, shard_bytes, on_tensor, progress)
         except KeyboardInterrupt:
             raise  # keep DST.partial for --resume
         except BaseException as e:
@@ -190,7 +201,7 @@ def _start_or_resume(partial: Path, settings: dict, resume: bool) -> dict:
     return state
 
 
-def _stream(source, targets, config, partial, state, shard_bytes, on_tensor, progress):
+def _stream(source, targets, importance, config, partial, state, shard_bytes, on_tensor, progress):
     from tqdm import tqdm
 
     done = set(state["tensors"])
@@ -205,10 +216,11 @@ def _stream(source, targets, config, partial, state, shard_bytes, on_tensor, pro
             w = source.get(name)
             if not torch.isfinite(w).all():
                 raise HiltError(f"{source.path}: tensor '{name}' contains NaN or Inf values")
-            q = quantize_tensor(w, config, name=name)
+            q = quantize_tensor(w, config, name=name, importance=importance.get(name))
             parts = _tensor_parts(name, q)
             entry = {
                 "kind": "quantized",
+                "importance_weighted": name in importance,
                 "method": q.method,
                 "bits": q.bits,
                 "block_size": q.block_size,
@@ -273,6 +285,24 @@ def _move_into_place(partial: Path, dst: Path) -> None:
         shutil.rmtree(old)
     else:
         os.replace(partial, dst)
+
+
+def load_importance(path) -> dict[str, torch.Tensor]:
+    """Per-tensor importance vectors from a safetensors file (never a pickle)."""
+    path = Path(path)
+    if not path.is_file():
+        raise HiltError(f"{path}: no such importance file")
+    source = open_source(path)
+    try:
+        out = {}
+        for name in source.names():
+            t = source.get(name)
+            if t.ndim != 1 or not torch.isfinite(t).all() or bool((t < 0).any()):
+                raise HiltError(f"{path}: importance '{name}' must be a finite, non-negative 1-D tensor")
+            out[name] = t
+        return out
+    finally:
+        source.close()
 
 
 def read_header(dst) -> dict:

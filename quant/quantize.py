@@ -113,17 +113,28 @@ def quantize_tensor(
     """Quantize a 2-D weight (out_features, in_features).
 
     ``importance`` (k-means only): non-negative per-weight importance,
-    broadcastable to ``w`` (e.g. the mean squared input activation per input
-    column, shape (in_features,)). The k-means then minimises the importance
-    weighted error of the *weights* (so normalised values are weighted by
-    importance x scale^2).
+    broadcastable to ``w``, typically the mean squared input activation of each
+    input column, shape (in_features,) (see bench/calibrate.py). The k-means
+    then minimises the importance-weighted error of the *weights*, so a
+    normalised value is weighted by importance x scale^2. Importance is floored
+    at 1e-6 of its mean, so that no weight is ignored entirely.
     """
     config.validate()
     check_quantizable(name, w.shape, config)
     if not torch.isfinite(w).all():
         raise HiltError(f"tensor '{name}' contains NaN or Inf values")
-    if importance is not None and config.method != "kmeans":
-        raise HiltError("importance weights apply to --method kmeans only")
+    if importance is not None:
+        if config.method != "kmeans":
+            raise HiltError("importance weights apply to --method kmeans only")
+        importance = importance.float()
+        if not torch.isfinite(importance).all() or bool((importance < 0).any()):
+            raise HiltError(f"importance for '{name}' must be finite and non-negative")
+        try:
+            torch.broadcast_shapes(importance.shape, w.shape)
+        except RuntimeError:
+            raise HiltError(f"importance for '{name}' has shape {tuple(importance.shape)}, "
+                            f"which does not match the weight {tuple(w.shape)}") from None
+        importance = importance.clamp_min(1e-6 * float(importance.mean()) + 1e-30)
     n, k = w.shape
     B = config.block_size
     scales, offsets = _block_scales(w.float().view(n, k // B, B), config)
