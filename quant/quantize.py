@@ -148,9 +148,14 @@ def quantize_tensor(
             imp = torch.broadcast_to(importance.float(), w.shape).reshape(n, k // B, B)
             weights = imp * scales.float().unsqueeze(-1) ** 2
         if config.codebook == "block":
-            codebook = kmeans.kmeans_optimal_batched(
-                u.reshape(-1, B), levels, None if weights is None else weights.reshape(-1, B)
-            ).view(n, k // B, levels)
+            flat_u = u.reshape(-1, B)
+            flat_w = None if weights is None else weights.reshape(-1, B)
+            step = max(1, (1 << 22) // (B + 1) ** 2)  # blocks per DP batch: ~32 MB per temporary
+            codebook = torch.cat([
+                kmeans.kmeans_optimal_batched(flat_u[i : i + step], levels,
+                                              None if flat_w is None else flat_w[i : i + step])
+                for i in range(0, flat_u.shape[0], step)
+            ]).view(n, k // B, levels)
         elif config.solver == "optimal":
             codebook = kmeans.kmeans_optimal(u, levels, weights).centroids
         else:

@@ -137,3 +137,16 @@ def test_nan_names_the_tensor():
     w[3, 7] = float("nan")
     with pytest.raises(HiltError, match="'blk.3.attn_q.weight' contains NaN or Inf"):
         quantize_tensor(w, QuantConfig("kmeans", 4), name="blk.3.attn_q.weight")
+
+
+def test_block_codebooks_in_several_batches_match_one():
+    # more blocks than one DP batch holds: the chunked path must agree with the per-row solver
+    from quant.kmeans import clustering_cost, kmeans_optimal
+
+    w = weight(n=1100, k=128, seed=8)
+    q = quantize_tensor(w, QuantConfig("kmeans", 2, codebook="block"))
+    u = w.view(1100, 2, 64) / w.view(1100, 2, 64).abs().mean(-1, keepdim=True).to(torch.bfloat16).float()
+    for row, blk in [(0, 0), (700, 1), (1099, 1)]:
+        opt = kmeans_optimal(u[row, blk], 4).cost
+        got = clustering_cost(u[row, blk], q.codebook[row, blk].double())
+        assert got == pytest.approx(opt, rel=1e-2, abs=1e-6)  # fp16 codebook rounding only
