@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from tokenizers import Tokenizer
 
 from kernels.errors import HiltError
-from quant.checkpoint import open_source
+from bench.weights import load_weights_
 
 MAX_SEQ_LEN = 256  # sentence_bert_config.json of all-MiniLM-L6-v2
 
@@ -147,27 +147,7 @@ def load_minilm(path=None, tensors: Mapping[str, torch.Tensor] | None = None) ->
 
     with torch.device("meta"):  # weights come from the file; skip random init
         model = Bert(cfg)
-    want = {k: v.shape for k, v in model.state_dict().items()}
-    tensors = dict(tensors or {})
-    unknown = sorted(set(tensors) - set(want))
-    if unknown:
-        raise HiltError(f"tensors not in the BERT model: {', '.join(unknown[:5])}"
-                        + (f" (and {len(unknown) - 5} more)" if len(unknown) > 5 else ""))
-    state = {}
-    with open_source(path) as src:
-        in_file = set(src.names())
-        for name, shape in want.items():
-            if name in tensors:
-                t = tensors[name]
-            elif name in in_file:
-                t = src.get(name)
-            else:
-                raise HiltError(f"{path}: tensor {name!r} is missing")
-            if tuple(t.shape) != tuple(shape):
-                raise HiltError(f"tensor {name!r} has shape {tuple(t.shape)}, the model needs {tuple(shape)}")
-            state[name] = t.detach().to(torch.float32).contiguous()
-    model.load_state_dict(state, strict=True, assign=True)
-    return model.eval().requires_grad_(False), tokenizer
+    return load_weights_(model, path, tensors, "BERT"), tokenizer
 
 
 def embed(model: Bert, tokenizer: Tokenizer, sentences: Sequence[str], batch_size: int = 64) -> torch.Tensor:

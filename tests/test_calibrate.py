@@ -1,4 +1,3 @@
-import pytest
 import torch
 from safetensors.torch import save_file
 from torch import nn

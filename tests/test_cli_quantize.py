@@ -1,6 +1,5 @@
 """`hilt quantize` / `hilt inspect` as a user runs them, including every bad input."""
 
-import os
 import signal
 import subprocess
 import sys
