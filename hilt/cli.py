@@ -206,7 +206,8 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("--dry-run", action="store_true", help="list what would be quantized; write nothing")
     q.add_argument("--resume", action="store_true", help="continue an interrupted run (DST.partial)")
     q.add_argument("--overwrite", action="store_true", help="replace an existing DST (only once the new one is complete)")
-    q.add_argument("--shard-size", type=float, default=512, metavar="MB", help="output shard size (default 512 MB)")
+    q.add_argument("--shard-size", type=float, default=256, metavar="MB",
+                   help="output shard size (default 256 MB; memory holds one shard)")
     q.add_argument("--seed", type=int, default=0, help="seed for k-means++ (--solver lloyd)")
     q.add_argument("--json", metavar="FILE", help="write per-tensor results and totals as JSON")
     q.add_argument("--quiet", action="store_true", help="no per-tensor lines or progress bar")

@@ -119,7 +119,7 @@ def quantize_checkpoint(
     ignore: str | None = None,
     overwrite: bool = False,
     resume: bool = False,
-    shard_bytes: int = 512 << 20,
+    shard_bytes: int = 256 << 20,
     importance=None,
     on_tensor: Callable[[dict], None] | None = None,
     progress: bool = False,
