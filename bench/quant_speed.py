@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import json
 import platform
-import resource
 import subprocess
 import sys
 import tempfile
@@ -98,6 +97,19 @@ def speed(src: Path, reference_tensors: int, log=print) -> dict:
             "sse_ratio_ours_over_reference": cost_ratio, "tensors_where_ours_is_worse": worse, "tensors": rows}
 
 
+# The child reports its own VmHWM (peak RSS of its address space since exec).
+# getrusage's ru_maxrss is no good here: Linux carries the parent's peak over
+# fork and exec into it, and this parent has just held the whole checkpoint.
+_PEAK_OF_QUANTIZE = """
+import sys
+from hilt.cli import main
+rc = main(["quantize", sys.argv[1], sys.argv[2], "--bits", "4", "--quiet"])
+hwm = next(line for line in open("/proc/self/status") if line.startswith("VmHWM"))
+print(int(hwm.split()[1]) * 1024)
+sys.exit(rc)
+"""
+
+
 def memory(gb: float, log=print) -> dict:
     from safetensors.torch import save_file
 
@@ -114,12 +126,12 @@ def memory(gb: float, log=print) -> dict:
         log(f"memory: quantizing a generated {size / 1e9:.2f} GB safetensors checkpoint "
             f"({count} tensors of {side}x{side} float32) in a child process...")
         start = time.perf_counter()
-        proc = subprocess.run([sys.executable, "-m", "hilt", "quantize", str(src), str(Path(tmp) / "q"),
-                               "--bits", "4", "--quiet"], capture_output=True, text=True)
+        proc = subprocess.run([sys.executable, "-c", _PEAK_OF_QUANTIZE, str(src), str(Path(tmp) / "q")],
+                              capture_output=True, text=True)
         seconds = time.perf_counter() - start
         if proc.returncode != 0:
             raise RuntimeError(proc.stderr)
-    peak = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024  # Linux reports KiB
+    peak = int(proc.stdout.split()[-1])
     log(f"memory: peak RSS {peak / 2**30:.2f} GiB for a {size / 2**30:.2f} GiB checkpoint ({seconds:.0f} s)")
     return {"checkpoint_bytes": size, "peak_rss_bytes": peak, "seconds": seconds, "tensors": count}
 

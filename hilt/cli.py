@@ -31,8 +31,13 @@ def _write_json(path: str, obj) -> None:
         raise HiltError(f"{target}: cannot write ({e.strerror})") from None
 
 
+_COMMON = argparse.ArgumentParser(add_help=False)
+# SUPPRESS: a subcommand's default must not undo `hilt --debug CMD`
+_COMMON.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help="show tracebacks")
+
+
 def _parser_with_example(sub, name, help_text, example):
-    return sub.add_parser(name, help=help_text, description=help_text,
+    return sub.add_parser(name, help=help_text, description=help_text, parents=[_COMMON],
                           epilog=f"example:\n  {example}", formatter_class=argparse.RawDescriptionHelpFormatter)
 
 

@@ -163,6 +163,19 @@ def quantize_checkpoint(
             raise HiltError(f"{dst}: cannot write there ({e.strerror})") from None
         try:
             _stream(source, targets, weights, config, partial, state, shard_bytes, on_tensor, progress)
+            header = {
+                "format": FORMAT_NAME,
+                "format_version": FORMAT_VERSION,
+                "tool_version": TOOL_VERSION,
+                **settings,
+                "shards": state["shards"],
+                "tensors": state["tensors"],
+                "totals": _totals(state["tensors"]),
+            }
+            _write_json(partial / HEADER, header)
+            (partial / PROGRESS).unlink()
+            _move_into_place(partial, dst)
+            return header
         except KeyboardInterrupt:
             raise  # keep DST.partial for --resume
         except BaseException as e:
@@ -170,19 +183,6 @@ def quantize_checkpoint(
             if isinstance(e, OSError):
                 raise HiltError(f"{dst}: cannot write there ({e.strerror})") from None
             raise
-        header = {
-            "format": FORMAT_NAME,
-            "format_version": FORMAT_VERSION,
-            "tool_version": TOOL_VERSION,
-            **settings,
-            "shards": state["shards"],
-            "tensors": state["tensors"],
-            "totals": _totals(state["tensors"]),
-        }
-        _write_json(partial / HEADER, header)
-        (partial / PROGRESS).unlink()
-        _move_into_place(partial, dst)
-        return header
     finally:
         source.close()
 
