@@ -187,6 +187,13 @@ def cmd_bench_quantize(args) -> int:
     return quant_speed.main(argv)
 
 
+def cmd_bench_kernels(args) -> int:
+    from bench import kernels
+
+    argv = [flag for flag, on in (("--check", args.check), ("--all", args.all), ("--quick", args.quick)) if on]
+    return kernels.main(argv + (["--json", args.json] if args.json else []))
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="hilt", description="hilt: low-precision inference, from checkpoint to hardware.")
     p.add_argument("--debug", action="store_true", help="show tracebacks")
@@ -261,6 +268,14 @@ def build_parser() -> argparse.ArgumentParser:
     bq.add_argument("--quick", action="store_true", help="4 reference tensors and a 1 GB memory checkpoint")
     bq.add_argument("--json", metavar="FILE")
     bq.set_defaults(func=cmd_bench_quantize)
+
+    bk = _parser_with_example(bsub, "kernels", "LUT matmul kernels: correctness vs reference; GPU timings vs bf16 cuBLAS",
+                              "hilt bench kernels --check")
+    bk.add_argument("--check", action="store_true", help="correctness only (on the CPU through Triton's interpreter)")
+    bk.add_argument("--all", action="store_true", help="GPU: check, timings and SmolLM2 decode in one run")
+    bk.add_argument("--quick", action="store_true", help="fewer layer shapes")
+    bk.add_argument("--json", metavar="FILE")
+    bk.set_defaults(func=cmd_bench_kernels)
 
     r = _parser_with_example(sub, "report", "the end-to-end run on the embedded defaults (real models)",
                              "hilt report --out report/")

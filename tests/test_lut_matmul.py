@@ -1,0 +1,130 @@
+"""The Triton LUT matmul kernel itself (interpreter on the CPU) against its PyTorch reference."""
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kernels import HiltError
+from kernels.lut_matmul import choose_path, lut_matmul, lut_matmul_reference, lut_matmul_triton
+from quant import QuantConfig, quantize_tensor
+
+EPS = {torch.float16: 2.0**-10, torch.bfloat16: 2.0**-7, torch.float32: 2.0**-10}
+
+
+def _weights(n, k, method, bits, block, scope, seed):
+    w = torch.randn(n, k, generator=torch.Generator().manual_seed(seed)) * 0.05
+    return quantize_tensor(w, QuantConfig(method, bits, block, codebook=scope))
+
+
+def _check_against_reference(q, x, path, split_k=None):
+    args = (q.codes, q.codebook, q.scales, q.offsets, q.bits, q.block_size, q.shape[1])
+    lead, m = x.shape[:-1], x[..., 0].numel()
+    y = lut_matmul_triton(x, *args, path=path, split_k=split_k)
+    assert y.dtype == x.dtype and y.shape == (*lead, q.shape[0])
+    assert torch.isfinite(y).all()
+    ref = lut_matmul_reference(x.float(), *args).double()
+    # error allowed: output rounding plus, on the tensor-core path, weights rounded to x's dtype
+    w = q.dequantize().double()
+    magnitude = x.double().abs().reshape(m, -1) @ w.abs().T
+    bound = EPS[x.dtype] * (magnitude.reshape(ref.shape) + ref.abs()) + 1e-6
+    assert torch.all((y.double() - ref).abs() <= bound), float(((y.double() - ref).abs() / bound).max())
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    m=st.sampled_from([1, 3, 16, 17, 100]),
+    n=st.integers(1, 80),
+    blocks=st.integers(1, 4),
+    block=st.sampled_from([32, 64]),
+    bits=st.sampled_from([1, 2, 3, 4]),
+    fmt=st.sampled_from(["kmeans-layer", "kmeans-block", "int", "int-asym"]),
+    dtype=st.sampled_from([torch.float16, torch.bfloat16]),
+    path=st.sampled_from(["gemv", "gemm"]),
+    seed=st.integers(0, 2**20),
+)
+def test_kernel_matches_reference(m, n, blocks, block, bits, fmt, dtype, path, seed):
+    method, scope = (fmt.split("-") + ["layer"])[:2] if fmt.startswith("kmeans") else (fmt, "layer")
+    if method == "int" and bits == 1:
+        method = "binary"
+    q = _weights(n, blocks * block, method, bits, block, scope, seed)
+    x = torch.randn(m, blocks * block, generator=torch.Generator().manual_seed(seed + 1)).to(dtype)
+    _check_against_reference(q, x, path)
+
+
+@pytest.mark.parametrize("bits", [5, 6, 7, 8])
+def test_wide_codes(bits):
+    q = _weights(33, 192, "kmeans", bits, 64, "layer", bits)
+    _check_against_reference(q, torch.randn(5, 192).half(), "gemv")
+    _check_against_reference(q, torch.randn(20, 192).half(), "gemm")
+
+
+@pytest.mark.parametrize("split_k", [1, 2, 3])
+def test_poisoned_output_is_fully_written(split_k):
+    q = _weights(70, 320, "kmeans", 3, 64, "layer", 0)
+    x = torch.randn(3, 320).half()
+    args = (q.codes, q.codebook, q.scales, q.offsets, q.bits, q.block_size, 320)
+    from triton import cdiv
+
+    k_per_split = cdiv(cdiv(320, split_k), 128) * 128
+    partial = torch.full((cdiv(320, k_per_split), 3, 70), float("nan"))
+    y = lut_matmul_triton(x, *args, path="gemv", split_k=split_k, partial=partial)
+    assert torch.isfinite(partial).all() and torch.isfinite(y).all()
+
+
+def test_batched_input_and_bias():
+    q = _weights(24, 128, "kmeans", 4, 64, "layer", 3)
+    x = torch.randn(2, 3, 128).half()
+    bias = torch.randn(24)
+    args = (q.codes, q.codebook, q.scales, q.offsets, q.bits, q.block_size, 128)
+    y = lut_matmul_triton(x, *args, bias=bias)
+    ref = lut_matmul_reference(x.float(), *args, bias=bias)
+    assert y.shape == (2, 3, 24)
+    assert torch.allclose(y.float(), ref, atol=0.05, rtol=0.01)
+
+
+def test_path_choice_and_refusals():
+    assert choose_path(1) == choose_path(16) == "gemv" and choose_path(17) == "gemm"
+    q = _weights(8, 128, "kmeans", 2, 64, "layer", 0)
+    args = (q.codes, q.codebook, q.scales, q.offsets, q.bits, q.block_size, 128)
+    with pytest.raises(HiltError, match="input has 100 features"):
+        lut_matmul_triton(torch.randn(1, 100).half(), *args)
+    with pytest.raises(HiltError, match="unknown kernel path"):
+        lut_matmul_triton(torch.randn(1, 128).half(), *args, path="fast")
+    with pytest.raises(HiltError, match="not a multiple of block size"):
+        lut_matmul(torch.randn(1, 128), q.codes, q.codebook, q.scales, None, 2, 48, 128)
+    with pytest.raises(HiltError, match="codebook has 8 levels, 2 bits need 4"):
+        lut_matmul(torch.randn(1, 128), q.codes, torch.zeros(8), q.scales, None, 2, 64, 128)
+
+
+def test_float32_inputs_keep_full_precision():
+    q = _weights(40, 256, "kmeans", 4, 64, "layer", 9)
+    x = torch.randn(20, 256)
+    args = (q.codes, q.codebook, q.scales, q.offsets, q.bits, q.block_size, 256)
+    ref = lut_matmul_reference(x, *args)
+    for path in ("gemv", "gemm"):
+        assert torch.allclose(lut_matmul_triton(x, *args, path=path), ref, rtol=1e-5, atol=1e-5)
+
+
+def test_bench_kernels_check_passes_on_cpu(tmp_path):
+    from conftest import read_json, run_hilt
+
+    r = run_hilt("bench", "kernels", "--check", "--json", tmp_path / "k.json")
+    assert r.returncode == 0, r.stderr
+    result = read_json(tmp_path / "k.json")
+    assert result["check"]["cases"] == 240 and result["check"]["failures"] == []
+    if not torch.cuda.is_available():
+        r = run_hilt("bench", "kernels", "--quick")
+        assert r.returncode == 0 and "need a CUDA GPU" in r.stderr
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_quant_linear_on_gpu_runs_the_kernel():
+    from quant import QuantLinear
+
+    q = _weights(300, 512, "kmeans", 2, 64, "layer", 1)
+    layer = QuantLinear(q).cuda()
+    for m in (1, 16, 17, 100):
+        x = torch.randn(m, 512, device="cuda", dtype=torch.float16)
+        ref = lut_matmul_reference(x.cpu().float(), q.codes, q.codebook, q.scales, None, 2, 64, 512)
+        assert torch.allclose(layer(x).float().cpu(), ref, rtol=1e-2, atol=1e-2)
