@@ -27,7 +27,7 @@ import torch
 from quant import QuantConfig, open_source, quantize_checkpoint
 from quant.checkpoint import select_targets
 from quant.kmeans import SortedValues, kmeans_optimal
-from quant.quantize import _block_scales, _normalised
+from quant.quantize import normalise_blocks
 
 
 def reference_kmeans(x: torch.Tensor, k: int, tol: float = 1e-4, max_iter: int = 1000, generator=None):
@@ -70,10 +70,7 @@ def speed(src: Path, reference_tensors: int, log=print) -> dict:
         # an even spread over the depth of the model, all projection kinds
         picked = names[:: max(1, len(names) // reference_tensors)][:reference_tensors]
         for name in picked:
-            w = source.get(name)
-            n, k = w.shape
-            scales, _ = _block_scales(w.view(n, k // 64, 64), config)
-            u = _normalised(w, scales, None, 64).reshape(-1)
+            u = normalise_blocks(source.get(name), config)[2].reshape(-1)
             t0 = time.perf_counter()
             ours = kmeans_optimal(u, 16)
             t_ours = time.perf_counter() - t0

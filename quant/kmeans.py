@@ -32,7 +32,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-_CHUNK = 1 << 22  # values per chunk when summing squares: bounds temporary memory
+_CHUNK = 1 << 22  # values per chunk when building prefix sums: bounds temporary memory
 
 @dataclass
 class KMeansResult:
@@ -43,13 +43,17 @@ class KMeansResult:
 
 
 class SortedValues:
-    """Values sorted once, with float64 prefix sums of w, w*x and w*x^2.
+    """Values sorted once, with prefix sums of w, w*x and w*x^2 available at any index.
 
     After the one sort, every k-means step is O(k log n): the points nearest
     to a centroid form a contiguous run, found by binary search of the
     midpoints, and a run's weight, sum and squared error come from the prefix
-    sums.
+    sums. Prefix sums are stored in float64 only at every ``GROUP``-th index
+    (plus the sorted float32 values), and completed on demand from at most
+    ``GROUP - 1`` values: memory stays near one copy of the tensor.
     """
+
+    GROUP = 64
 
     def __init__(self, x: torch.Tensor, weights: torch.Tensor | None = None):
         if weights is not None:  # same shape as x, or broadcastable to it
@@ -64,30 +68,41 @@ class SortedValues:
             if bool((self.w < 0).any()):
                 raise ValueError("importance weights must be non-negative")
         self.n = self.x.numel()
-        z = torch.zeros(1, dtype=torch.float64)
-        # Only the prefix sums Lloyd needs are kept (8 bytes per value each);
-        # sums of squares are computed on demand in chunks (see squares_before).
-        self.W = None if self.w is None else torch.cat([z, torch.cumsum(self.w, 0, dtype=torch.float64)])
-        wx = self.x if self.w is None else self.x.double() * self.w.double()
-        self.S = torch.cat([z, torch.cumsum(wx, 0, dtype=torch.float64)])
+        self._coarse = [self._coarse_prefix(kind) for kind in range(3)]
+
+    def _terms(self, start: int, stop: int, kind: int) -> torch.Tensor:
+        """float64 w, w*x or w*x^2 (kind 0, 1, 2) of the sorted values [start, stop)."""
+        x = self.x[start:stop].double()
+        t = torch.ones_like(x) if kind == 0 else x if kind == 1 else x * x
+        return t if self.w is None else t * self.w[start:stop].double()
+
+    def _coarse_prefix(self, kind: int) -> torch.Tensor:
+        """Prefix sums at indices 0, G, 2G, ... (chunked: bounded temporary memory)."""
+        G, sums = self.GROUP, [torch.zeros(1, dtype=torch.float64)]
+        full = self.n // G * G
+        for start in range(0, full, _CHUNK):
+            stop = min(start + _CHUNK, full)
+            sums.append(self._terms(start, stop, kind).view(-1, G).sum(1))
+        return torch.cat(sums).cumsum(0)
+
+    def prefix(self, idx: torch.Tensor, kind: int) -> torch.Tensor:
+        """sum over t < i of the kind-th term, for every i in ``idx`` (0 <= i <= n)."""
+        G = self.GROUP
+        base = idx // G
+        pos = base[:, None] * G + torch.arange(G)[None, :]
+        inside = pos < idx[:, None]
+        pos = pos.clamp_max(self.n - 1)
+        x = self.x[pos].double()
+        t = torch.ones_like(x) if kind == 0 else x if kind == 1 else x * x
+        if self.w is not None:
+            t = t * self.w[pos].double()
+        return self._coarse[kind][base] + (t * inside).sum(1)
 
     def weight(self, idx: torch.Tensor) -> torch.Tensor:
-        return idx.double() if self.W is None else self.W[idx]
+        return idx.double() if self.w is None else self.prefix(idx, 0)
 
     def squares_before(self, idx: torch.Tensor) -> torch.Tensor:
-        """sum_{t < i} w_t x_t^2 for each i of ascending ``idx``, in one chunked pass."""
-        out = torch.zeros(idx.numel(), dtype=torch.float64)
-        base = 0.0
-        for start in range(0, self.n, _CHUNK):
-            stop = min(start + _CHUNK, self.n)
-            xs = self.x[start:stop].double()
-            sq = xs * xs if self.w is None else xs * xs * self.w[start:stop].double()
-            local = sq.cumsum(0)
-            inside = (idx > start) & (idx <= stop)
-            out[inside] = base + local[idx[inside] - start - 1]
-            base += float(local[-1])
-        out[idx > self.n] = base
-        return out
+        return self.prefix(idx, 2)
 
     def boundaries(self, centroids: torch.Tensor) -> torch.Tensor:
         """(k + 1,) indices: points [b[j], b[j+1]) are nearest to centroid j (sorted)."""
@@ -98,8 +113,8 @@ class SortedValues:
     def cost(self, centroids: torch.Tensor) -> float:
         c = centroids.double().sort().values
         b = self.boundaries(c)
-        w = self.weight(b[1:]) - self.weight(b[:-1])
-        s = self.S[b[1:]] - self.S[b[:-1]]
+        w = self.weight(b).diff()
+        s = self.prefix(b, 1).diff()
         q = self.squares_before(b).diff()
         return float((q - 2 * c * s + c * c * w).clamp_min(0).sum())
 
@@ -109,8 +124,8 @@ class SortedValues:
         b = self.boundaries(c)
         it = 0
         for it in range(1, max_iter + 1):
-            w = self.weight(b[1:]) - self.weight(b[:-1])
-            s = self.S[b[1:]] - self.S[b[:-1]]
+            w = self.weight(b).diff()
+            s = self.prefix(b, 1).diff()
             c = torch.where(w > 0, s / w.clamp_min(1e-300), c)  # an empty cluster keeps its centroid
             c = c.sort().values
             nb = self.boundaries(c)
@@ -254,7 +269,7 @@ def kmeans_optimal(x, k, weights=None, bins=8192, max_exact=1 << 14, tol=0.0, ma
         h = (hi - lo) / bins
         inner = torch.searchsorted(sv.x, lo + h * torch.arange(1, bins, dtype=torch.float64).float())
         edges = torch.cat([torch.zeros(1, dtype=torch.int64), inner, torch.tensor([sv.n])]).unique_consecutive()
-    W, S, Q = sv.weight(edges), sv.S[edges], sv.squares_before(edges)
+    W, S, Q = sv.weight(edges), sv.prefix(edges, 1), sv.squares_before(edges)
     keep = torch.cat([torch.tensor([True]), W[1:] > W[:-1]])  # drop zero-weight bins
     W, S, Q, edges = W[keep], S[keep], Q[keep], edges[keep]
     m = W.numel() - 1

@@ -104,6 +104,17 @@ def _normalised(w: torch.Tensor, scales, offsets, block_size) -> torch.Tensor:
     return blocks / torch.where(s == 0, torch.ones_like(s), s)  # an all-zero block stays zero
 
 
+def normalise_blocks(w: torch.Tensor, config: QuantConfig):
+    """(scales, offsets, u): the stored block scales (and offsets), and w in block units, (n, blocks, B).
+
+    ``u`` is what the codebook quantizes: W = codebook[code] * scale (+ offset).
+    """
+    n, k = w.shape
+    B = config.block_size
+    scales, offsets = _block_scales(w.float().view(n, k // B, B), config)
+    return scales, offsets, _normalised(w, scales, offsets, B)
+
+
 def quantize_tensor(
     w: torch.Tensor,
     config: QuantConfig,
@@ -137,8 +148,7 @@ def quantize_tensor(
         importance = importance.clamp_min(1e-6 * float(importance.mean()) + 1e-30)
     n, k = w.shape
     B = config.block_size
-    scales, offsets = _block_scales(w.float().view(n, k // B, B), config)
-    u = _normalised(w, scales, offsets, B)  # (n, blocks, B)
+    scales, offsets, u = normalise_blocks(w, config)
     levels = 1 << config.bits
 
     codebook = _fixed_codebook(config)
@@ -156,11 +166,15 @@ def quantize_tensor(
                                               None if flat_w is None else flat_w[i : i + step])
                 for i in range(0, flat_u.shape[0], step)
             ]).view(n, k // B, levels)
-        elif config.solver == "optimal":
-            codebook = kmeans.kmeans_optimal(u, levels, weights).centroids
         else:
-            gen = torch.Generator().manual_seed(config.seed + zlib.crc32(name.encode()))
-            codebook = kmeans.kmeans_lloyd(u, levels, weights, generator=gen).centroids
+            values = kmeans.SortedValues(u, weights)
+            del u, weights  # the sorted copy is all the fit needs; codes below recompute u by rows
+            if config.solver == "optimal":
+                codebook = kmeans.kmeans_optimal(values, levels).centroids
+            else:
+                gen = torch.Generator().manual_seed(config.seed + zlib.crc32(name.encode()))
+                codebook = kmeans.kmeans_lloyd(values, levels, generator=gen).centroids
+            del values
         codebook = codebook.to(torch.float16).sort(dim=-1).values
     else:
         codebook = codebook.to(torch.float16)
@@ -169,7 +183,7 @@ def quantize_tensor(
     rows = max(1, _ROWS_BYTES // (k * 8))
     book = codebook.double()
     for r in range(0, n, rows):
-        ur = u[r : r + rows]
+        ur = _normalised(w[r : r + rows], scales[r : r + rows], None if offsets is None else offsets[r : r + rows], B)
         if book.ndim == 1:
             idx = kmeans.assign(ur, book)
         else:  # per-block codebooks: nearest of each block's own sorted levels
