@@ -1,0 +1,225 @@
+"""Analog layers: a Linear or Conv2d whose weights live as conductance pairs in crossbar arrays.
+
+The forward pass of one analog layer, all as a few tensor ops per layer:
+
+1. weights: W_eff = (G+ - G-) / scale, the conductances read at the current time
+   (programming noise, drift and read noise from the device model);
+2. DAC: each input row is divided by its abs-max (noise management) and
+   quantized to ``dac_bits`` over [-inp_bound, inp_bound];
+3. the input dimension is cut into arrays of ``tile_size`` rows; each array
+   computes its own partial output (an einsum over all arrays at once);
+4. per array: per-read weight noise (pcm-hwa), a first-order IR-drop
+   attenuation, Gaussian output noise, then the ADC: clip at ``out_bound`` and
+   quantize to ``adc_bits``; inputs whose output saturates are retried at half
+   scale (bound management);
+5. digital: partial outputs summed, scaled back, drift compensation applied,
+   bias added.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from cim_sim.devices import PCM, RRAM, stuck_at
+from kernels import HiltError
+
+
+@dataclass(frozen=True)
+class AnalogConfig:
+    device: str = "pcm"  # "ideal" (exact digital), "pcm" or "rram"
+    tile_size: int = 512  # rows (inputs) per crossbar array, like aihwkit
+    dac_bits: int | None = 7
+    inp_bound: float = 1.0
+    adc_bits: int | None = 9
+    out_bound: float = 12.0
+    out_noise: float = 0.06  # std of additive output noise, in normalised output units
+    bound_management: bool = True
+    w_noise: float = 0.0  # per-read weight noise, std of sqrt(sum_j |w_ij| x_j^2)
+    ir_drop: float = 0.0  # IR-drop strength (0 = off)
+    stuck_at_rate: float = 0.0
+    prog_noise_scale: float = 1.0
+    read_noise_scale: float = 1.0
+    drift_scale: float = 1.0
+
+    def device_model(self):
+        if self.device not in ("ideal", "pcm", "rram"):
+            raise HiltError(f"unknown device {self.device!r}; choose ideal, pcm or rram")
+        kw = dict(prog_noise_scale=self.prog_noise_scale, read_noise_scale=self.read_noise_scale,
+                  drift_scale=self.drift_scale)
+        return {"ideal": None, "pcm": PCM(**kw), "rram": RRAM(**kw)}[self.device]
+
+
+# Presets. "pcm" is aihwkit's default inference configuration (PCM noise model, DAC 7 bit,
+# ADC 9 bit, output bound 12, output noise 0.06, noise and bound management, 512x512 tiles);
+# "pcm-hwa" adds per-read PCM weight noise and IR drop as aihwkit's standard hardware-aware
+# training preset does (values as we read that preset: w_noise 0.0175, IR drop 1.0,
+# output noise 0.04); "rram" swaps the device model; "ideal" is exact digital arithmetic.
+PRESETS = {
+    "ideal": AnalogConfig(device="ideal", dac_bits=None, adc_bits=None, out_noise=0.0, bound_management=False),
+    "pcm": AnalogConfig(),
+    "pcm-hwa": AnalogConfig(w_noise=0.0175, ir_drop=1.0, out_noise=0.04),
+    "rram": AnalogConfig(device="rram"),
+}
+
+
+def preset(name: str) -> AnalogConfig:
+    if name not in PRESETS:
+        raise HiltError(f"unknown preset {name!r}; choose one of {', '.join(PRESETS)}")
+    return PRESETS[name]
+
+
+def _quantize(x: torch.Tensor, bits: int | None, bound: float) -> torch.Tensor:
+    if bits is None:
+        return x
+    step = 2 * bound / (2**bits - 2)
+    return torch.round(x.clamp(-bound, bound) / step) * step
+
+
+class AnalogMixin:
+    """State and analog matrix-vector product shared by AnalogLinear and AnalogConv2d."""
+
+    config: AnalogConfig
+
+    def _init_analog(self, weight: torch.Tensor, bias, config: AnalogConfig):
+        self.config = config
+        self.device_model = config.device_model()
+        w = weight.detach().reshape(weight.shape[0], -1).float()
+        if not torch.isfinite(w).all():
+            raise HiltError("a weight of the model contains NaN or Inf; cannot map it to conductances")
+        self.register_buffer("w_digital", w.clone())
+        self.register_buffer("w_eff", w.clone())  # what the arrays hold now
+        self.bias = None if bias is None else nn.Parameter(bias.detach().clone(), requires_grad=False)
+        self.w_max = float(w.abs().max()) or 1.0
+        self.gdc_scale = torch.ones(w.shape[0])  # drift compensation, per output column
+        self.gen = torch.Generator().manual_seed(0)
+        self.programmed = None
+
+    # -- device life cycle ------------------------------------------------------------------
+
+    def program(self, gen: torch.Generator) -> None:
+        """Program the conductance pairs (noise and drift exponents drawn once)."""
+        self.gen = torch.Generator().manual_seed(int(torch.randint(2**62, (1,), generator=gen)))
+        dev = self.device_model
+        if dev is None:
+            self.programmed = None
+            self.w_eff = self.w_digital.clone()
+            return
+        scale = dev.g_max / self.w_max
+        g_plus = (self.w_digital * scale).clamp(0, dev.g_max)
+        g_minus = (-self.w_digital * scale).clamp(0, dev.g_max)
+        g_plus_p, g_minus_p = dev.program(g_plus, gen), dev.program(g_minus, gen)
+        g_plus_p = stuck_at(g_plus_p, self.config.stuck_at_rate, dev.g_max, gen)
+        g_minus_p = stuck_at(g_minus_p, self.config.stuck_at_rate, dev.g_max, gen)
+        self.programmed = {"scale": scale, "g_plus": g_plus_p, "g_minus": g_minus_p,
+                           "nu_plus": dev.drift_exponent(g_plus, gen), "nu_minus": dev.drift_exponent(g_minus, gen)}
+        self.read_at(0.0, gen)
+
+    def read_at(self, t: float, gen: torch.Generator) -> None:
+        """Set the weights to the conductances read t seconds after programming."""
+        if self.programmed is None:
+            return
+        p, dev = self.programmed, self.device_model
+        g_plus = dev.read(p["g_plus"], p["nu_plus"], t, gen)
+        g_minus = dev.read(p["g_minus"], p["nu_minus"], t, gen)
+        self.w_eff = (g_plus - g_minus) / p["scale"]
+
+    # -- the analog matrix-vector product ---------------------------------------------------
+
+    def _mvm(self, x: torch.Tensor) -> torch.Tensor:
+        """x (rows, in) -> (rows, out) through DAC, tiled arrays, noise, ADC; without bias."""
+        c = self.config
+        if self.is_ideal:
+            return x @ self.w_eff.T
+        n_in = x.shape[1]
+        tiles = math.ceil(n_in / c.tile_size)
+        pad = tiles * c.tile_size - n_in
+        w = self.w_eff / self.w_max  # normalised: |w| <= ~1 as on the arrays
+        w = F.pad(w, (0, pad)).view(w.shape[0], tiles, c.tile_size)
+        x_scale = x.abs().amax(1, keepdim=True).clamp_min(1e-12) if c.dac_bits is not None else torch.ones(len(x), 1)
+        y = torch.zeros(x.shape[0], w.shape[0])
+        todo = torch.ones(x.shape[0], dtype=torch.bool)
+        factor = torch.ones(x.shape[0], 1)
+        for attempt in range(4 if c.bound_management else 1):  # bound management: retry at half scale
+            rows = todo.nonzero().squeeze(1)
+            xs = x[rows] / (x_scale[rows] * factor[rows])
+            xq = _quantize(xs, c.dac_bits, c.inp_bound)
+            xt = F.pad(xq, (0, pad)).view(len(rows), tiles, c.tile_size)
+            part = torch.einsum("btk,otk->bto", xt, w)
+            if c.w_noise:
+                sd = torch.sqrt(torch.einsum("btk,otk->bto", xt * xt, w.abs()).clamp_min(0))
+                part = part + c.w_noise * sd * torch.randn(part.shape, generator=self.gen)
+            if c.ir_drop:
+                # first-order IR drop (our approximation): a bit line carrying a large total
+                # current loses a share of it, 5% at full current on every row of the array
+                current = torch.einsum("btk,otk->bto", xt.abs(), w.abs()) / c.tile_size
+                part = part * (1 - 0.05 * c.ir_drop * current)
+            if c.out_noise:
+                part = part + c.out_noise * torch.randn(part.shape, generator=self.gen)
+            saturated = (part.abs() >= c.out_bound).flatten(1).any(1) if c.adc_bits is not None else None
+            part = _quantize(part, c.adc_bits, c.out_bound)
+            y[rows] = part.sum(1) * factor[rows]
+            if saturated is None or not c.bound_management or not bool(saturated.any()):
+                break
+            todo = torch.zeros_like(todo)
+            todo[rows[saturated]] = True
+            factor[rows[saturated]] *= 2
+        return y * x_scale * self.w_max
+
+    def _analog_out(self, x2: torch.Tensor) -> torch.Tensor:
+        return self._mvm(x2) * self.gdc_scale
+
+    @property
+    def is_ideal(self) -> bool:
+        c = self.config
+        return c.device == "ideal" and c.dac_bits is None and c.adc_bits is None and not c.out_noise \
+            and not c.w_noise and not c.ir_drop
+
+
+class AnalogLinear(AnalogMixin, nn.Module):
+    def __init__(self, linear: nn.Linear, config: AnalogConfig):
+        nn.Module.__init__(self)
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self._init_analog(linear.weight, linear.bias, config)
+
+    def forward(self, x):
+        if self.is_ideal:  # exactly the digital layer's arithmetic
+            return F.linear(x, self.w_digital.to(x.dtype), None if self.bias is None else self.bias.to(x.dtype))
+        lead = x.shape[:-1]
+        y = self._analog_out(x.reshape(-1, self.in_features).float())
+        if self.bias is not None:
+            y = y + self.bias
+        return y.reshape(*lead, self.out_features).to(x.dtype)
+
+
+class AnalogConv2d(AnalogMixin, nn.Module):
+    """Conv2d as an analog MVM over unfolded patches (im2col), as crossbar accelerators do."""
+
+    def __init__(self, conv: nn.Conv2d, config: AnalogConfig):
+        nn.Module.__init__(self)
+        if conv.groups != 1 or conv.padding_mode != "zeros" or isinstance(conv.padding, str):
+            raise HiltError("analog Conv2d supports groups=1, zero padding given as numbers")
+        self.out_channels, self.kernel_size = conv.out_channels, conv.kernel_size
+        self.stride, self.padding, self.dilation = conv.stride, conv.padding, conv.dilation
+        self._init_analog(conv.weight, conv.bias, config)
+
+    def forward(self, x):
+        if self.is_ideal:  # exactly the digital layer's arithmetic
+            weight = self.w_digital.view(self.out_channels, -1, *self.kernel_size).to(x.dtype)
+            return F.conv2d(x, weight, self.bias, self.stride, self.padding, self.dilation)
+        n, _, h, w = x.shape
+        cols = F.unfold(x.float(), self.kernel_size, self.dilation, self.padding, self.stride)  # (n, in*k*k, L)
+        oh = (h + 2 * self.padding[0] - self.dilation[0] * (self.kernel_size[0] - 1) - 1) // self.stride[0] + 1
+        ow = (w + 2 * self.padding[1] - self.dilation[1] * (self.kernel_size[1] - 1) - 1) // self.stride[1] + 1
+        y = self._analog_out(cols.transpose(1, 2).reshape(-1, cols.shape[1]))
+        if self.bias is not None:
+            y = y + self.bias
+        return y.view(n, oh * ow, self.out_channels).transpose(1, 2).reshape(n, self.out_channels, oh, ow).to(x.dtype)
+
+
+def with_overrides(config: AnalogConfig, **kw) -> AnalogConfig:
+    return replace(config, **kw)

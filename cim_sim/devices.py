@@ -1,0 +1,84 @@
+"""Device models: how a programmed conductance deviates from its target, and drifts.
+
+All functions work on whole tensors of conductances (µS) at once and take a
+``torch.Generator`` for every random draw (the same seed gives the same numbers).
+
+PCM follows the statistical model fitted to measured phase-change devices that
+IBM's aihwkit ships as ``PCMLikeNoiseModel`` (REFERENCES.md §4), with
+g_max = 25 µS, t0 = 20 s, t_read = 250 ns.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class PCM:
+    g_max: float = 25.0  # µS
+    t0: float = 20.0  # s, time of the first read after programming
+    t_read: float = 250e-9  # s
+    prog_noise_scale: float = 1.0
+    read_noise_scale: float = 1.0
+    drift_scale: float = 1.0
+
+    def programming_sigma(self, g_target: torch.Tensor) -> torch.Tensor:
+        x = g_target / self.g_max
+        return (0.26348 + 1.9650 * x - 1.1731 * x * x) * (self.g_max / 25.0) * self.prog_noise_scale
+
+    def program(self, g_target: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
+        """g_prog = max(0, g_T + sigma(g_T) * N(0, 1)); zero targets stay zero (no device is set)."""
+        noise = torch.randn(g_target.shape, generator=gen, dtype=g_target.dtype)
+        g = (g_target + self.programming_sigma(g_target) * noise).clamp_min(0)
+        return torch.where(g_target > 0, g, torch.zeros_like(g))
+
+    def drift_exponent(self, g_target: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
+        """nu = |mu(g_T) + sigma(g_T) N(0,1)|, drawn once per device at programming."""
+        x = (g_target.abs() / self.g_max).clamp_min(1e-7)
+        mu = (-0.0155 * torch.log(x) + 0.0244).clamp(0.049, 0.1)
+        sd = (-0.0125 * torch.log(x) - 0.0059).clamp(0.008, 0.045)
+        nu = (mu + sd * torch.randn(g_target.shape, generator=gen, dtype=g_target.dtype)).abs()
+        return nu * self.drift_scale
+
+    def read(self, g_prog: torch.Tensor, nu: torch.Tensor, t: float, gen: torch.Generator) -> torch.Tensor:
+        """Conductance read t seconds after programming: drift, then 1/f read noise (a fresh draw)."""
+        T = t + self.t0
+        g_drift = g_prog * (T / self.t0) ** (-nu)
+        q = (0.0088 / (g_prog.abs() / self.g_max).pow(0.65).clamp_min(1e-3)).clamp_max(0.2)
+        sigma = q * math.sqrt(math.log((T + self.t_read) / (2 * self.t_read))) * self.read_noise_scale
+        noise = torch.randn(g_prog.shape, generator=gen, dtype=g_prog.dtype)
+        return (g_drift + g_drift.abs() * sigma * noise).clamp_min(0)
+
+
+@dataclass(frozen=True)
+class RRAM(PCM):
+    """A filamentary RRAM variant: flat 5% programming noise, weak drift, the PCM read-noise law.
+
+    Our own simplification (documented, not fitted to a published device):
+    RRAM relaxes much less than PCM over time, so nu is PCM's scaled by 0.1.
+    """
+
+    prog_relative: float = 0.05
+
+    def programming_sigma(self, g_target: torch.Tensor) -> torch.Tensor:
+        return self.prog_relative * self.g_max * torch.ones_like(g_target) * self.prog_noise_scale
+
+    def drift_exponent(self, g_target, gen):
+        return super().drift_exponent(g_target, gen) * 0.1
+
+
+def mismatch(w: torch.Tensor, eta: float, gen: torch.Generator) -> torch.Tensor:
+    """The generic robustness model: every weight becomes w * (1 + eta * N(0, 1))."""
+    return w * (1 + eta * torch.randn(w.shape, generator=gen, dtype=w.dtype))
+
+
+def stuck_at(g: torch.Tensor, rate: float, g_max: float, gen: torch.Generator) -> torch.Tensor:
+    """A fraction ``rate`` of devices stuck, half at 0 (open) and half at g_max (shorted)."""
+    if rate <= 0:
+        return g
+    u = torch.rand(g.shape, generator=gen, dtype=g.dtype)
+    g = torch.where(u < rate / 2, torch.zeros_like(g), g)
+    return torch.where((u >= rate / 2) & (u < rate), torch.full_like(g, g_max), g)

@@ -1,0 +1,131 @@
+"""CIM simulator: device statistics against the published formulas, life cycle, reproducibility."""
+
+import math
+
+import pytest
+import torch
+from torch import nn
+
+from cim_sim import PCM, convert_to_analog, drift_to, mismatch, parse_time, preset, program, stuck_at
+from kernels import HiltError
+
+
+def _pcm_stats(g_target, t, n=200_000, seed=0):
+    dev, gen = PCM(), torch.Generator().manual_seed(seed)
+    g = torch.full((n,), g_target, dtype=torch.float64)
+    prog = dev.program(g, gen)
+    nu = dev.drift_exponent(g, gen)
+    return prog, nu, dev.read(prog, nu, t, gen)
+
+
+def test_programming_noise_follows_the_formula():
+    prog, _, _ = _pcm_stats(10.0, 0.0)
+    x = 10.0 / 25.0
+    sigma = 0.26348 + 1.9650 * x - 1.1731 * x * x  # g_max = 25 µS
+    assert float(prog.mean()) == pytest.approx(10.0, abs=4 * sigma / math.sqrt(len(prog)) + 1e-3)
+    assert float(prog.std()) == pytest.approx(sigma, rel=0.01)
+
+
+def test_drift_exponent_statistics():
+    _, nu, _ = _pcm_stats(10.0, 0.0)
+    x = 10.0 / 25.0
+    mu = min(max(-0.0155 * math.log(x) + 0.0244, 0.049), 0.1)
+    sd = min(max(-0.0125 * math.log(x) - 0.0059, 0.008), 0.045)
+    assert float(nu.mean()) == pytest.approx(mu, rel=0.01)  # mu >> sd: the |.| barely folds
+    assert float(nu.std()) == pytest.approx(sd, rel=0.02)
+
+
+@pytest.mark.parametrize("t", [3600.0, 31_557_600.0])
+def test_conductance_after_drift_matches_the_model(t):
+    prog, nu, g = _pcm_stats(20.0, t)
+    T = t + 20.0
+    expected_mean = float((prog * (T / 20.0) ** (-nu)).mean())  # read noise is zero-mean
+    assert float(g.mean()) == pytest.approx(expected_mean, rel=0.005)
+    drifted = prog * (T / 20.0) ** (-nu)
+    q = (0.0088 / (prog / 25.0).pow(0.65).clamp_min(1e-3)).clamp_max(0.2)
+    sigma_r = q * math.sqrt(math.log((T + 250e-9) / (2 * 250e-9)))
+    z = (g - drifted) / (drifted * sigma_r)
+    assert float(z.mean()) == pytest.approx(0.0, abs=0.01) and float(z.std()) == pytest.approx(1.0, rel=0.01)
+    assert float(g.mean()) < 20.0 * 0.9  # a year (or an hour) of drift lowers conductance
+
+
+def test_same_seed_same_numbers():
+    a, b = _pcm_stats(5.0, 86400.0, n=1000, seed=3), _pcm_stats(5.0, 86400.0, n=1000, seed=3)
+    assert all(torch.equal(u, v) for u, v in zip(a, b, strict=True))
+    assert not torch.equal(a[2], _pcm_stats(5.0, 86400.0, n=1000, seed=4)[2])
+
+
+def mlp():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(64, 96), nn.ReLU(), nn.Linear(96, 10))
+
+
+def cnn():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Conv2d(1, 4, 3, padding=1), nn.ReLU(), nn.Flatten(), nn.Linear(4 * 8 * 8, 10))
+
+
+@pytest.mark.parametrize("build,shape", [(mlp, (32, 64)), (cnn, (8, 1, 8, 8))])
+def test_ideal_reproduces_the_digital_model_exactly(build, shape):
+    model = build()
+    x = torch.randn(*shape)
+    analog = convert_to_analog(model, preset("ideal"))
+    drift_to(analog, parse_time("1y"))
+    assert torch.equal(analog(x), model(x))
+
+
+@pytest.mark.parametrize("build,shape", [(mlp, (256, 64)), (cnn, (64, 1, 8, 8))])
+def test_drift_lowers_output_and_compensation_restores_it(build, shape):
+    model = build()
+    x = torch.randn(*shape)
+    ref = model(x).detach()
+    analog = convert_to_analog(model, preset("pcm"))
+    program(analog, seed=5)
+    drift_to(analog, 1.0, gdc="none")
+    fresh = analog(x).detach()
+    assert float((fresh - ref).norm() / ref.norm()) < 0.35
+    drift_to(analog, parse_time("1y"), gdc="none")
+    drifted = analog(x).detach()
+    assert float(drifted.norm() / ref.norm()) < 0.8
+    for gdc in ("global", "column", "exact"):
+        drift_to(analog, parse_time("1y"), gdc=gdc)
+        assert float(analog(x).detach().norm() / ref.norm()) == pytest.approx(1.0, abs=0.2), gdc
+
+
+def test_analog_forward_is_reproducible_by_seed():
+    model, x = mlp(), torch.randn(16, 64)
+    outs = []
+    for _ in range(2):
+        analog = convert_to_analog(model, preset("pcm-hwa"))
+        program(analog, seed=11)
+        drift_to(analog, 3600.0, seed=2)
+        outs.append(analog(x))
+    assert torch.equal(outs[0], outs[1])
+
+
+def test_mismatch_and_stuck_at():
+    g = torch.Generator().manual_seed(0)
+    w = torch.ones(100_000)
+    noisy = mismatch(w, 0.3, g)
+    assert float(noisy.mean()) == pytest.approx(1.0, abs=0.01) and float(noisy.std()) == pytest.approx(0.3, rel=0.02)
+    stuck = stuck_at(torch.full((100_000,), 10.0), 0.1, 25.0, g)
+    assert float((stuck == 0).float().mean()) == pytest.approx(0.05, abs=0.005)
+    assert float((stuck == 25.0).float().mean()) == pytest.approx(0.05, abs=0.005)
+
+
+def test_bad_input_is_named():
+    with pytest.raises(HiltError, match="unknown preset 'pcmx'"):
+        preset("pcmx")
+    for bad in ("-1s", "soon", "1 fortnight"):
+        with pytest.raises(HiltError, match="cannot read time"):
+            parse_time(bad)
+    assert parse_time("1mo") == 2629800 and parse_time("90") == 90
+    with pytest.raises(HiltError, match="no Linear or Conv2d"):
+        convert_to_analog(nn.Sequential(nn.ReLU()), preset("pcm"))
+    model = mlp()
+    with torch.no_grad():
+        model[0].weight[0, 0] = float("nan")
+    with pytest.raises(HiltError, match="NaN or Inf"):
+        convert_to_analog(model, preset("pcm"))
+    with pytest.raises(HiltError, match="drift compensation"):
+        drift_to(convert_to_analog(mlp(), preset("pcm")), 1.0, gdc="magic")
