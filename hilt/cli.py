@@ -179,6 +179,40 @@ def cmd_calibrate(args) -> int:
     return 0
 
 
+def cmd_train(args) -> int:
+    from bench.workloads import train_run
+
+    r = train_run(args.workload, method=args.method, epochs=args.epochs, seed=args.seed, out=args.out,
+                  progress=sys.stderr.isatty(), overwrite=args.overwrite)
+    print(f"{args.workload} ({args.method}): test accuracy {r['test_accuracy']:.4f} after {r['epochs']} epochs, "
+          f"{r['train_seconds']:.0f} s" + (f"; wrote {args.out}" if args.out else ""))
+    if args.json:
+        _write_json(args.json, r)
+    return 0
+
+
+def cmd_drift(args) -> int:
+    from bench import cim
+
+    result = cim.drift_study(args.workload, args.checkpoint, args.preset, args.times, args.repeats, args.gdc,
+                             args.test_images, progress=sys.stderr.isatty())
+    if args.json:
+        _write_json(args.json, result)
+    if args.plot:
+        cim.plot_drift(result, args.plot)
+        print(f"wrote {args.plot}")
+    return 0
+
+
+def cmd_bench_cim(args) -> int:
+    from bench import cim
+
+    result = cim.speed()
+    if args.json:
+        _write_json(args.json, result)
+    return 0
+
+
 def cmd_bench_quantize(args) -> int:
     from bench import quant_speed
 
@@ -241,6 +275,31 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--overwrite", action="store_true")
     c.set_defaults(func=cmd_calibrate)
 
+    t = _parser_with_example(sub, "train", "train a Fashion-MNIST workload (MLP or CNN) and save a safetensors checkpoint",
+                             "hilt train --workload cnn --out cnn.safetensors")
+    t.add_argument("--workload", required=True, help="mlp or cnn")
+    t.add_argument("--method", default="standard", help="training method (standard)")
+    t.add_argument("--epochs", type=int, help="epochs (default: the workload's)")
+    t.add_argument("--seed", type=int, default=0)
+    t.add_argument("--out", metavar="FILE", help="checkpoint to write (.safetensors)")
+    t.add_argument("--overwrite", action="store_true")
+    t.add_argument("--json", metavar="FILE")
+    t.set_defaults(func=cmd_train)
+
+    d = _parser_with_example(sub, "drift", "accuracy on simulated CIM hardware over time after programming",
+                             "hilt drift --workload cnn --preset pcm --times 1s,1h,1d,1mo,1y --repeats 5 --plot drift.png")
+    d.add_argument("--workload", default="cnn", help="mlp or cnn (default cnn)")
+    d.add_argument("--checkpoint", metavar="FILE", help="from `hilt train` (default: bench/results/WORKLOAD-standard.safetensors)")
+    d.add_argument("--preset", default="pcm", help="ideal, pcm, pcm-hwa or rram (default pcm)")
+    d.add_argument("--times", default="1s,1h,1d,1mo,1y", help="comma-separated times after programming")
+    d.add_argument("--repeats", type=int, default=5, help="programmed chips (default 5)")
+    d.add_argument("--gdc", default="global", choices=["global", "exact", "column", "none"],
+                   help="drift compensation compared with none (default global)")
+    d.add_argument("--test-images", type=int, default=10_000, help="test images per evaluation (default all 10000)")
+    d.add_argument("--json", metavar="FILE")
+    d.add_argument("--plot", metavar="FILE", help="PNG: accuracy against log time, bands over chips")
+    d.set_defaults(func=cmd_drift)
+
     e = sub.add_parser("eval", help="evaluate a model, quantized or not", description="evaluate a model, quantized or not")
     esub = e.add_subparsers(dest="metric", required=True)
     pp = _parser_with_example(esub, "ppl", "perplexity of a Llama-architecture GGUF (SmolLM2-135M by default) on text",
@@ -276,6 +335,11 @@ def build_parser() -> argparse.ArgumentParser:
     bk.add_argument("--quick", action="store_true", help="fewer layer shapes")
     bk.add_argument("--json", metavar="FILE")
     bk.set_defaults(func=cmd_bench_kernels)
+
+    bc = _parser_with_example(bsub, "cim", "CIM simulator speed: each preset against the digital forward (batch 256)",
+                              "hilt bench cim --json cim_speed.json")
+    bc.add_argument("--json", metavar="FILE")
+    bc.set_defaults(func=cmd_bench_cim)
 
     r = _parser_with_example(sub, "report", "the end-to-end run on the embedded defaults (real models)",
                              "hilt report --out report/")

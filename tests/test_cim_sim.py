@@ -129,3 +129,16 @@ def test_bad_input_is_named():
         convert_to_analog(model, preset("pcm"))
     with pytest.raises(HiltError, match="drift compensation"):
         drift_to(convert_to_analog(mlp(), preset("pcm")), 1.0, gdc="magic")
+
+
+def test_conv_patches_match_unfold():
+    from cim_sim.analog import AnalogConv2d
+
+    for kw in (dict(kernel_size=3, padding=1), dict(kernel_size=(5, 3), stride=2, padding=(2, 1), dilation=(1, 2))):
+        conv = nn.Conv2d(3, 4, **kw)
+        layer = AnalogConv2d(conv, preset("pcm"))
+        x = torch.randn(2, 3, 11, 9)
+        cols, oh, ow = layer._patches(x)
+        ref = torch.nn.functional.unfold(x, conv.kernel_size, conv.dilation, conv.padding, conv.stride)
+        assert (oh, ow) == conv(x).shape[2:]
+        assert torch.equal(cols, ref.transpose(1, 2).reshape(-1, ref.shape[1]))

@@ -1,0 +1,142 @@
+"""CIM studies: accuracy over time after programming (`hilt drift`), and simulator speed (`hilt bench cim`)."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import torch
+
+from cim_sim import convert_to_analog, drift_to, parse_time, preset, program
+from kernels import HiltError
+
+DEFAULT_TIMES = "1s,1h,1d,1mo,1y"
+RESULTS = Path(__file__).parent / "results"
+
+
+def _model(workload: str, checkpoint):
+    from bench.workloads import load_checkpoint
+
+    if checkpoint is None:
+        checkpoint = RESULTS / f"{workload}-standard.safetensors"
+        if not checkpoint.exists():
+            raise HiltError(f"no checkpoint given and {checkpoint} does not exist; "
+                            f"train one with: hilt train --workload {workload} --out {checkpoint}")
+    model, meta = load_checkpoint(checkpoint)
+    if meta.get("workload") not in (None, workload):
+        raise HiltError(f"{checkpoint}: holds workload {meta.get('workload')!r}, not {workload!r}")
+    return model, Path(checkpoint)
+
+
+def drift_study(workload="cnn", checkpoint=None, preset_name="pcm", times=DEFAULT_TIMES, repeats=5,
+                gdc="global", test_images=10_000, progress=False, log=print) -> dict:
+    """Accuracy at each time after programming, over ``repeats`` programmed chips, with and without GDC."""
+    from tqdm import tqdm
+
+    from bench.fashion import load_fashion_mnist
+    from bench.workloads import accuracy
+
+    seconds = [parse_time(t) for t in (times.split(",") if isinstance(times, str) else times)]
+    if repeats < 1:
+        raise HiltError(f"--repeats must be at least 1, got {repeats}")
+    config = preset(preset_name)
+    model, path = _model(workload, checkpoint)
+    images, labels = load_fashion_mnist("test")
+    images, labels = images[:test_images], labels[:test_images]
+    digital = accuracy(model, images, labels)
+    analog = convert_to_analog(model, config)
+    modes = ["none"] if gdc == "none" else ["none", gdc]
+    acc = {m: [[0.0] * repeats for _ in seconds] for m in modes}
+    steps = tqdm(total=repeats * len(seconds) * len(modes), desc="drift", disable=not progress)
+    for r in range(repeats):
+        program(analog, seed=r)
+        for i, t in enumerate(seconds):
+            for m in modes:
+                drift_to(analog, t, seed=10_000 * r + i, gdc=m)  # same read noise draw for both modes
+                acc[m][i][r] = accuracy(analog, images, labels)
+                steps.update()
+    steps.close()
+    labels_t = times.split(",") if isinstance(times, str) else [str(t) for t in times]
+    rows = []
+    for m in modes:
+        for i, t in enumerate(seconds):
+            a = torch.tensor(acc[m][i])
+            rows.append({"gdc": m, "time": labels_t[i], "seconds": t, "mean": float(a.mean()),
+                         "std": float(a.std()) if repeats > 1 else 0.0, "worst": float(a.min()), "all": acc[m][i]})
+    result = {"workload": workload, "checkpoint": str(path), "preset": preset_name, "repeats": repeats,
+              "test_images": len(labels), "digital_accuracy": digital, "rows": rows}
+    log(f"{workload} on {preset_name}: digital accuracy {digital:.4f}; {repeats} programmed chips, "
+        f"{len(labels)} test images")
+    log(f"{'time':>6} " + "".join(f"{m:>28}" for m in modes))
+    for i, t in enumerate(labels_t):
+        cells = "".join(f"{r['mean']:>12.4f} ±{r['std']:.4f} min {r['worst']:.4f}"
+                        for r in rows if r["time"] == t)
+        log(f"{t:>6} {cells}")
+    return result
+
+
+def plot_drift(result: dict, path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    for m, color in zip(sorted({r["gdc"] for r in result["rows"]}), ("tab:red", "tab:blue", "tab:green"), strict=False):
+        rows = [r for r in result["rows"] if r["gdc"] == m]
+        t = [r["seconds"] for r in rows]
+        mean = torch.tensor([r["mean"] for r in rows])
+        std = torch.tensor([r["std"] for r in rows])
+        label = "no compensation" if m == "none" else f"{m} drift compensation"
+        ax.plot(t, mean, "o-", color=color, label=label)
+        ax.fill_between(t, mean - std, mean + std, color=color, alpha=0.2)
+        ax.plot(t, [r["worst"] for r in rows], ":", color=color, lw=1)
+    ax.axhline(result["digital_accuracy"], color="gray", ls="--", lw=1, label="digital")
+    ax.set_xscale("log")
+    ax.set_xlabel("time after programming (s)")
+    ax.set_ylabel("test accuracy (mean ± std; dotted: worst chip)")
+    ax.set_title(f"{result['workload'].upper()} on Fashion-MNIST, {result['preset']} preset, "
+                 f"{result['repeats']} chips")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def speed(repeats: int = 10, log=print) -> dict:
+    """Forward time of each preset against the digital forward (batch 256), and of a drift step."""
+    from bench.workloads import build
+
+    rows = []
+    for name, shape in (("mlp", (256, 1, 28, 28)), ("cnn", (256, 1, 28, 28))):
+        torch.manual_seed(0)
+        model = build(name).eval()
+        x = torch.randn(*shape)
+
+        def best(fn):
+            fn()  # warm-up
+            times = []
+            for _ in range(repeats):
+                start = time.perf_counter()
+                fn()
+                times.append(time.perf_counter() - start)
+            return sorted(times)[len(times) // 2]  # median
+
+        with torch.inference_mode():
+            digital = best(lambda: model(x))
+        for p in ("ideal", "pcm", "pcm-hwa", "rram"):
+            analog = convert_to_analog(model, preset(p))
+            with torch.inference_mode():
+                fwd = best(lambda: analog(x))
+            drift = best(lambda: drift_to(analog, 86400.0, gdc="global"))
+            rows.append({"model": name, "preset": p, "digital_ms": digital * 1e3, "analog_ms": fwd * 1e3,
+                         "forward_ratio": fwd / digital, "drift_ms": drift * 1e3, "drift_over_forward": drift / fwd})
+            log(f"{name} {p:<8} digital {digital * 1e3:7.2f} ms  analog {fwd * 1e3:8.2f} ms  x{fwd / digital:5.2f}  "
+                f"drift step {drift * 1e3:7.2f} ms ({drift / fwd:.2f} of a forward)")
+    return {"batch": 256, "threads": torch.get_num_threads(), "rows": rows}
+
+
+def write_json(path, obj) -> None:
+    Path(path).write_text(json.dumps(obj, indent=1) + "\n")
