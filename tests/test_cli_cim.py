@@ -32,7 +32,7 @@ def test_drift_table_json_and_plot(mlp_checkpoint, tmp_path):
     (["--preset", "pcmx"], "unknown preset 'pcmx'"),
     (["--times", "1s,-1h"], "cannot read time '-1h'"),
     (["--times", "soon"], "cannot read time 'soon'"),
-    (["--workload", "cnn"], "does not fit"),
+    (["--workload", "cnn"], "holds workload 'mlp', not 'cnn'"),
 ])
 def test_drift_bad_input(mlp_checkpoint, args, needle):
     base = {"--workload": "mlp", "--checkpoint": str(mlp_checkpoint), "--repeats": "1", "--test-images": "100"}
