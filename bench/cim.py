@@ -105,7 +105,7 @@ def plot_drift(result: dict, path) -> None:
     plt.close(fig)
 
 
-def speed(repeats: int = 10, log=print) -> dict:
+def speed(repeats: int = 30, log=print) -> dict:
     """Forward time of each preset against the digital forward (batch 256), and of a drift step."""
     from bench.workloads import build
 

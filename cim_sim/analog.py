@@ -73,11 +73,12 @@ def preset(name: str) -> AnalogConfig:
     return PRESETS[name]
 
 
-def _quantize(x: torch.Tensor, bits: int | None, bound: float) -> torch.Tensor:
+def _quantize_(x: torch.Tensor, bits: int | None, bound: float) -> torch.Tensor:
+    """Clip to [-bound, bound] and round to a grid of 2**bits - 2 steps, in place (x must be a temporary)."""
     if bits is None:
         return x
     step = 2 * bound / (2**bits - 2)
-    return torch.round(x.clamp(-bound, bound) / step) * step
+    return x.clamp_(-bound, bound).mul_(1 / step).round_().mul_(step)
 
 
 class AnalogMixin:
@@ -110,23 +111,20 @@ class AnalogMixin:
             self.w_eff = self.w_digital.clone()
             return
         scale = dev.g_max / self.w_max
-        g_plus = (self.w_digital * scale).clamp(0, dev.g_max)
-        g_minus = (-self.w_digital * scale).clamp(0, dev.g_max)
-        g_plus_p, g_minus_p = dev.program(g_plus, gen), dev.program(g_minus, gen)
-        g_plus_p = stuck_at(g_plus_p, self.config.stuck_at_rate, dev.g_max, gen)
-        g_minus_p = stuck_at(g_minus_p, self.config.stuck_at_rate, dev.g_max, gen)
-        self.programmed = {"scale": scale, "g_plus": g_plus_p, "g_minus": g_minus_p,
-                           "nu_plus": dev.drift_exponent(g_plus, gen), "nu_minus": dev.drift_exponent(g_minus, gen)}
+        # G+ and G- stacked: one tensor op per step for both devices of every pair
+        g_target = torch.stack([(self.w_digital * scale).clamp(0, dev.g_max), (-self.w_digital * scale).clamp(0, dev.g_max)])
+        g_prog = stuck_at(dev.program(g_target, gen), self.config.stuck_at_rate, dev.g_max, gen)
+        self.programmed = {"scale": scale, "g": g_prog, "nu": dev.drift_exponent(g_target, gen),
+                           "q": dev.read_noise_coefficient(g_prog)}
         self.read_at(0.0, gen)
 
     def read_at(self, t: float, gen: torch.Generator) -> None:
         """Set the weights to the conductances read t seconds after programming."""
         if self.programmed is None:
             return
-        p, dev = self.programmed, self.device_model
-        g_plus = dev.read(p["g_plus"], p["nu_plus"], t, gen)
-        g_minus = dev.read(p["g_minus"], p["nu_minus"], t, gen)
-        self.w_eff = (g_plus - g_minus) / p["scale"]
+        p = self.programmed
+        g = self.device_model.read(p["g"], p["nu"], t, gen, q=p["q"])
+        self.w_eff = (g[0] - g[1]) / p["scale"]
 
     # -- the analog matrix-vector product ---------------------------------------------------
 
@@ -135,51 +133,61 @@ class AnalogMixin:
         c = self.config
         if self.is_ideal:
             return x @ self.w_eff.T
-        n_in = x.shape[1]
-        tiles = math.ceil(n_in / c.tile_size)
-        pad = tiles * c.tile_size - n_in
-        w = self._tiled_weights()
-        x_scale = x.abs().amax(1, keepdim=True).clamp_min(1e-12) if c.dac_bits is not None else torch.ones(len(x), 1)
-        y = torch.empty(x.shape[0], w.shape[0])
-        rows = None  # None: all rows (no copy)
-        factor = torch.ones(x.shape[0], 1)
-        for _ in range(4 if c.bound_management else 1):  # bound management: retry saturated rows at half scale
-            xs = (x if rows is None else x[rows]) / (x_scale if rows is None else x_scale[rows] * factor[rows])
-            xq = _quantize(xs, c.dac_bits, c.inp_bound)
-            xt = (F.pad(xq, (0, pad)) if pad else xq).view(len(xq), tiles, c.tile_size)
-            part = torch.einsum("btk,otk->bto", xt, w)
-            if c.w_noise:
-                sd = torch.einsum("btk,otk->bto", xt * xt, w.abs()).clamp_min(0).sqrt_()
-                part += c.w_noise * sd * torch.randn(part.shape, generator=self.gen)
-            if c.ir_drop:
-                # first-order IR drop (our approximation): a bit line carrying a large total
-                # current loses a share of it, 5% at full current on every row of the array
-                current = torch.einsum("btk,otk->bto", xt.abs(), w.abs()) / c.tile_size
-                part *= 1 - 0.05 * c.ir_drop * current
-            if c.out_noise:
-                part += c.out_noise * torch.randn(part.shape, generator=self.gen)
-            saturated = (part.abs() >= c.out_bound).flatten(1).any(1) if c.adc_bits is not None else None
-            out = _quantize(part, c.adc_bits, c.out_bound).sum(1)
+        tiles = self._tiles()
+        if c.dac_bits is not None:  # noise management: each input row scaled by its abs-max
+            x_scale = torch.linalg.vector_norm(x, float("inf"), dim=1, keepdim=True).clamp_min_(1e-12)
+        else:
+            x_scale = torch.ones(x.shape[0], 1)
+        y, rows, factor = None, None, torch.ones(x.shape[0], 1)
+        for _ in range(4 if c.bound_management and c.adc_bits is not None else 1):
+            xs = x if rows is None else x[rows]
+            scale = x_scale if rows is None else x_scale[rows] * factor[rows]
+            xq = _quantize_(xs / scale, c.dac_bits, c.inp_bound)
+            out, peak = None, None
+            for k0, k1, w_t, w_abs_t in tiles:  # a loop over arrays (a handful), not over devices
+                xk = xq[:, k0:k1]
+                part = xk @ w_t
+                if c.w_noise or c.ir_drop:
+                    # both need |w| against a function of x: one matmul for both
+                    stats = torch.cat([xk * xk, xk.abs()]) @ w_abs_t
+                    if c.w_noise:  # per-read PCM noise: std w_noise * sqrt(sum_j |w_ij| x_j^2)
+                        part += torch.randn(part.shape, generator=self.gen).mul_(stats[: len(xk)].sqrt_()) * c.w_noise
+                    if c.ir_drop:
+                        # first-order IR drop (our approximation): a bit line carrying a large total
+                        # current loses a share of it, 5% at full current on every row of the array
+                        part *= 1 - (0.05 * c.ir_drop / (k1 - k0)) * stats[len(xk):]
+                if c.out_noise:
+                    part += torch.randn(part.shape, generator=self.gen).mul_(c.out_noise)
+                if c.adc_bits is not None:
+                    tile_peak = torch.linalg.vector_norm(part, float("inf"), dim=1)
+                    peak = tile_peak if peak is None else torch.maximum(peak, tile_peak)
+                part = _quantize_(part, c.adc_bits, c.out_bound)
+                out = part if out is None else out.add_(part)
             if rows is None:
                 y = out
             else:
                 y[rows] = out * factor[rows]
-            if saturated is None or not c.bound_management or not bool(saturated.any()):
+            if peak is None or not c.bound_management:
+                break
+            saturated = peak >= c.out_bound
+            if not bool(saturated.any()):
                 break
             rows = saturated.nonzero().squeeze(1) if rows is None else rows[saturated]
-            factor[rows] *= 2
+            factor[rows] *= 2  # bound management: retry the saturated rows at half the input scale
         return y * x_scale * self.w_max
 
-    def _tiled_weights(self) -> torch.Tensor:
-        """The weights as the arrays hold them, normalised to |w| <= ~1 and cut into tiles (cached)."""
+    def _tiles(self) -> list:
+        """(k0, k1, w^T, |w|^T) per array of ``tile_size`` inputs, normalised to |w| <= ~1 (cached per read)."""
         if getattr(self, "_tiles_of", None) is not self.w_eff:
-            c = self.config
-            n_in = self.w_eff.shape[1]
-            tiles = math.ceil(n_in / c.tile_size)
-            w = F.pad(self.w_eff / self.w_max, (0, tiles * c.tile_size - n_in))
-            self._tiles = w.view(w.shape[0], tiles, c.tile_size)
+            c, n_in = self.config, self.w_eff.shape[1]
+            w = self.w_eff / self.w_max
+            self._tile_list = []
+            for k0 in range(0, n_in, c.tile_size):
+                wt = w[:, k0 : k0 + c.tile_size].T.contiguous()
+                self._tile_list.append((k0, min(n_in, k0 + c.tile_size), wt,
+                                        wt.abs() if c.w_noise or c.ir_drop else None))
             self._tiles_of = self.w_eff
-        return self._tiles
+        return self._tile_list
 
     def _analog_out(self, x2: torch.Tensor) -> torch.Tensor:
         return self._mvm(x2) * self.gdc_scale

@@ -30,10 +30,9 @@ class PCM:
         return (0.26348 + 1.9650 * x - 1.1731 * x * x) * (self.g_max / 25.0) * self.prog_noise_scale
 
     def program(self, g_target: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
-        """g_prog = max(0, g_T + sigma(g_T) * N(0, 1)); zero targets stay zero (no device is set)."""
+        """g_prog = max(0, g_T + sigma(g_T) * N(0, 1)), for every device (a zero target included)."""
         noise = torch.randn(g_target.shape, generator=gen, dtype=g_target.dtype)
-        g = (g_target + self.programming_sigma(g_target) * noise).clamp_min(0)
-        return torch.where(g_target > 0, g, torch.zeros_like(g))
+        return (g_target + self.programming_sigma(g_target) * noise).clamp_min_(0)
 
     def drift_exponent(self, g_target: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
         """nu = |mu(g_T) + sigma(g_T) N(0,1)|, drawn once per device at programming."""
@@ -43,14 +42,23 @@ class PCM:
         nu = (mu + sd * torch.randn(g_target.shape, generator=gen, dtype=g_target.dtype)).abs()
         return nu * self.drift_scale
 
-    def read(self, g_prog: torch.Tensor, nu: torch.Tensor, t: float, gen: torch.Generator) -> torch.Tensor:
-        """Conductance read t seconds after programming: drift, then 1/f read noise (a fresh draw)."""
+    def read_noise_coefficient(self, g_prog: torch.Tensor) -> torch.Tensor:
+        """Q(g_prog) of the 1/f read noise; depends only on the programmed state (computed once)."""
+        return (0.0088 / (g_prog.abs() / self.g_max).pow(0.65).clamp_min(1e-3)).clamp_max(0.2)
+
+    def read(self, g_prog: torch.Tensor, nu: torch.Tensor, t: float, gen: torch.Generator,
+             q: torch.Tensor | None = None) -> torch.Tensor:
+        """Conductance read t seconds after programming: drift, then 1/f read noise (a fresh draw).
+
+        g = max(0, g_drift (1 + Q sqrt(ln((T + t_read) / (2 t_read))) N(0,1))),
+        g_drift = g_prog (T / t0)^-nu, T = t + t0. ``q``: precomputed Q(g_prog).
+        """
         T = t + self.t0
-        g_drift = g_prog * (T / self.t0) ** (-nu)
-        q = (0.0088 / (g_prog.abs() / self.g_max).pow(0.65).clamp_min(1e-3)).clamp_max(0.2)
-        sigma = q * math.sqrt(math.log((T + self.t_read) / (2 * self.t_read))) * self.read_noise_scale
+        g_drift = g_prog * torch.exp(nu * -math.log(T / self.t0))
+        q = self.read_noise_coefficient(g_prog) if q is None else q
+        sigma = math.sqrt(math.log((T + self.t_read) / (2 * self.t_read))) * self.read_noise_scale
         noise = torch.randn(g_prog.shape, generator=gen, dtype=g_prog.dtype)
-        return (g_drift + g_drift.abs() * sigma * noise).clamp_min(0)
+        return (g_drift + g_drift.abs() * (q * sigma) * noise).clamp_min_(0)
 
 
 @dataclass(frozen=True)
