@@ -69,7 +69,7 @@ def drift_study(workload="cnn", checkpoint=None, preset_name="pcm", times=DEFAUL
     log(f"{workload} on {preset_name}: digital accuracy {digital:.4f}; {repeats} programmed chips, "
         f"{len(labels)} test images")
     log(f"{'time':>6} " + "".join(f"{m:>28}" for m in modes))
-    for i, t in enumerate(labels_t):
+    for t in labels_t:
         cells = "".join(f"{r['mean']:>12.4f} ±{r['std']:.4f} min {r['worst']:.4f}"
                         for r in rows if r["time"] == t)
         log(f"{t:>6} {cells}")
@@ -125,12 +125,12 @@ def speed(repeats: int = 30, log=print) -> dict:
             return sorted(times)[len(times) // 2]  # median
 
         with torch.inference_mode():
-            digital = best(lambda: model(x))
+            digital = best(lambda model=model, x=x: model(x))
         for p in ("ideal", "pcm", "pcm-hwa", "rram"):
             analog = convert_to_analog(model, preset(p))
             with torch.inference_mode():
-                fwd = best(lambda: analog(x))
-            drift = best(lambda: drift_to(analog, 86400.0, gdc="global"))
+                fwd = best(lambda analog=analog, x=x: analog(x))
+            drift = best(lambda analog=analog: drift_to(analog, 86400.0, gdc="global"))
             rows.append({"model": name, "preset": p, "digital_ms": digital * 1e3, "analog_ms": fwd * 1e3,
                          "forward_ratio": fwd / digital, "drift_ms": drift * 1e3, "drift_over_forward": drift / fwd})
             log(f"{name} {p:<8} digital {digital * 1e3:7.2f} ms  analog {fwd * 1e3:8.2f} ms  x{fwd / digital:5.2f}  "

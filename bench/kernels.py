@@ -95,9 +95,9 @@ def timings(quick: bool = False, log=print) -> dict:
     dev = "cuda"
     src = torch.empty(1 << 28, dtype=torch.float32, device=dev)
     dst = torch.empty_like(src)
-    copy_ms = do_bench(lambda: dst.copy_(src))
+    copy_ms = do_bench(lambda dst=dst, src=src: dst.copy_(src))
     copy_gbs = 2 * src.numel() * 4 / copy_ms / 1e6
-    del src, dst
+    src = dst = None
     log(f"{torch.cuda.get_device_name(0)}: measured copy bandwidth {copy_gbs:.0f} GB/s")
     shapes = {k: v for k, v in LAYER_SHAPES.items() if not quick or k in ("llama7b.q_proj", "llama70b.q_proj")}
     rows = []
@@ -112,8 +112,9 @@ def timings(quick: bool = False, log=print) -> dict:
             scales = (torch.rand(n, k // 64, device=dev) * 0.05).to(torch.bfloat16)
             for m in (1, 16, 64, 256):
                 x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
-                ms_ref = do_bench(lambda: torch.matmul(x, w.T))
-                ms_q = do_bench(lambda: lut_matmul_triton(x, codes, book, scales, None, bits, 64, k))
+                ms_ref = do_bench(lambda x=x, w=w: torch.matmul(x, w.T))
+                ms_q = do_bench(lambda x=x, c=codes, b=book, s=scales, bits=bits, k=k:
+                                lut_matmul_triton(x, c, b, s, None, bits, 64, k))
                 weight_bytes = codes.numel() + scales.numel() * 2 + book.numel() * 2
                 moved = weight_bytes + x.numel() * 2 + m * n * 2
                 row = {"layer": name, "n": n, "k": k, "m": m, "bits": bits, "path": choose_path(m),

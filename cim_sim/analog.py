@@ -18,7 +18,6 @@ The forward pass of one analog layer, all as a few tensor ops per layer:
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, replace
 
 import torch
