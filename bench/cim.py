@@ -65,9 +65,13 @@ def drift_study(workload="cnn", checkpoint=None, preset_name="pcm", times=DEFAUL
             rows.append({"gdc": m, "time": labels_t[i], "seconds": t, "mean": float(a.mean()),
                          "std": float(a.std()) if repeats > 1 else 0.0, "worst": float(a.min()), "all": acc[m][i]})
     result = {"workload": workload, "checkpoint": str(path), "preset": preset_name, "repeats": repeats,
+              "digital_layers": analog.digital_layers,
               "test_images": len(labels), "digital_accuracy": digital, "rows": rows}
+    from cim_sim import analog_layers
+
     log(f"{workload} on {preset_name}: digital accuracy {digital:.4f}; {repeats} programmed chips, "
-        f"{len(labels)} test images")
+        f"{len(labels)} test images; {len(analog_layers(analog))} layers on analog arrays, kept digital: "
+        f"{', '.join(analog.digital_layers) or 'none'}")
     log(f"{'time':>6} " + "".join(f"{m:>28}" for m in modes))
     for t in labels_t:
         cells = "".join(f"{r['mean']:>12.4f} ±{r['std']:.4f} min {r['worst']:.4f}"
