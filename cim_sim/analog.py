@@ -18,7 +18,7 @@ The forward pass of one analog layer, all as a few tensor ops per layer:
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -262,7 +262,3 @@ class AnalogConv2d(AnalogMixin, nn.Module):
         s_n, s_c, s_h, s_w = xp.stride()
         view = xp.as_strided((n, oh, ow, c, kh, kw), (s_n, s_h * sh, s_w * sw, s_c, s_h * dh, s_w * dw))
         return view.reshape(n * oh * ow, c * kh * kw), oh, ow
-
-
-def with_overrides(config: AnalogConfig, **kw) -> AnalogConfig:
-    return replace(config, **kw)
