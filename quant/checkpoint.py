@@ -214,8 +214,6 @@ def _stream(source, targets, importance, config, partial, state, shard_bytes, on
         bar.set_postfix_str(name, refresh=False)
         if name in targets:
             w = source.get(name)
-            if not torch.isfinite(w).all():
-                raise HiltError(f"{source.path}: tensor '{name}' contains NaN or Inf values")
             q = quantize_tensor(w, config, name=name, importance=importance.get(name))
             parts = _tensor_parts(name, q)
             entry = {

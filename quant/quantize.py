@@ -148,11 +148,12 @@ def quantize_tensor(
         importance = importance.clamp_min(1e-6 * float(importance.mean()) + 1e-30)
     n, k = w.shape
     B = config.block_size
-    scales, offsets, u = normalise_blocks(w, config)
+    scales, offsets = _block_scales(w.float().view(n, k // B, B), config)
     levels = 1 << config.bits
 
     codebook = _fixed_codebook(config)
     if codebook is None:
+        u = _normalised(w, scales, offsets, B)  # all of it: the codebook is fitted over every value
         weights = None
         if importance is not None:
             imp = torch.broadcast_to(importance.float(), w.shape).reshape(n, k // B, B)

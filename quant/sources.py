@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import struct
+from abc import ABC, abstractmethod
 from pathlib import Path
 
 import numpy as np
@@ -23,33 +24,36 @@ from kernels import HiltError
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
 
 
-class Source:
-    """A read-only, lazily loaded set of named tensors."""
+class Source(ABC):
+    """A read-only, lazily loaded set of named tensors (one subclass per file format)."""
 
     path: Path
     format: str
 
+    @abstractmethod
     def names(self) -> list[str]:
-        raise NotImplementedError
+        """Tensor names, in a stable order."""
 
+    @abstractmethod
     def shape(self, name: str) -> tuple[int, ...]:
-        raise NotImplementedError
+        """The shape in PyTorch orientation."""
 
+    @abstractmethod
     def stored_type(self, name: str) -> str:
         """The dtype as stored in the file (e.g. 'BF16', 'F32', 'Q4_1')."""
-        raise NotImplementedError
 
     def get(self, name: str) -> torch.Tensor:
         """The tensor, floating types as float32 (others unchanged)."""
         t = self.get_stored(name)
         return t.float() if t.is_floating_point() else t
 
+    @abstractmethod
     def get_stored(self, name: str) -> torch.Tensor:
         """The tensor in its stored dtype (GGUF block formats: dequantized float32)."""
-        raise NotImplementedError
 
+    @abstractmethod
     def is_floating(self, name: str) -> bool:
-        raise NotImplementedError
+        """Whether the tensor holds floating-point values (only those can be quantized)."""
 
     def close(self) -> None:
         pass
