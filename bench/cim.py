@@ -30,8 +30,10 @@ def _model(workload: str, checkpoint):
 
 
 def drift_study(workload="cnn", checkpoint=None, preset_name="pcm", times=DEFAULT_TIMES, repeats=5,
-                gdc="global", test_images=10_000, progress=False, log=print) -> dict:
-    """Accuracy at each time after programming, over ``repeats`` programmed chips, with and without GDC."""
+                gdc="global", test_images=10_000, progress=False, log=print, model=None) -> dict:
+    """Accuracy at each time after programming, over ``repeats`` programmed chips, with and without GDC.
+
+    ``model``: a trained workload model to use instead of a checkpoint file."""
     from tqdm import tqdm
 
     from bench.fashion import load_fashion_mnist
@@ -41,7 +43,7 @@ def drift_study(workload="cnn", checkpoint=None, preset_name="pcm", times=DEFAUL
     if repeats < 1:
         raise HiltError(f"--repeats must be at least 1, got {repeats}")
     config = preset(preset_name)
-    model, path = _model(workload, checkpoint)
+    model, path = _model(workload, checkpoint) if model is None else (model, None)
     images, labels = load_fashion_mnist("test")
     images, labels = images[:test_images], labels[:test_images]
     digital = accuracy(model, images, labels)
@@ -64,7 +66,7 @@ def drift_study(workload="cnn", checkpoint=None, preset_name="pcm", times=DEFAUL
             a = torch.tensor(acc[m][i])
             rows.append({"gdc": m, "time": labels_t[i], "seconds": t, "mean": float(a.mean()),
                          "std": float(a.std()) if repeats > 1 else 0.0, "worst": float(a.min()), "all": acc[m][i]})
-    result = {"workload": workload, "checkpoint": str(path), "preset": preset_name, "repeats": repeats,
+    result = {"workload": workload, "checkpoint": path and _relative(path), "preset": preset_name, "repeats": repeats,
               "digital_layers": analog.digital_layers,
               "test_images": len(labels), "digital_accuracy": digital, "rows": rows}
     from cim_sim import analog_layers
@@ -78,6 +80,14 @@ def drift_study(workload="cnn", checkpoint=None, preset_name="pcm", times=DEFAUL
                         for r in rows if r["time"] == t)
         log(f"{t:>6} {cells}")
     return result
+
+
+def _relative(path: Path) -> str:
+    """A path as the user would type it from the current folder (no machine-specific prefix in results)."""
+    try:
+        return str(Path(path).resolve().relative_to(Path.cwd()))
+    except ValueError:
+        return str(path)
 
 
 def plot_drift(result: dict, path) -> None:
@@ -110,36 +120,40 @@ def plot_drift(result: dict, path) -> None:
 
 
 def speed(repeats: int = 30, log=print) -> dict:
-    """Forward time of each preset against the digital forward (batch 256), and of a drift step."""
-    from bench.workloads import build
+    """Forward time of each preset against the digital forward of the same model, and of a drift step.
 
+    The committed trained checkpoints on the first 256 Fashion-MNIST test images: an untrained
+    model on Gaussian inputs saturates the ADC on most rows and measures bound management instead.
+    """
+    from bench.fashion import load_fashion_mnist
+
+    x, _ = load_fashion_mnist("test", limit=256)
     rows = []
-    for name, shape in (("mlp", (256, 1, 28, 28)), ("cnn", (256, 1, 28, 28))):
-        torch.manual_seed(0)
-        model = build(name).eval()
-        x = torch.randn(*shape)
+    for name in ("mlp", "cnn"):
+        model, path = _model(name, None)
 
-        def best(fn):
+        def median(fn):
             fn()  # warm-up
             times = []
             for _ in range(repeats):
                 start = time.perf_counter()
                 fn()
                 times.append(time.perf_counter() - start)
-            return sorted(times)[len(times) // 2]  # median
+            return sorted(times)[len(times) // 2]
 
         with torch.inference_mode():
-            digital = best(lambda model=model, x=x: model(x))
+            digital = median(lambda model=model: model(x))
         for p in ("ideal", "pcm", "pcm-hwa", "rram"):
             analog = convert_to_analog(model, preset(p))
             with torch.inference_mode():
-                fwd = best(lambda analog=analog, x=x: analog(x))
-            drift = best(lambda analog=analog: drift_to(analog, 86400.0, gdc="global"))
-            rows.append({"model": name, "preset": p, "digital_ms": digital * 1e3, "analog_ms": fwd * 1e3,
-                         "forward_ratio": fwd / digital, "drift_ms": drift * 1e3, "drift_over_forward": drift / fwd})
+                fwd = median(lambda analog=analog: analog(x))
+            drift = median(lambda analog=analog: drift_to(analog, 86400.0, gdc="global"))
+            rows.append({"model": name, "checkpoint": path.name, "preset": p, "digital_ms": digital * 1e3,
+                         "analog_ms": fwd * 1e3, "forward_ratio": fwd / digital, "drift_ms": drift * 1e3,
+                         "drift_over_forward": drift / fwd})
             log(f"{name} {p:<8} digital {digital * 1e3:7.2f} ms  analog {fwd * 1e3:8.2f} ms  x{fwd / digital:5.2f}  "
                 f"drift step {drift * 1e3:7.2f} ms ({drift / fwd:.2f} of a forward)")
-    return {"batch": 256, "threads": torch.get_num_threads(), "rows": rows}
+    return {"batch": 256, "inputs": "Fashion-MNIST test[:256]", "threads": torch.get_num_threads(), "rows": rows}
 
 
 def write_json(path, obj) -> None:

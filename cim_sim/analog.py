@@ -4,14 +4,14 @@ The forward pass of one analog layer, all as a few tensor ops per layer:
 
 1. weights: W_eff = (G+ - G-) / scale, the conductances read at the current time
    (programming noise, drift and read noise from the device model);
-2. DAC: each input row is divided by its abs-max (noise management) and
-   quantized to ``dac_bits`` over [-inp_bound, inp_bound];
-3. the input dimension is cut into arrays of ``tile_size`` rows; each array
-   computes its own partial output (an einsum over all arrays at once);
-4. per array: per-read weight noise (pcm-hwa), a first-order IR-drop
+2. the input dimension is cut into arrays of ``tile_size`` rows, each a tile
+   of its own as in aihwkit;
+3. per array, DAC: each input row's slice is divided by its abs-max (noise
+   management) and quantized to ``dac_bits`` over [-inp_bound, inp_bound];
+4. per array: the MVM, per-read weight noise (pcm-hwa), a first-order IR-drop
    attenuation, Gaussian output noise, then the ADC: clip at ``out_bound`` and
-   quantize to ``adc_bits``; inputs whose output saturates are retried at half
-   scale (bound management);
+   quantize to ``adc_bits``; input rows whose output saturates are retried at
+   half scale, up to 3 times (bound management);
 5. digital: partial outputs summed, scaled back, drift compensation applied,
    bias added.
 """
@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from cim_sim.devices import PCM, RRAM, stuck_at
+from cim_sim.devices import PCM, RRAM, randn, stuck_at
 from kernels import HiltError
 
 
@@ -115,71 +115,83 @@ class AnalogMixin:
             return
         p = self.programmed
         g = self.device_model.read(p["g"], p["nu"], t, gen, q=p["q"])
-        self.w_eff = (g[0] - g[1]) / p["scale"]
+        self.w_eff = torch.sub(g[0], g[1]).div_(p["scale"])
 
     # -- the analog matrix-vector product ---------------------------------------------------
 
     def _mvm(self, x: torch.Tensor) -> torch.Tensor:
         """x (rows, in) -> (rows, out) through DAC, tiled arrays, noise, ADC; without bias.
 
-        Converters work in integer steps: the DAC's step is folded into the input
-        scaling and the ADC's into the final scaling, so each pass over the data
-        is one multiply, clip or round (this is most of the simulator's cost).
+        Each array of ``tile_size`` inputs is a tile of its own, as in aihwkit: it scales
+        its slice of the input (noise management) and retries its own saturated rows
+        (bound management); the digital periphery sums the tiles' outputs.
         """
-        c = self.config
         if self.is_ideal:
             return x @ self.w_eff.T
-        tiles = self._tiles()
-        in_step, out_step = self._steps()
-        out_levels = c.out_bound / out_step
+        _, out_step = self._steps()
+        y = None
+        for k0, k1, w_t, w_abs_t in self._tiles():  # a loop over arrays (a handful), not over devices
+            part = self._tile_mvm(x[:, k0:k1], w_t, w_abs_t)
+            y = part if y is None else y.add_(part)
+        return y.mul_(out_step * self.w_max)
+
+    def _tile_mvm(self, x: torch.Tensor, w_t: torch.Tensor, w_abs_t) -> torch.Tensor:
+        """One array: noise management, DAC, MVM, ADC, bound management. In ADC steps times the input scale."""
+        c = self.config
+        in_step, _ = self._steps()
         if c.dac_bits is not None:  # noise management: each input row scaled by its abs-max
             x_scale = x.abs().amax(1, keepdim=True).clamp_min_(1e-12)  # (9x faster than vector_norm(inf))
         else:
             x_scale = torch.ones(x.shape[0], 1)
-        y, rows, factor = None, None, torch.ones(x.shape[0], 1)
-        for _ in range(4 if c.bound_management and c.adc_bits is not None else 1):
-            xs = x if rows is None else x[rows]
-            scale = x_scale if rows is None else x_scale[rows] * factor[rows]
-            xq = xs * (1 / (scale * in_step))  # in DAC steps; |x / scale| <= 1
-            if c.dac_bits is not None:
-                if c.inp_bound < 1:
-                    xq.clamp_(-c.inp_bound / in_step, c.inp_bound / in_step)
-                xq.round_()
-            out, peak = None, None
-            for k0, k1, w_t, w_abs_t in tiles:  # a loop over arrays (a handful), not over devices
-                xk = xq[:, k0:k1]
-                part = xk @ w_t  # in ADC steps: w_t carries in_step / out_step
-                if c.w_noise or c.ir_drop:
-                    # both need |w| against a function of x: one matmul for both
-                    stats = torch.cat([xk * xk, xk.abs()]) @ w_abs_t
-                    if c.ir_drop:
-                        # first-order IR drop (our approximation): a bit line carrying a large total
-                        # current loses a share of it, 5% at full current on every row of the array
-                        part *= 1 - (0.05 * c.ir_drop * in_step / (k1 - k0)) * stats[len(xk):]
-                    if c.w_noise:  # per-read PCM noise: std w_noise * sqrt(sum_j |w_ij| x_j^2)
-                        noise = torch.randn(part.shape, generator=self.gen).mul_(stats[: len(xk)].sqrt_())
-                        part.add_(noise, alpha=c.w_noise * in_step / out_step)
-                if c.out_noise:
-                    part.add_(torch.randn(part.shape, generator=self.gen), alpha=c.out_noise / out_step)
-                if c.adc_bits is not None:
-                    if max(float(part.amax()), -float(part.amin())) >= out_levels:  # rare: find the rows
-                        tile_peak = part.abs().amax(1)
-                        peak = tile_peak if peak is None else torch.maximum(peak, tile_peak)
-                        part.clamp_(-out_levels, out_levels)
-                    part.round_()
-                out = part if out is None else out.add_(part)
-            if rows is None:
-                y = out
-            else:
-                y[rows] = out * factor[rows]
-            if peak is None or not c.bound_management:
+        part, peak = self._read_out(x * (1 / (x_scale * in_step)), w_t, w_abs_t)
+        rows, factor = None, 1.0
+        for _ in range(3 if c.bound_management else 0):
+            if peak is None:
                 break
-            saturated = peak >= out_levels
-            if not bool(saturated.any()):
-                break
+            saturated = peak >= c.out_bound / self._steps()[1]
             rows = saturated.nonzero().squeeze(1) if rows is None else rows[saturated]
-            factor[rows] *= 2  # bound management: retry the saturated rows at half the input scale
-        return y.mul_(x_scale * (out_step * self.w_max))
+            if len(rows) == 0:
+                break
+            factor *= 2  # bound management: retry the saturated rows at half the input scale
+            retry, peak = self._read_out(x[rows] * (1 / (x_scale[rows] * (factor * in_step))), w_t, w_abs_t)
+            part[rows] = retry.mul_(factor)
+        return part.mul_(x_scale)
+
+    def _read_out(self, xq: torch.Tensor, w_t: torch.Tensor, w_abs_t) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """One pass through an array: xq in DAC steps (|xq| <= 1 / DAC step) -> (ADC output in
+        steps, per-row peak before clipping or None when no output saturated).
+
+        Converters work in integer steps: the DAC's step is folded into the input scaling
+        and the ADC's into ``w_t`` and the final scaling, so each pass over the data is one
+        multiply, clip or round (this is most of the simulator's cost).
+        """
+        c = self.config
+        in_step, out_step = self._steps()
+        if c.dac_bits is not None:
+            if c.inp_bound < 1:
+                xq.clamp_(-c.inp_bound / in_step, c.inp_bound / in_step)
+            xq.round_()
+        part = xq @ w_t  # in ADC steps: w_t carries in_step / out_step
+        if c.w_noise or c.ir_drop:
+            # both need |w| against a function of x: one matmul for both
+            stats = torch.cat([xq * xq, xq.abs()]) @ w_abs_t
+            if c.ir_drop:
+                # first-order IR drop (our approximation): a bit line carrying a large total
+                # current loses a share of it, 5% at full current on every row of the array
+                part *= 1 - (0.05 * c.ir_drop * in_step / w_t.shape[0]) * stats[len(xq):]
+            if c.w_noise:  # per-read PCM noise: std w_noise * sqrt(sum_j |w_ij| x_j^2)
+                noise = randn(part.shape, self.gen).mul_(stats[: len(xq)].sqrt_())
+                part.add_(noise, alpha=c.w_noise * in_step / out_step)
+        if c.out_noise:
+            part.add_(randn(part.shape, self.gen), alpha=c.out_noise / out_step)
+        peak = None
+        if c.adc_bits is not None:
+            out_levels = c.out_bound / out_step
+            if max(float(part.amax()), -float(part.amin())) >= out_levels:  # rare: find the rows
+                peak = part.abs().amax(1)
+                part.clamp_(-out_levels, out_levels)
+            part.round_()
+        return part, peak
 
     def _steps(self) -> tuple[float, float]:
         """(DAC step, ADC step) in normalised units (1 where a converter is off)."""
@@ -192,12 +204,11 @@ class AnalogMixin:
         if getattr(self, "_tiles_of", None) is not self.w_eff:
             c, n_in = self.config, self.w_eff.shape[1]
             in_step, out_step = self._steps()
-            w = self.w_eff / self.w_max
             self._tile_list = []
             for k0 in range(0, n_in, c.tile_size):
-                wt = w[:, k0 : k0 + c.tile_size].T.contiguous()
-                self._tile_list.append((k0, min(n_in, k0 + c.tile_size), wt * (in_step / out_step),
-                                        wt.abs() if c.w_noise or c.ir_drop else None))
+                wt = self.w_eff[:, k0 : k0 + c.tile_size].T.contiguous().div_(self.w_max)
+                w_abs = wt.abs() if c.w_noise or c.ir_drop else None
+                self._tile_list.append((k0, min(n_in, k0 + c.tile_size), wt.mul_(in_step / out_step), w_abs))
             self._tiles_of = self.w_eff
         return self._tile_list
 

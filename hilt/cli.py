@@ -36,6 +36,14 @@ _COMMON = argparse.ArgumentParser(add_help=False)
 _COMMON.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help="show tracebacks")
 
 
+def _float_pair(text: str) -> tuple[float, float]:
+    try:
+        lo, hi = (float(v) for v in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected MIN,MAX such as 0.1,0.6, got {text!r}") from None
+    return lo, hi
+
+
 def _parser_with_example(sub, name, help_text, example):
     return sub.add_parser(name, help=help_text, description=help_text, parents=[_COMMON],
                           epilog=f"example:\n  {example}", formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -181,8 +189,16 @@ def cmd_calibrate(args) -> int:
 
 def cmd_train(args) -> int:
     from bench.workloads import train_run
+    from cim_sim.training import NoisyTraining
 
-    r = train_run(args.workload, method=args.method, epochs=args.epochs, seed=args.seed, out=args.out,
+    defaults = NoisyTraining()
+    eta_min, eta_max = args.eta_range or (defaults.eta_min, defaults.eta_max)
+    training = NoisyTraining(method=args.method, noise_model=args.noise_model,
+                             eta=defaults.eta if args.eta is None else args.eta,
+                             eta_min=eta_min, eta_max=eta_max,
+                             copies=defaults.copies if args.copies is None else args.copies,
+                             weighting=args.weighting)
+    r = train_run(args.workload, training=training, epochs=args.epochs, seed=args.seed, out=args.out,
                   progress=sys.stderr.isatty(), overwrite=args.overwrite)
     print(f"{args.workload} ({args.method}): test accuracy {r['test_accuracy']:.4f} after {r['epochs']} epochs, "
           f"{r['train_seconds']:.0f} s" + (f"; wrote {args.out}" if args.out else ""))
@@ -204,12 +220,62 @@ def cmd_drift(args) -> int:
     return 0
 
 
+def cmd_energy(args) -> int:
+    from bench import energy
+
+    result = energy.run(args.workload, args.checkpoint, args.preset, args.adc_bits, args.dac_bits, args.gpu_batch,
+                        sweep=args.sweep)
+    if args.json:
+        _write_json(args.json, result)
+    if args.plot:
+        energy.plot(result, args.plot)
+        print(f"wrote {args.plot}")
+    return 0
+
+
+def cmd_export_onnx(args) -> int:
+    from bench import export
+
+    src = Path(args.src)
+    if (src / "hilt.json").is_file():
+        if args.cim_preset:
+            raise HiltError(f"{src} is a quantized checkpoint; --cim-preset applies to workload checkpoints")
+        result = export.export_quantized(src, args.out, overwrite=args.overwrite)
+    elif src.suffix == ".safetensors" and src.is_file():
+        from bench.workloads import load_checkpoint
+
+        _, meta = load_checkpoint(src)
+        result = export.export_cim(meta["workload"], src, args.out, args.cim_preset or "pcm", args.time,
+                                   seed=args.seed, gdc=args.gdc, overwrite=args.overwrite)
+    else:
+        raise HiltError(f"{src}: expected a hilt quantized checkpoint folder (from `hilt quantize`) or a workload "
+                        f"checkpoint .safetensors (from `hilt train`)")
+    if args.json:
+        _write_json(args.json, result)
+    return 0
+
+
 def cmd_bench_cim(args) -> int:
     from bench import cim
 
     result = cim.speed()
     if args.json:
         _write_json(args.json, result)
+    return 0
+
+
+def cmd_bench_robustness(args) -> int:
+    from bench import robustness
+
+    result = robustness.study(quick=args.quick)
+    if args.json:
+        _write_json(args.json, result)
+    if args.plot:
+        robustness.plot(result, args.plot)
+        print(f"wrote {args.plot}")
+    if args.markdown:
+        Path(args.markdown).write_text(robustness.render(result))
+        print(f"wrote {args.markdown}")
     return 0
 
 
@@ -278,13 +344,50 @@ def build_parser() -> argparse.ArgumentParser:
     t = _parser_with_example(sub, "train", "train a Fashion-MNIST workload (MLP or CNN) and save a safetensors checkpoint",
                              "hilt train --workload cnn --out cnn.safetensors")
     t.add_argument("--workload", required=True, help="mlp or cnn")
-    t.add_argument("--method", default="standard", help="training method (standard)")
+    t.add_argument("--method", default="standard",
+                   help="standard, noise (noise injection at --eta) or dwp (--copies noisy copies over --eta-range, "
+                        "samples weighted by their disagreement)")
+    t.add_argument("--noise-model", default="mismatch", help="the noise trained under: mismatch, pcm or rram")
+    t.add_argument("--eta", type=float, help="noise: the mismatch level (default 0.3)")
+    t.add_argument("--eta-range", type=_float_pair, metavar="MIN,MAX", help="dwp: the copies' levels (default 0.1,0.6)")
+    t.add_argument("--copies", type=int, help="dwp: noisy copies per step (default 4)")
+    t.add_argument("--weighting", default="js", help="dwp: disagreement measure js, error or none (default js)")
     t.add_argument("--epochs", type=int, help="epochs (default: the workload's)")
     t.add_argument("--seed", type=int, default=0)
     t.add_argument("--out", metavar="FILE", help="checkpoint to write (.safetensors)")
     t.add_argument("--overwrite", action="store_true")
     t.add_argument("--json", metavar="FILE")
     t.set_defaults(func=cmd_train)
+
+    e = _parser_with_example(sub, "energy", "energy per inference on a CIM chip against a GPU, per layer",
+                             "hilt energy --workload cnn --sweep --plot energy.png")
+    e.add_argument("--workload", required=True, help="mlp or cnn")
+    e.add_argument("--checkpoint", metavar="FILE", help="default: bench/results/WORKLOAD-standard.safetensors")
+    e.add_argument("--preset", default="rram-22nm", help="chip energy constants: rram-22nm, sram-22nm, sram-5nm")
+    e.add_argument("--adc-bits", type=int, help="ADC resolution (default 9, or the lowest that keeps accuracy with --sweep)")
+    e.add_argument("--dac-bits", type=int, default=7)
+    e.add_argument("--gpu-batch", type=int, default=256, help="batch over which the GPU reads its weights once")
+    e.add_argument("--sweep", action="store_true",
+                   help="first find the lowest ADC resolution within 1 point of the 9-bit accuracy (pcm, 1 s)")
+    e.add_argument("--json", metavar="FILE")
+    e.add_argument("--plot", metavar="FILE", help="PNG bar chart, per layer")
+    e.set_defaults(func=cmd_energy)
+
+    x = sub.add_parser("export", help="export to ONNX that onnxruntime runs", parents=[_COMMON])
+    xsub = x.add_subparsers(dest="format", required=True)
+    xo = _parser_with_example(xsub, "onnx", "a quantized MiniLM checkpoint, or a workload on CIM hardware frozen at a "
+                              "time after programming, as ONNX (checked with onnx.checker and onnxruntime)",
+                              "hilt export onnx minilm-4bit minilm-4bit.onnx\n"
+                              "  hilt export onnx bench/results/cnn-standard.safetensors cnn-pcm-1y.onnx --time 1y")
+    xo.add_argument("src", help="quantized checkpoint folder, or workload checkpoint .safetensors")
+    xo.add_argument("out", help="the .onnx file to write")
+    xo.add_argument("--cim-preset", help="workload checkpoints: the CIM preset (default pcm)")
+    xo.add_argument("--time", default="1y", help="workload checkpoints: time after programming (default 1y)")
+    xo.add_argument("--gdc", default="global", help="drift compensation: global, column, exact or none")
+    xo.add_argument("--seed", type=int, default=0, help="which programmed chip")
+    xo.add_argument("--overwrite", action="store_true")
+    xo.add_argument("--json", metavar="FILE")
+    xo.set_defaults(func=cmd_export_onnx)
 
     d = _parser_with_example(sub, "drift", "accuracy on simulated CIM hardware over time after programming",
                              "hilt drift --workload cnn --preset pcm --times 1s,1h,1d,1mo,1y --repeats 5 --plot drift.png")
@@ -340,6 +443,14 @@ def build_parser() -> argparse.ArgumentParser:
                               "hilt bench cim --json cim_speed.json")
     bc.add_argument("--json", metavar="FILE")
     bc.set_defaults(func=cmd_bench_cim)
+    br = _parser_with_example(bsub, "robustness",
+                              "standard vs noise-injection vs DWP training on the CNN: mismatch sweep, a year of PCM "
+                              "drift, DWP ablation", "hilt bench robustness --quick --json robustness.json --plot robustness.png")
+    br.add_argument("--quick", action="store_true", help="small budget (under 5 minutes on 2 cores)")
+    br.add_argument("--json", metavar="FILE")
+    br.add_argument("--plot", metavar="FILE", help="PNG: accuracy against mismatch level and over a year of drift")
+    br.add_argument("--markdown", metavar="FILE", help="the tables as Markdown")
+    br.set_defaults(func=cmd_bench_robustness)
 
     r = _parser_with_example(sub, "report", "the end-to-end run on the embedded defaults (real models)",
                              "hilt report --out report/")

@@ -11,7 +11,18 @@ from safetensors.torch import save_file
 
 from bench import fashion
 from bench.fashion import DEFAULT_ROOT, load_fashion_mnist
-from bench.workloads import CNN, MLP, WORKLOADS, accuracy, build, load_checkpoint, save_checkpoint, train, train_run
+from bench.workloads import (
+    CNN,
+    MLP,
+    WORKLOADS,
+    accuracy,
+    build,
+    load_checkpoint,
+    save_checkpoint,
+    train,
+    train_run,
+)
+from cim_sim.training import NoisyTraining
 from kernels.errors import HiltError
 
 FILES = ("train-images-idx3-ubyte.gz", "train-labels-idx1-ubyte.gz",
@@ -180,7 +191,7 @@ def test_short_training_beats_chance(fmnist, name, limit):
 
 def test_train_refuses_bad_arguments():
     with pytest.raises(HiltError, match="standard"):
-        train("mlp", method="dwp")
+        train("mlp", training=NoisyTraining(method="magic"))
     with pytest.raises(HiltError, match="cnn, mlp"):
         train("vgg")
     with pytest.raises(HiltError, match="epochs"):

@@ -1,0 +1,124 @@
+"""A CIM model frozen at one read-out: deterministic, export-friendly plain PyTorch.
+
+`freeze(analog_model)` copies the model and replaces every analog layer by a frozen one
+that holds the weights as the devices were last read (`program` / `drift_to`), with the
+drift compensation folded in, and computes exactly what the simulator's forward computes
+without its random draws (output noise and per-read weight noise): per array, noise
+management, the DAC (scale, Round, Clip), the MVM, the IR-drop attenuation, the ADC
+(Clip, Round) and bound management, written without data-dependent control flow (all
+four input scales are computed and the first that fits the ADC is kept, per row), so that
+torch.onnx can export it.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from cim_sim.analog import AnalogConv2d, AnalogLinear, AnalogMixin
+
+_RETRY_FACTORS = (1, 2, 4, 8)  # the simulator's bound management: 3 retries, halving the input each time
+
+
+class FrozenArrays(nn.Module):
+    """One analog layer's arrays at a fixed read-out: (rows, in) -> (rows, out), bias included."""
+
+    def __init__(self, layer: AnalogMixin):
+        super().__init__()
+        c = layer.config
+        self.ideal = layer.is_ideal
+        self.in_step, out_step = layer._steps()
+        self.dac, self.adc = c.dac_bits is not None, c.adc_bits is not None
+        self.inp_levels = c.inp_bound / self.in_step
+        self.out_levels = c.out_bound / out_step
+        self.retry = _RETRY_FACTORS if c.bound_management and self.adc else (1,)
+        self.ir_drop = 0.05 * c.ir_drop * self.in_step
+        self.bounds = []
+        if self.ideal:
+            self.register_buffer("weight", layer.w_eff.clone())
+        else:
+            for i, (k0, k1, w_t, w_abs_t) in enumerate(layer._tiles()):
+                self.bounds.append((k0, k1))
+                self.register_buffer(f"w{i}", w_t.clone())
+                if self.ir_drop:
+                    self.register_buffer(f"w_abs{i}", w_abs_t.clone())
+        self.out_scale = out_step * layer.w_max
+        self.register_buffer("gdc", layer.gdc_scale.clone().float())
+        self.register_buffer("bias", None if layer.bias is None else layer.bias.detach().clone().float())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.ideal:
+            return F.linear(x, self.weight, self.bias)
+        y = None
+        for i, (k0, k1) in enumerate(self.bounds):
+            xk = x[:, k0:k1]
+            scale = xk.abs().amax(1, keepdim=True).clamp_min(1e-12) if self.dac else torch.ones_like(xk[:, :1])
+            part = self._array(xk, scale, getattr(self, f"w{i}"), getattr(self, f"w_abs{i}", None), k1 - k0) * scale
+            y = part if y is None else y + part
+        y = y * self.out_scale * self.gdc
+        return y if self.bias is None else y + self.bias
+
+    def _array(self, x, scale, w_t, w_abs_t, rows: int):
+        chosen = None
+        for factor in reversed(self.retry):  # largest first: each smaller one that fits replaces it
+            xq = x * (1 / (scale * (factor * self.in_step)))
+            if self.dac:
+                if self.inp_levels < 1 / self.in_step:
+                    xq = xq.clamp(-self.inp_levels, self.inp_levels)
+                xq = torch.round(xq)  # DAC
+            part = xq @ w_t
+            if w_abs_t is not None:
+                part = part * (1 - (self.ir_drop / rows) * (xq.abs() @ w_abs_t))
+            if not self.adc:
+                return part
+            fits = part.abs().amax(1, keepdim=True) < self.out_levels
+            out = torch.round(part.clamp(-self.out_levels, self.out_levels)) * factor  # ADC
+            chosen = out if chosen is None else torch.where(fits, out, chosen)
+        return chosen
+
+
+class FrozenLinear(nn.Module):
+    def __init__(self, layer: AnalogLinear):
+        super().__init__()
+        self.arrays = FrozenArrays(layer)
+        self.out_features = layer.out_features
+
+    def forward(self, x):
+        lead = x.shape[:-1]
+        return self.arrays(x.reshape(-1, x.shape[-1]).float()).reshape(*lead, self.out_features)
+
+
+class FrozenConv2d(nn.Module):
+    def __init__(self, layer: AnalogConv2d):
+        super().__init__()
+        self.arrays = FrozenArrays(layer)
+        self.out_channels, self.kernel_size = layer.out_channels, layer.kernel_size
+        self.stride, self.padding, self.dilation = layer.stride, layer.padding, layer.dilation
+
+    def forward(self, x):
+        (kh, kw), (sh, sw), (ph, pw), (dh, dw) = self.kernel_size, self.stride, self.padding, self.dilation
+        n, c, h, w = x.shape
+        oh = (h + 2 * ph - dh * (kh - 1) - 1) // sh + 1
+        ow = (w + 2 * pw - dw * (kw - 1) - 1) // sw + 1
+        xp = F.pad(x.float(), (pw, pw, ph, ph))
+        # im2col by slicing, in F.unfold's order (channel, then kernel row, then kernel column)
+        cols = [xp[:, :, i * dh: i * dh + sh * (oh - 1) + 1: sh, j * dw: j * dw + sw * (ow - 1) + 1: sw]
+                for i in range(kh) for j in range(kw)]
+        patches = torch.stack(cols, 2).reshape(n, c * kh * kw, oh * ow).transpose(1, 2).reshape(n * oh * ow, -1)
+        y = self.arrays(patches)
+        return y.reshape(n, oh * ow, self.out_channels).transpose(1, 2).reshape(n, self.out_channels, oh, ow)
+
+
+@torch.no_grad()
+def freeze(model: nn.Module) -> nn.Module:
+    """A copy of an analog model with every analog layer frozen at its current read-out."""
+    frozen = copy.deepcopy(model)
+    for name, module in list(frozen.named_modules()):
+        if isinstance(module, AnalogMixin):
+            new = FrozenConv2d(module) if isinstance(module, AnalogConv2d) else FrozenLinear(module)
+            parent, _, attr = name.rpartition(".")
+            setattr(frozen.get_submodule(parent) if parent else frozen, attr, new)
+    return frozen.eval()

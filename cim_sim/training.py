@@ -1,0 +1,167 @@
+"""Training for analog hardware: noise injection and DWP (diversity-aware weight perturbation).
+
+Both train the clean weights through noisy copies of them. A noisy copy replaces
+the weight of every Linear and Conv2d layer (the layers `convert_to_analog`
+puts on arrays; biases stay digital) by a perturbed one drawn from a cim_sim
+device model:
+
+* ``mismatch`` (default): w (1 + eta N(0, 1)), the generic robustness model;
+  the gradient reaches w through the multiplicative factor;
+* ``pcm`` / ``rram``: w mapped to conductance pairs, programmed, read at a time
+  drawn log-uniformly between 1 s and 1 year, globally compensated; eta scales
+  the device's programming and read noise (eta = 1 is the published device).
+  The gradient passes straight through the device (w + (w_device - w).detach()).
+
+``noise`` (hardware-aware training): one copy per step at a fixed eta.
+
+``dwp``: K copies per step, their eta spread evenly over [eta_min, eta_max]
+(the diversity). Each sample gets a disagreement d(x) across the K copies:
+
+* ``js``: the Jensen-Shannon divergence of the K predictive distributions,
+  H(mean_k p_k) - mean_k H(p_k);
+* ``error``: the fraction of copies that misclassify x;
+* ``none``: d = 1 (diverse noise injection without weighting, for the ablation).
+
+Sample weights a(x) = clip(d(x) / mean_batch d, clip_min, clip_max), renormalised
+to mean 1, with no gradient through them; the loss is
+mean_x a(x) mean_k CE(f_{W_k}(x), y). Hard samples for the perturbed networks
+(those the copies disagree on) pull harder on the clean weights.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.func import functional_call
+
+from cim_sim.devices import PCM, RRAM, randn
+from kernels import HiltError
+
+METHODS = ("standard", "noise", "dwp")
+NOISE_MODELS = ("mismatch", "pcm", "rram")
+WEIGHTINGS = ("js", "error", "none")
+_YEAR = 31557600.0
+
+
+@dataclass(frozen=True)
+class NoisyTraining:
+    """How the weights are perturbed during training; see the module docstring."""
+
+    method: str = "dwp"
+    noise_model: str = "mismatch"
+    eta: float = 0.3  # noise injection: the fixed level
+    eta_min: float = 0.1  # dwp: the range the K copies' levels spread over
+    eta_max: float = 0.6
+    copies: int = 4  # dwp: K
+    weighting: str = "js"
+    clip_min: float = 0.25
+    clip_max: float = 4.0
+
+    def validate(self) -> NoisyTraining:
+        if self.method not in METHODS:
+            raise HiltError(f"unknown training method {self.method!r}; choose one of {', '.join(METHODS)}")
+        if self.noise_model not in NOISE_MODELS:
+            raise HiltError(f"unknown training noise model {self.noise_model!r}; choose one of {', '.join(NOISE_MODELS)}")
+        if self.weighting not in WEIGHTINGS:
+            raise HiltError(f"unknown DWP weighting {self.weighting!r}; choose one of {', '.join(WEIGHTINGS)}")
+        if not (self.eta >= 0 and 0 <= self.eta_min <= self.eta_max):
+            raise HiltError(f"noise levels must satisfy eta >= 0 and 0 <= eta_min <= eta_max "
+                            f"(got eta {self.eta}, range {self.eta_min}..{self.eta_max})")
+        if not isinstance(self.copies, int) or self.copies < 1 or (self.method == "dwp" and self.copies < 2):
+            raise HiltError(f"DWP needs at least 2 noisy copies per step, got {self.copies}")
+        if not 0 < self.clip_min <= 1 <= self.clip_max:
+            raise HiltError(f"sample-weight clip must satisfy 0 < min <= 1 <= max, got {self.clip_min}..{self.clip_max}")
+        return self
+
+    def levels(self) -> list[float]:
+        """The noise level of each copy drawn per step."""
+        if self.method == "noise":
+            return [self.eta]
+        if self.method == "dwp":
+            k = self.copies
+            return [self.eta_min + (self.eta_max - self.eta_min) * i / (k - 1) for i in range(k)]
+        return []
+
+
+def analog_weights(model: nn.Module) -> list[str]:
+    """Names of the parameters a CIM chip would hold: the weights of every Linear and Conv2d."""
+    return [f"{name}.weight" if name else "weight" for name, m in model.named_modules()
+            if isinstance(m, (nn.Linear, nn.Conv2d))]
+
+
+def perturb(w: torch.Tensor, eta: float, noise_model: str, gen: torch.Generator) -> torch.Tensor:
+    """One noisy copy of weight ``w`` (differentiable to w), per the module docstring."""
+    if noise_model == "mismatch":
+        return w * (1 + eta * randn(w.shape, gen))
+    device = {"pcm": PCM, "rram": RRAM}[noise_model](prog_noise_scale=eta, read_noise_scale=eta)
+    with torch.no_grad():
+        wd = w.detach().float()
+        scale = device.g_max / (float(wd.abs().max()) or 1.0)
+        target = torch.stack([(wd * scale).clamp_min(0), (-wd * scale).clamp_min(0)])
+        g = device.program(target, gen)
+        nu = device.drift_exponent(target, gen)
+        t = math.exp(float(torch.rand((), generator=gen)) * math.log(_YEAR))  # log-uniform, 1 s .. 1 y
+        g_t = device.read(g, nu, t, gen)
+        w_t = (g_t[0] - g_t[1]) / scale
+        w_t *= wd.abs().sum() / w_t.abs().sum().clamp_min(1e-12)  # global drift compensation
+    return w + (w_t.to(w.dtype) - w).detach()
+
+
+def disagreement(logits: torch.Tensor, labels: torch.Tensor, weighting: str) -> torch.Tensor:
+    """Per-sample disagreement of K copies: logits (K, B, C) -> (B,)."""
+    if weighting == "none":
+        return torch.ones(logits.shape[1])
+    if weighting == "error":
+        return (logits.argmax(-1) != labels).float().mean(0)
+    logp = logits.log_softmax(-1)
+    p = logp.exp()
+    mean_p = p.mean(0)
+    entropy_of_mean = -(mean_p * mean_p.clamp_min(1e-12).log()).sum(-1)
+    mean_entropy = -(p * logp).sum(-1).mean(0)
+    return (entropy_of_mean - mean_entropy).clamp_min(0)
+
+
+def sample_weights(d: torch.Tensor, clip_min: float, clip_max: float) -> torch.Tensor:
+    """a(x) = clip(d / mean d), renormalised to mean 1; all ones when the copies agree on every sample."""
+    mean = d.mean()
+    if not float(mean) > 0:
+        return torch.ones_like(d)
+    a = (d / mean).clamp(clip_min, clip_max)
+    return a / a.mean()
+
+
+def noisy_loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor, cfg: NoisyTraining,
+               gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """The training loss of one batch under ``cfg``; returns (loss, logits of the first copy)."""
+    if cfg.method == "standard":
+        logits = model(x)
+        return F.cross_entropy(logits, y), logits
+    params = dict(model.named_parameters())
+    names = analog_weights(model)
+    outs = []
+    for eta in cfg.levels():
+        noisy = {n: perturb(params[n], eta, cfg.noise_model, gen) for n in names}
+        outs.append(functional_call(model, noisy, (x,)))
+    logits = torch.stack(outs)  # (K, B, C)
+    ce = F.cross_entropy(logits.flatten(0, 1), y.repeat(len(outs)), reduction="none").view(len(outs), -1)
+    if cfg.method == "noise":
+        return ce.mean(), logits[0]
+    with torch.no_grad():
+        a = sample_weights(disagreement(logits, y, cfg.weighting), cfg.clip_min, cfg.clip_max)
+    return (ce.mean(0) * a).mean(), logits[0]
+
+
+@torch.no_grad()
+def mismatch_copy(model: nn.Module, eta: float, gen: torch.Generator) -> nn.Module:
+    """Evaluate-time robustness: a copy of ``model`` whose analog weights are w (1 + eta N(0, 1))."""
+    import copy
+
+    noisy = copy.deepcopy(model)
+    params = dict(noisy.named_parameters())
+    for n in analog_weights(noisy):
+        params[n].copy_(perturb(params[n], eta, "mismatch", gen))
+    return noisy

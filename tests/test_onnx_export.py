@@ -1,0 +1,67 @@
+"""ONNX lowering of quantized weights, and the `hilt export onnx` models."""
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+import torch
+from onnx import TensorProto, helper
+
+from quant import QuantConfig, quantize_tensor
+from quant.onnx_export import dequantize_subgraph
+
+
+def _run_subgraph(q):
+    inits, nodes = dequantize_subgraph("w", q)
+    graph = helper.make_graph(nodes, "dequant", [], [helper.make_tensor_value_info("w", TensorProto.FLOAT, list(q.shape))],
+                              initializer=inits)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
+    onnx.checker.check_model(model, full_check=True)
+    sess = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    return sess.run(None, {})[0]
+
+
+@pytest.mark.parametrize("method, bits, codebook", [
+    ("kmeans", 1, "layer"), ("kmeans", 2, "layer"), ("kmeans", 3, "layer"), ("kmeans", 4, "layer"),
+    ("kmeans", 3, "block"), ("int", 4, "layer"), ("int-asym", 3, "layer"), ("binary", 1, "layer"),
+    ("int", 8, "layer"),
+])
+def test_subgraph_rebuilds_the_weight_exactly(method, bits, codebook):
+    torch.manual_seed(bits)
+    w = torch.randn(37, 96) * torch.rand(37, 1)  # rows of different scale; 96 is not a byte multiple at 3 bits
+    q = quantize_tensor(w, QuantConfig(method=method, bits=bits, block_size=32, codebook=codebook,
+                                       solver="lloyd").validate())
+    got = _run_subgraph(q)
+    want = q.dequantize().float().numpy()
+    assert not np.isnan(got).any()
+    np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.parametrize("preset_name", ["pcm", "pcm-hwa", "ideal"])
+def test_frozen_model_is_the_simulator_without_its_noise(preset_name):
+    import dataclasses
+
+    from cim_sim import convert_to_analog, drift_to, preset, program
+    from cim_sim.frozen import freeze
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Conv2d(2, 6, 3, padding=1, stride=2), torch.nn.ReLU(), torch.nn.Flatten(),
+                                torch.nn.Linear(6 * 5 * 5, 700), torch.nn.ReLU(), torch.nn.Linear(700, 4))
+    with torch.no_grad():  # positive-leaning weights on positive inputs: the ADC saturates, bound management retries
+        model[5].weight.copy_(torch.randn(4, 700) + 1.0)
+    quiet = dataclasses.replace(preset(preset_name), out_noise=0.0, w_noise=0.0)
+    analog = convert_to_analog(model, quiet)
+    program(analog, seed=3)
+    drift_to(analog, 86400.0, seed=4)
+    x = torch.randn(16, 2, 10, 10)
+    frozen = freeze(analog)
+    with torch.no_grad():
+        want, got = analog(x), frozen(x)
+    assert torch.isfinite(got).all()
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    if preset_name != "ideal":  # the retries mattered: without bound management the outputs differ
+        clipped = convert_to_analog(model, dataclasses.replace(quiet, bound_management=False))
+        program(clipped, seed=3)
+        drift_to(clipped, 86400.0, seed=4)  # the same chip and read-out
+        assert torch.equal(clipped[5].w_eff, analog[5].w_eff)
+        assert not torch.allclose(freeze(clipped)(x), got, rtol=1e-3, atol=1e-3)
