@@ -46,3 +46,62 @@ def test_drift_bad_input(mlp_checkpoint, args, needle):
 def test_train_refuses_unknown_method(tmp_path):
     r = run_hilt("train", "--workload", "mlp", "--method", "magic", "--out", tmp_path / "m.safetensors")
     assert r.returncode == 1 and "magic" in r.stderr and not (tmp_path / "m.safetensors").exists()
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["--method", "dwp", "--eta-range", "0.5,0.1"], "eta_min <= eta_max"),
+    (["--method", "dwp", "--eta-range", "half"], "MIN,MAX"),
+    (["--method", "dwp", "--copies", "1"], "at least 2"),
+    (["--method", "noise", "--noise-model", "flash"], "noise model"),
+])
+def test_train_refuses_bad_noise_settings(tmp_path, args, needle):
+    r = run_hilt("train", "--workload", "mlp", *args, "--out", tmp_path / "m.safetensors")
+    assert r.returncode != 0 and needle in r.stderr, r.stderr
+    assert not (tmp_path / "m.safetensors").exists()
+
+
+def test_dwp_train_run_records_its_settings(tmp_path):
+    pytest.importorskip("bench.fashion")
+    from bench.workloads import load_checkpoint, train_run
+    from cim_sim.training import NoisyTraining
+
+    out = tmp_path / "dwp.safetensors"
+    r = train_run("mlp", training=NoisyTraining(method="dwp", copies=2), epochs=1, limit=600, out=out)
+    assert r["method"] == "dwp" and r["training"]["copies"] == 2 and 0.2 < r["test_accuracy"] <= 1
+    _, meta = load_checkpoint(out)
+    assert meta["method"] == "dwp" and '"copies": 2' in meta["training"]
+
+
+def test_energy_table_json_and_plot(mlp_checkpoint, tmp_path):
+    js, png = tmp_path / "energy.json", tmp_path / "energy.png"
+    r = run_hilt("energy", "--workload", "mlp", "--checkpoint", mlp_checkpoint, "--adc-bits", "6", "--json", js,
+                 "--plot", png)
+    assert r.returncode == 0, r.stderr
+    assert "fc1" in r.stdout and "total" in r.stdout and "CIM/GPU" in r.stdout
+    result = read_json(js)
+    assert result["adc_bits"] == 6 and [layer["layer"] for layer in result["layers"]] == ["fc1", "fc2", "fc3"]
+    assert result["cim_joules"] == pytest.approx(sum(layer["cim"]["total"] for layer in result["layers"]))
+    assert png.stat().st_size > 10_000
+    bad = run_hilt("energy", "--workload", "mlp", "--checkpoint", mlp_checkpoint, "--preset", "pcm-3nm")
+    assert bad.returncode == 1 and len(bad.stderr.strip().splitlines()) == 1 and "pcm-3nm" in bad.stderr
+
+
+def test_export_cim_snapshot_runs_in_onnxruntime(mlp_checkpoint, tmp_path):
+    out, js = tmp_path / "mlp-1d.onnx", tmp_path / "export.json"
+    r = run_hilt("export", "onnx", mlp_checkpoint, out, "--time", "1d", "--json", js)
+    assert r.returncode == 0, r.stderr
+    result = read_json(js)
+    assert out.stat().st_size == result["onnx_bytes"] > 100_000
+    assert abs(result["accuracy_difference"]) <= 0.001 and result["accuracy_onnx"] > 0.5
+    again = run_hilt("export", "onnx", mlp_checkpoint, out)  # never overwritten silently
+    assert again.returncode == 1 and "already exists" in again.stderr
+
+
+@pytest.mark.parametrize("src,out,needle", [
+    ("nowhere", "m.onnx", "expected a hilt quantized checkpoint folder"),
+    ("CKPT", "m.txt", "must end in .onnx"),
+])
+def test_export_bad_input(mlp_checkpoint, tmp_path, src, out, needle):
+    r = run_hilt("export", "onnx", mlp_checkpoint if src == "CKPT" else tmp_path / src, tmp_path / out)
+    assert r.returncode == 1 and len(r.stderr.strip().splitlines()) == 1 and needle in r.stderr, r.stderr
+    assert not (tmp_path / out).exists()

@@ -65,3 +65,17 @@ def test_frozen_model_is_the_simulator_without_its_noise(preset_name):
         drift_to(clipped, 86400.0, seed=4)  # the same chip and read-out
         assert torch.equal(clipped[5].w_eff, analog[5].w_eff)
         assert not torch.allclose(freeze(clipped)(x), got, rtol=1e-3, atol=1e-3)
+
+
+def test_quantized_minilm_export_is_compact_and_matches(minilm_dir, tmp_path):
+    from bench.export import export_quantized
+    from quant import quantize_checkpoint
+
+    ckpt = tmp_path / "minilm-3bit"
+    quantize_checkpoint(minilm_dir, ckpt, QuantConfig(method="kmeans", bits=3, block_size=64))
+    result = export_quantized(ckpt, tmp_path / "m.onnx", sentences=16, log=lambda *_: None)
+    assert result["quantized_weights"] == 36  # every Linear of the encoder (the unused pooler is left out)
+    assert result["max_rel_error"] <= 1e-3 and result["size_ratio"] <= 1.3
+    model = onnx.load(str(tmp_path / "m.onnx"))
+    packed = [i for i in model.graph.initializer if i.name.endswith(".codes")]
+    assert len(packed) == 36 and all(i.data_type == TensorProto.UINT8 for i in packed)
