@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from cim_sim.devices import PCM, RRAM, randn, stuck_at
+from cim_sim.devices import PCM, RRAM, stuck_at
 from kernels import HiltError
 
 
@@ -96,6 +96,7 @@ class AnalogMixin:
     def program(self, gen: torch.Generator) -> None:
         """Program the conductance pairs (noise and drift exponents drawn once)."""
         self.gen = torch.Generator().manual_seed(int(torch.randint(2**62, (1,), generator=gen)))
+        self._tiles_of = None
         dev = self.device_model
         if dev is None:
             self.programmed = None
@@ -114,36 +115,43 @@ class AnalogMixin:
         if self.programmed is None:
             return
         p = self.programmed
-        g = self.device_model.read(p["g"], p["nu"], t, gen, q=p["q"])
-        self.w_eff = torch.sub(g[0], g[1]).div_(p["scale"])
+        work = p.setdefault("work", (torch.empty_like(p["g"]), torch.empty_like(p["g"])))  # reused at every read
+        g = self.device_model.read(p["g"], p["nu"], t, gen, q=p["q"], out=work)
+        torch.sub(g[0], g[1], out=self.w_eff).div_(p["scale"])
 
     # -- the analog matrix-vector product ---------------------------------------------------
 
-    def _mvm(self, x: torch.Tensor) -> torch.Tensor:
-        """x (rows, in) -> (rows, out) through DAC, tiled arrays, noise, ADC; without bias.
+    def _mvm(self, x: torch.Tensor, column_scale: torch.Tensor | None = None, bias=None) -> torch.Tensor:
+        """x (rows, in) -> (rows, out) through DAC, tiled arrays, noise, ADC; then times
+        ``column_scale`` (drift compensation) plus ``bias``, in the digital periphery.
 
         Each array of ``tile_size`` inputs is a tile of its own, as in aihwkit: it scales
         its slice of the input (noise management) and retries its own saturated rows
-        (bound management); the digital periphery sums the tiles' outputs.
+        (bound management); the periphery sums the tiles' outputs.
         """
         if self.is_ideal:
-            return x @ self.w_eff.T
-        _, out_step = self._steps()
-        y = None
-        for k0, k1, w_t, w_abs_t in self._tiles():  # a loop over arrays (a handful), not over devices
-            part = self._tile_mvm(x[:, k0:k1], w_t, w_abs_t)
-            y = part if y is None else y.add_(part)
-        return y.mul_(out_step * self.w_max)
+            y = x @ self.w_eff.T
+        else:
+            y = None
+            for k0, k1, w, w_abs in self._tiles():  # a loop over arrays (a handful), not over devices
+                part, x_scale = self._tile_mvm(x[:, k0:k1], w, w_abs)
+                y = part.mul_(x_scale) if y is None else y.addcmul_(part, x_scale)
+        factor = 1.0 if self.is_ideal else self.w_max * self._steps()[1]  # ADC steps -> weights x inputs
+        if column_scale is not None:
+            factor = column_scale * factor
+        if bias is None:
+            return y.mul_(factor)
+        return torch.addcmul(bias, y, factor) if torch.is_tensor(factor) else y.mul_(factor).add_(bias)
 
-    def _tile_mvm(self, x: torch.Tensor, w_t: torch.Tensor, w_abs_t) -> torch.Tensor:
-        """One array: noise management, DAC, MVM, ADC, bound management. In ADC steps times the input scale."""
+    def _tile_mvm(self, x: torch.Tensor, w: torch.Tensor, w_abs) -> tuple[torch.Tensor, torch.Tensor]:
+        """One array: noise management, DAC, MVM, ADC, bound management -> (ADC output in steps, input scale)."""
         c = self.config
         in_step, _ = self._steps()
         if c.dac_bits is not None:  # noise management: each input row scaled by its abs-max
-            x_scale = x.abs().amax(1, keepdim=True).clamp_min_(1e-12)  # (9x faster than vector_norm(inf))
+            x_scale = x.abs().amax(1, keepdim=True).clamp_min_(1e-12)  # (10x faster than aminmax or vector_norm)
         else:
             x_scale = torch.ones(x.shape[0], 1)
-        part, peak = self._read_out(x * (1 / (x_scale * in_step)), w_t, w_abs_t)
+        part, peak = self._read_out(x * (1 / (x_scale * in_step)), w, w_abs)
         rows, factor = None, 1.0
         for _ in range(3 if c.bound_management else 0):
             if peak is None:
@@ -153,16 +161,16 @@ class AnalogMixin:
             if len(rows) == 0:
                 break
             factor *= 2  # bound management: retry the saturated rows at half the input scale
-            retry, peak = self._read_out(x[rows] * (1 / (x_scale[rows] * (factor * in_step))), w_t, w_abs_t)
+            retry, peak = self._read_out(x[rows] * (1 / (x_scale[rows] * (factor * in_step))), w, w_abs)
             part[rows] = retry.mul_(factor)
-        return part.mul_(x_scale)
+        return part, x_scale
 
-    def _read_out(self, xq: torch.Tensor, w_t: torch.Tensor, w_abs_t) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def _read_out(self, xq: torch.Tensor, w: torch.Tensor, w_abs) -> tuple[torch.Tensor, torch.Tensor | None]:
         """One pass through an array: xq in DAC steps (|xq| <= 1 / DAC step) -> (ADC output in
         steps, per-row peak before clipping or None when no output saturated).
 
         Converters work in integer steps: the DAC's step is folded into the input scaling
-        and the ADC's into ``w_t`` and the final scaling, so each pass over the data is one
+        and the ADC's into ``w`` and the final scaling, so each pass over the data is one
         multiply, clip or round (this is most of the simulator's cost).
         """
         c = self.config
@@ -171,23 +179,24 @@ class AnalogMixin:
             if c.inp_bound < 1:
                 xq.clamp_(-c.inp_bound / in_step, c.inp_bound / in_step)
             xq.round_()
-        part = xq @ w_t  # in ADC steps: w_t carries in_step / out_step
+        part = xq @ w.T  # in ADC steps: w carries in_step / out_step
         if c.w_noise or c.ir_drop:
             # both need |w| against a function of x: one matmul for both
-            stats = torch.cat([xq * xq, xq.abs()]) @ w_abs_t
+            stats = torch.cat([xq * xq, xq.abs()]) @ w_abs.T
             if c.ir_drop:
                 # first-order IR drop (our approximation): a bit line carrying a large total
                 # current loses a share of it, 5% at full current on every row of the array
-                part *= 1 - (0.05 * c.ir_drop * in_step / w_t.shape[0]) * stats[len(xq):]
+                part *= 1 - (0.05 * c.ir_drop * in_step / w.shape[1]) * stats[len(xq):]
             if c.w_noise:  # per-read PCM noise: std w_noise * sqrt(sum_j |w_ij| x_j^2)
-                noise = randn(part.shape, self.gen).mul_(stats[: len(xq)].sqrt_())
+                noise = torch.randn(part.shape, generator=self.gen).mul_(stats[: len(xq)].sqrt_())
                 part.add_(noise, alpha=c.w_noise * in_step / out_step)
         if c.out_noise:
-            part.add_(randn(part.shape, self.gen), alpha=c.out_noise / out_step)
+            part.add_(torch.randn(part.shape, generator=self.gen), alpha=c.out_noise / out_step)
         peak = None
         if c.adc_bits is not None:
             out_levels = c.out_bound / out_step
-            if max(float(part.amax()), -float(part.amin())) >= out_levels:  # rare: find the rows
+            low, high = torch.aminmax(part)
+            if max(float(high), -float(low)) >= out_levels:  # saturated somewhere: find the rows
                 peak = part.abs().amax(1)
                 part.clamp_(-out_levels, out_levels)
             part.round_()
@@ -200,20 +209,22 @@ class AnalogMixin:
                 2 * c.out_bound / (2**c.adc_bits - 2) if c.adc_bits is not None else 1.0)
 
     def _tiles(self) -> list:
-        """(k0, k1, w^T, |w|^T) per array of ``tile_size`` inputs, normalised to |w| <= ~1 (cached per read)."""
-        if getattr(self, "_tiles_of", None) is not self.w_eff:
+        """(k0, k1, w, |w|) per array of ``tile_size`` inputs, (out, k) contiguous, normalised to |w| <= ~1
+        (cached per read). Products are taken as x @ w.T, which BLAS runs faster than x @ w^T stored."""
+        key = (id(self.w_eff), self.w_eff._version)  # the version counts in-place reads into w_eff
+        if getattr(self, "_tiles_of", None) != key:
             c, n_in = self.config, self.w_eff.shape[1]
             in_step, out_step = self._steps()
-            self._tile_list = []
-            for k0 in range(0, n_in, c.tile_size):
-                wt = self.w_eff[:, k0 : k0 + c.tile_size].T.contiguous().div_(self.w_max)
-                w_abs = wt.abs() if c.w_noise or c.ir_drop else None
-                self._tile_list.append((k0, min(n_in, k0 + c.tile_size), wt.mul_(in_step / out_step), w_abs))
-            self._tiles_of = self.w_eff
+            old = getattr(self, "_tile_list", None)
+            tiles = []
+            for i, k0 in enumerate(range(0, n_in, c.tile_size)):
+                buffers = old[i][2:] if old else (None, None)  # refilled in place: no fresh pages per read
+                w = torch.div(self.w_eff[:, k0 : k0 + c.tile_size], self.w_max / (in_step / out_step), out=buffers[0])
+                w_abs = torch.abs(w, out=buffers[1]).div_(in_step / out_step) if c.w_noise or c.ir_drop else None
+                tiles.append((k0, min(n_in, k0 + c.tile_size), w, w_abs))
+            self._tile_list, self._tiles_of = tiles, key
         return self._tile_list
 
-    def _analog_out(self, x2: torch.Tensor) -> torch.Tensor:
-        return self._mvm(x2).mul_(self.gdc_scale)
 
     @property
     def is_ideal(self) -> bool:
@@ -232,9 +243,7 @@ class AnalogLinear(AnalogMixin, nn.Module):
         if self.is_ideal:  # exactly the digital layer's arithmetic
             return F.linear(x, self.w_digital.to(x.dtype), None if self.bias is None else self.bias.to(x.dtype))
         lead = x.shape[:-1]
-        y = self._analog_out(x.reshape(-1, self.in_features).float())
-        if self.bias is not None:
-            y += self.bias
+        y = self._mvm(x.reshape(-1, self.in_features).float(), self.gdc_scale, self.bias)
         return y.reshape(*lead, self.out_features).to(x.dtype)
 
 
@@ -255,9 +264,7 @@ class AnalogConv2d(AnalogMixin, nn.Module):
             return F.conv2d(x, weight, self.bias, self.stride, self.padding, self.dilation)
         n = x.shape[0]
         cols, oh, ow = self._patches(x.float())
-        y = self._analog_out(cols)
-        if self.bias is not None:
-            y += self.bias
+        y = self._mvm(cols, self.gdc_scale, self.bias)
         return y.view(n, oh * ow, self.out_channels).transpose(1, 2).reshape(n, self.out_channels, oh, ow).to(x.dtype)
 
     def _patches(self, x):

@@ -40,11 +40,11 @@ class FrozenArrays(nn.Module):
         if self.ideal:
             self.register_buffer("weight", layer.w_eff.clone())
         else:
-            for i, (k0, k1, w_t, w_abs_t) in enumerate(layer._tiles()):
+            for i, (k0, k1, w, w_abs) in enumerate(layer._tiles()):
                 self.bounds.append((k0, k1))
-                self.register_buffer(f"w{i}", w_t.clone())
+                self.register_buffer(f"w{i}", w.clone())
                 if self.ir_drop:
-                    self.register_buffer(f"w_abs{i}", w_abs_t.clone())
+                    self.register_buffer(f"w_abs{i}", w_abs.clone())
         self.out_scale = out_step * layer.w_max
         self.register_buffer("gdc", layer.gdc_scale.clone().float())
         self.register_buffer("bias", None if layer.bias is None else layer.bias.detach().clone().float())
@@ -61,7 +61,7 @@ class FrozenArrays(nn.Module):
         y = y * self.out_scale * self.gdc
         return y if self.bias is None else y + self.bias
 
-    def _array(self, x, scale, w_t, w_abs_t, rows: int):
+    def _array(self, x, scale, w, w_abs, rows: int):
         chosen = None
         for factor in reversed(self.retry):  # largest first: each smaller one that fits replaces it
             xq = x * (1 / (scale * (factor * self.in_step)))
@@ -69,9 +69,9 @@ class FrozenArrays(nn.Module):
                 if self.inp_levels < 1 / self.in_step:
                     xq = xq.clamp(-self.inp_levels, self.inp_levels)
                 xq = torch.round(xq)  # DAC
-            part = xq @ w_t
-            if w_abs_t is not None:
-                part = part * (1 - (self.ir_drop / rows) * (xq.abs() @ w_abs_t))
+            part = xq @ w.T
+            if w_abs is not None:
+                part = part * (1 - (self.ir_drop / rows) * (xq.abs() @ w_abs.T))
             if not self.adc:
                 return part
             fits = part.abs().amax(1, keepdim=True) < self.out_levels

@@ -38,7 +38,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.func import functional_call
 
-from cim_sim.devices import PCM, RRAM, randn
+from cim_sim.devices import PCM, RRAM
 from kernels import HiltError
 
 METHODS = ("standard", "noise", "dwp")
@@ -96,7 +96,7 @@ def analog_weights(model: nn.Module) -> list[str]:
 def perturb(w: torch.Tensor, eta: float, noise_model: str, gen: torch.Generator) -> torch.Tensor:
     """One noisy copy of weight ``w`` (differentiable to w), per the module docstring."""
     if noise_model == "mismatch":
-        return w * (1 + eta * randn(w.shape, gen))
+        return w * (1 + eta * torch.randn(w.shape, generator=gen, dtype=w.dtype))
     device = {"pcm": PCM, "rram": RRAM}[noise_model](prog_noise_scale=eta, read_noise_scale=eta)
     with torch.no_grad():
         wd = w.detach().float()
