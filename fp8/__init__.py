@@ -1,1 +1,10 @@
-"""fp8: arrives with its own issue."""
+"""fp8: geometry-aware FP8 attention scales from the weights alone.
+
+So far: per-head spectral norms of W_Q,h^T W_K,g by batched power iteration
+(grouped-query aware, warm-startable), `fp8.spectral.head_norms`. The scale
+recipes, the FP8 attention kernel and module are still to come (issue 4).
+"""
+
+from fp8.spectral import HeadNorms, head_norms
+
+__all__ = ["HeadNorms", "head_norms"]
