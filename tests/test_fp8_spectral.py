@@ -46,3 +46,35 @@ def test_zero_head_gives_zero_not_nan_and_bad_shapes_are_named():
     w_k[0, 0] = float("nan")
     with pytest.raises(HiltError, match="NaN"):
         head_norms(w_q, w_k, 4, 2)
+
+
+def _layers(path, q_name, k_name, bias: bool, every: int):
+    from quant.sources import open_source
+
+    with open_source(path) as src:
+        names = set(src.names())
+        for i in range(0, 1000, every):
+            if q_name.format(i) not in names:
+                return
+            w_q, w_k = src.get(q_name.format(i)).float(), src.get(k_name.format(i)).float()
+            if bias:  # [W | b]: the bias enters as a constant input 1
+                b_q = src.get(q_name.format(i).replace("weight", "bias")).float()
+                b_k = src.get(k_name.format(i).replace("weight", "bias")).float()
+                w_q, w_k = torch.cat([w_q, b_q[:, None]], 1), torch.cat([w_k, b_k[:, None]], 1)
+            yield w_q, w_k
+
+
+def test_real_checkpoints_every_head(minilm_dir, smollm2_gguf):
+    """1e-3 relative on every head of MiniLM (12 heads, biases) and of every 7th SmolLM2 layer (9 query
+    heads, 3 kv; all 30 layers pass too, but the float64 reference SVDs take a minute)."""
+    checked = 0
+    for path, q, k, heads, kv, bias, every in (
+        (minilm_dir, "encoder.layer.{}.attention.self.query.weight", "encoder.layer.{}.attention.self.key.weight",
+         12, 12, True, 1),
+        (smollm2_gguf, "blk.{}.attn_q.weight", "blk.{}.attn_k.weight", 9, 3, False, 7),
+    ):
+        for w_q, w_k in _layers(path, q, k, bias, every):
+            got = head_norms(w_q, w_k, heads, kv).sigma
+            torch.testing.assert_close(got, _reference(w_q, w_k, heads, kv), rtol=1e-3, atol=0)
+            checked += heads
+    assert checked == 6 * 12 + 5 * 9
