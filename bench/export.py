@@ -16,6 +16,7 @@ then checked with onnx.checker and run in ONNX Runtime against PyTorch on real i
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 import warnings
@@ -30,11 +31,17 @@ OPSET = 20
 
 def _export(model: torch.nn.Module, args: tuple, input_names, output_names, dynamic_shapes, optimize: bool):
     """torch.onnx's exporter; ``optimize=False`` keeps every parameter an initializer under its own name."""
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        program = torch.onnx.export(model, args, dynamo=True, optimize=optimize, opset_version=OPSET, verbose=False,
-                                    input_names=input_names, output_names=output_names,
-                                    dynamic_shapes=dynamic_shapes)
+    quiet = logging.getLogger("torch.onnx")  # its registry logs a line per optional library it lacks
+    level = quiet.level
+    quiet.setLevel(logging.ERROR)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            program = torch.onnx.export(model, args, dynamo=True, optimize=optimize, opset_version=OPSET,
+                                        verbose=False, input_names=input_names, output_names=output_names,
+                                        dynamic_shapes=dynamic_shapes)
+    finally:
+        quiet.setLevel(level)
     return program.model_proto
 
 
