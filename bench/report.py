@@ -28,7 +28,8 @@ def _section(name: str, out: Path, sections: list, log, fn):
         body = fn()
         sections.append({"name": name, "ok": True, "seconds": time.perf_counter() - start, "markdown": body})
     except (HiltError, OSError, RuntimeError, ValueError) as e:
-        (out / "errors.log").open("a").write(f"{name}\n{traceback.format_exc()}\n")
+        with (out / "errors.log").open("a") as log_file:
+            log_file.write(f"{name}\n{traceback.format_exc()}\n")
         sections.append({"name": name, "ok": False, "seconds": time.perf_counter() - start,
                          "markdown": f"**This section failed:** {e}\n"})
         log(f"   failed: {e}")

@@ -160,6 +160,8 @@ def estimate(model: nn.Module, example: torch.Tensor, chip_: ChipEnergy, gpu: GP
              tile: int = 512, adc_bits: int = 9, dac_bits: int = 7) -> dict:
     """Per-layer and total energy per inference, CIM against the GPU, and their ratio."""
     gpu = gpu or GPUEnergy()
+    if not isinstance(gpu.batch, int) or gpu.batch < 1:
+        raise HiltError(f"the GPU batch must be a positive integer, got {gpu.batch!r}")
     for what, bits in (("ADC", adc_bits), ("DAC", dac_bits)):
         if not isinstance(bits, int) or not 1 <= bits <= 16:
             raise HiltError(f"{what} bits must be an integer from 1 to 16, got {bits!r}")

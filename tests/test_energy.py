@@ -50,6 +50,8 @@ def test_fewer_adc_bits_cost_less_and_bad_input_is_refused():
         chip("pcm-3nm")
     with pytest.raises(HiltError, match="ADC bits"):
         estimate(model, x, chip("sram-5nm"), adc_bits=0)
+    with pytest.raises(HiltError, match="GPU batch"):
+        estimate(model, x, chip("sram-5nm"), GPUEnergy(batch=0))
     with pytest.raises(HiltError, match="no Linear or Conv2d"):
         estimate(nn.Sequential(nn.ReLU()), x, chip("sram-5nm"))
     assert math.isfinite(chip("rram-22nm", mac_fj=1.0).mac_fj)
