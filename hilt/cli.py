@@ -257,6 +257,15 @@ def cmd_export_onnx(args) -> int:
     return 0
 
 
+def cmd_fp8_scales(args) -> int:
+    from bench import fp8_scales
+
+    result = fp8_scales.run(args.model)
+    if args.json:
+        _write_json(args.json, result)
+    return 0
+
+
 def cmd_bench_cim(args) -> int:
     from bench import cim
 
@@ -390,6 +399,15 @@ def build_parser() -> argparse.ArgumentParser:
     xo.add_argument("--overwrite", action="store_true")
     xo.add_argument("--json", metavar="FILE")
     xo.set_defaults(func=cmd_export_onnx)
+
+    f8 = sub.add_parser("fp8", help="FP8 attention: logit bounds and scales from the weights", parents=[_COMMON])
+    f8sub = f8.add_subparsers(dest="what", required=True)
+    fs = _parser_with_example(f8sub, "scales", "per layer and head: the weight-only bound on |attention logit| "
+                              "(spectral norm of W_Q,h^T W_K,g) against the largest observed on real text",
+                              "hilt fp8 scales minilm --json minilm-fp8.json")
+    fs.add_argument("model", help="minilm or smollm2")
+    fs.add_argument("--json", metavar="FILE")
+    fs.set_defaults(func=cmd_fp8_scales)
 
     d = _parser_with_example(sub, "drift", "accuracy on simulated CIM hardware over time after programming",
                              "hilt drift --workload cnn --preset pcm --times 1s,1h,1d,1mo,1y --repeats 5 --plot drift.png")

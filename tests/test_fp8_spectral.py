@@ -78,3 +78,38 @@ def test_real_checkpoints_every_head(minilm_dir, smollm2_gguf):
             torch.testing.assert_close(got, _reference(w_q, w_k, heads, kv), rtol=1e-3, atol=0)
             checked += heads
     assert checked == 6 * 12 + 5 * 9
+
+
+def test_logit_bound_holds_and_is_tight_on_a_layer_norm_input():
+    from fp8.bounds import logit_bounds, norm_radius
+
+    torch.manual_seed(1)
+    d, heads, d_h = 32, 4, 8
+    norm = torch.nn.LayerNorm(d)
+    with torch.no_grad():
+        norm.weight.uniform_(0.5, 2.0)
+        norm.bias.uniform_(-0.3, 0.3)
+    w_q, w_k, b_q, b_k = torch.randn(heads * d_h, d), torch.randn(heads * d_h, d), torch.randn(heads * d_h), torch.randn(heads * d_h)
+    x = norm(torch.randn(500, d) * 5).detach().double()
+    assert float(x.norm(dim=1).max()) <= norm_radius(norm.weight, norm.bias) + 1e-9
+    b = logit_bounds(w_q, w_k, heads, heads, norm_radius(norm.weight, norm.bias), b_q.double(), b_k.double())
+    q = (x @ w_q.double().T + b_q.double()).view(500, heads, d_h).transpose(0, 1)
+    k = (x @ w_k.double().T + b_k.double()).view(500, heads, d_h).transpose(0, 1)
+    observed = (q @ k.transpose(1, 2)).abs().amax(dim=(1, 2)) / d_h**0.5
+    assert (observed <= b["bound"]).all() and (b["bound"] <= b["product_bound"] + 1e-9).all()
+
+
+def test_fp8_scales_on_minilm(minilm_dir):
+    from conftest import read_json, run_hilt
+
+    import tempfile
+    from pathlib import Path
+
+    js = Path(tempfile.mkdtemp()) / "fp8.json"
+    r = run_hilt("fp8", "scales", "minilm", "--json", js)
+    assert r.returncode == 0, r.stderr
+    rows = read_json(js)["rows"]
+    assert len(rows) == 6 and not any(row["exceeded"] for row in rows)
+    assert all(0 < row["max_observed_over_bound"] <= 1 and len(row["scale"]) == 12 for row in rows)
+    bad = run_hilt("fp8", "scales", "gpt5")
+    assert bad.returncode == 1 and "minilm or smollm2" in bad.stderr

@@ -1,0 +1,130 @@
+"""`hilt fp8 scales`: per layer and head, the weight-only logit bound (fp8/bounds.py) against the
+largest |logit| observed on real text, for all-MiniLM-L6-v2 and SmolLM2-135M."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from fp8.bounds import logit_bounds, norm_radius
+from kernels import HiltError
+
+E4M3_MAX = 448.0
+
+
+def _capture(modules: dict[str, torch.nn.Module]):
+    """Forward hooks that keep each module's latest output under its name."""
+    seen, hooks = {}, []
+    for name, m in modules.items():
+        hooks.append(m.register_forward_hook(lambda mod, inp, out, name=name: seen.__setitem__(name, out.detach())))
+    return seen, hooks
+
+
+def _max_logits(q, k, n_heads, n_kv, mask) -> torch.Tensor:
+    """q (B, T, H*d_h), k (B, T, G*d_h), mask (B, T, T) bool -> per-head max |q.k| / sqrt(d_h) over allowed pairs."""
+    b, t, _ = q.shape
+    d_h = q.shape[-1] // n_heads
+    qh = q.view(b, t, n_heads, d_h).transpose(1, 2)
+    kh = k.view(b, t, n_kv, d_h).transpose(1, 2).repeat_interleave(n_heads // n_kv, dim=1)
+    s = (qh @ kh.transpose(-1, -2)).abs() / math.sqrt(d_h)
+    return s.masked_fill(~mask[:, None], 0).amax(dim=(0, 2, 3))
+
+
+@torch.inference_mode()
+def minilm(sentences: int = 128) -> list[dict]:
+    from bench.bert import load_minilm
+    from bench.text import sentences as real_sentences
+
+    model, tokenizer = load_minilm()
+    cfg, layers = model.cfg, model.encoder.layer
+    mods = {}
+    for i, layer in enumerate(layers):
+        mods[f"{i}.q"], mods[f"{i}.k"] = layer.attention["self"].query, layer.attention["self"].key
+    seen, hooks = _capture(mods)
+    observed = torch.zeros(len(layers), cfg.num_attention_heads, dtype=torch.float64)
+    try:
+        text = real_sentences(sentences)
+        for start in range(0, len(text), 32):
+            encs = tokenizer.encode_batch(text[start:start + 32])
+            ids = torch.tensor([e.ids for e in encs])
+            mask = torch.tensor([e.attention_mask for e in encs]).bool()
+            model(ids, mask.long())
+            pairs = mask[:, :, None] & mask[:, None, :]
+            for i in range(len(layers)):
+                heads = cfg.num_attention_heads
+                observed[i] = torch.maximum(observed[i], _max_logits(seen[f"{i}.q"], seen[f"{i}.k"], heads, heads, pairs))
+    finally:
+        for h in hooks:
+            h.remove()
+    rows = []
+    for i, layer in enumerate(layers):
+        norm = model.embeddings.LayerNorm if i == 0 else layers[i - 1].output.LayerNorm  # post-norm BERT
+        att = layer.attention["self"]
+        b = logit_bounds(att.query.weight, att.key.weight, cfg.num_attention_heads, cfg.num_attention_heads,
+                         norm_radius(norm.weight, norm.bias), att.query.bias.double(), att.key.bias.double())
+        rows.append(_row("minilm", i, b, observed[i]))
+    return rows
+
+
+@torch.inference_mode()
+def smollm2(tokens: int = 1024, context: int = 256) -> list[dict]:
+    from bench.llama import apply_rope, load_llama, rope_cos_sin
+    from bench.text import shakespeare_text
+
+    model, tokenizer = load_llama()
+    cfg = model.cfg
+    mods = {}
+    for i, blk in enumerate(model.blk):
+        mods[f"{i}.q"], mods[f"{i}.k"] = blk.attn_q, blk.attn_k
+    seen, hooks = _capture(mods)
+    observed = torch.zeros(cfg.n_layers, cfg.n_heads, dtype=torch.float64)
+    ids = torch.tensor(tokenizer.encode(shakespeare_text("hamlet"))[:tokens])
+    if len(ids) < context:
+        raise HiltError(f"the text has only {len(ids)} tokens, fewer than one context of {context}")
+    windows = ids[: len(ids) // context * context].view(-1, context)
+    cos, sin = rope_cos_sin(cfg, context)
+    causal = torch.ones(context, context, dtype=torch.bool).tril()[None]
+    try:
+        for w in windows:
+            model(w[None])
+            for i in range(cfg.n_layers):
+                q = apply_rope(seen[f"{i}.q"].view(1, context, cfg.n_heads, -1).transpose(1, 2), cos, sin)
+                k = apply_rope(seen[f"{i}.k"].view(1, context, cfg.n_kv_heads, -1).transpose(1, 2), cos, sin)
+                q, k = q.transpose(1, 2).reshape(1, context, -1), k.transpose(1, 2).reshape(1, context, -1)
+                observed[i] = torch.maximum(observed[i], _max_logits(q, k, cfg.n_heads, cfg.n_kv_heads, causal))
+    finally:
+        for h in hooks:
+            h.remove()
+    rows = []
+    for i, blk in enumerate(model.blk):
+        b = logit_bounds(blk.attn_q.weight, blk.attn_k.weight, cfg.n_heads, cfg.n_kv_heads,
+                         norm_radius(blk.attn_norm.weight), rope=True)
+        rows.append(_row("smollm2", i, b, observed[i]))
+    return rows
+
+
+def _row(model: str, layer: int, b: dict, observed: torch.Tensor) -> dict:
+    bound = b["bound"]
+    return {"model": model, "layer": layer, "sigma": b["sigma"].tolist(), "bound": bound.tolist(),
+            "product_bound": b["product_bound"].tolist(), "observed": observed.tolist(),
+            "scale": [E4M3_MAX / max(v, 1e-30) for v in bound.tolist()],  # no logit can pass 448
+            "max_observed_over_bound": float((observed / bound.clamp_min(1e-30)).max()),
+            "exceeded": bool((observed > bound).any())}
+
+
+def run(model: str, log=print) -> dict:
+    if model not in ("minilm", "smollm2"):
+        raise HiltError(f"unknown model {model!r}; choose minilm or smollm2")
+    rows = minilm() if model == "minilm" else smollm2()
+    log(f"{model}: per layer, over its heads: largest observed |logit|, its bound, observed/bound (max over heads), "
+        f"product-of-norms bound / spectral bound (min over heads)")
+    for r in rows:
+        tighter = min(p / max(s, 1e-30) for p, s in zip(r["product_bound"], r["bound"], strict=True))
+        log(f"  layer {r['layer']:>2}: observed {max(r['observed']):8.2f}  bound {max(r['bound']):10.2f}  "
+            f"observed/bound {r['max_observed_over_bound']:.3f}  product/spectral {tighter:6.2f}"
+            + ("  EXCEEDED" if r["exceeded"] else ""))
+    exceeded = [r["layer"] for r in rows if r["exceeded"]]
+    if exceeded:
+        raise HiltError(f"{model}: observed logits exceed the bound on layers {exceeded}: the bound is wrong")
+    return {"model": model, "rows": rows}
