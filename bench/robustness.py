@@ -63,7 +63,8 @@ def mismatch_sweep(model, images, labels, draws: int, etas=ETAS, seed: int = 0) 
 
 def _trained(method: str, cfg: NoisyTraining, plan: dict, quick: bool, log) -> torch.nn.Module:
     """The CNN trained with ``cfg``: from bench/results when a checkpoint with the same settings exists
-    (full runs only), otherwise trained now (and saved there, full runs only)."""
+    (full runs only), otherwise trained now (and saved there, full runs only, saying so when it
+    replaces a checkpoint trained with other settings)."""
     path = RESULTS / f"cnn-{method}.safetensors"
     want = {"method": cfg.method, "epochs": str(plan["epochs"]), "seed": "0"}
     if not quick and path.exists():
@@ -72,6 +73,7 @@ def _trained(method: str, cfg: NoisyTraining, plan: dict, quick: bool, log) -> t
         if all(meta.get(k) == v for k, v in want.items()) and (training is None or meta.get("training") == _json(training)):
             log(f"{method}: using {path.name}")
             return model
+        log(f"{method}: {path} was trained with other settings; retraining and replacing it")
     start = time.perf_counter()
     model, _ = train("cnn", epochs=plan["epochs"], limit=plan["limit"], training=cfg, progress=False)
     log(f"{method}: trained in {time.perf_counter() - start:.0f} s")
