@@ -105,6 +105,7 @@ def _nj(joules: float) -> str:
 
 
 def plot(result: dict, path) -> None:
+    """Left: energy per inference per layer, CIM against GPU (log scale). Right: where the CIM energy goes."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -112,24 +113,32 @@ def plot(result: dict, path) -> None:
 
     layers = result["layers"]
     names = [r["layer"] for r in layers] + ["total"]
-    fig, ax = plt.subplots(figsize=(10, 4.2))
     x = torch.arange(len(names), dtype=torch.float64)
-    bottom = torch.zeros(len(names), dtype=torch.float64)
+    cim = [r["cim"]["total"] for r in layers] + [result["cim_joules"]]
+    gpu = [r["gpu"]["total"] for r in layers] + [result["gpu_joules"]]
+    fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.2), gridspec_kw={"width_ratios": [1.1, 1]})
+    left.bar(x - 0.2, [v * 1e9 for v in cim], 0.4, color="tab:green", label=f"CIM ({result['chip']['name']})")
+    left.bar(x + 0.2, [v * 1e9 for v in gpu], 0.4, color="tab:gray",
+             label=f"GPU ({result['gpu']['name']}, batch {result['gpu']['batch']})")
+    left.set_xticks(x.tolist(), names)
+    left.set_yscale("log")
+    left.set_ylabel("energy per inference (nJ)")
+    left.set_title(f"{result['workload'].upper()}: CIM / GPU = {result['cim_over_gpu']:.3f}")
+    left.legend(fontsize=8)
+    left.grid(axis="y", alpha=0.3)
     colors = {"array": "tab:green", "adc": "tab:red", "dac": "tab:orange", "digital": "tab:purple",
               "movement": "tab:brown"}
+    bottom = torch.zeros(len(names), dtype=torch.float64)
     for part, color in colors.items():
-        vals = torch.tensor([r["cim"]["joules"][part] for r in layers] + [sum(r["cim"]["joules"][part] for r in layers)])
-        ax.bar(x - 0.2, vals * 1e9, 0.4, bottom=bottom * 1e9, color=color, label=f"CIM {part}")
-        bottom += vals
-    gpu = torch.tensor([r["gpu"]["total"] for r in layers] + [result["gpu_joules"]])
-    ax.bar(x + 0.2, gpu * 1e9, 0.4, color="tab:gray", label=f"GPU ({result['gpu']['name']}, batch {result['gpu']['batch']})")
-    ax.set_xticks(x.tolist(), names)
-    ax.set_yscale("log")
-    ax.set_ylabel("energy per inference (nJ)")
-    ax.set_title(f"{result['workload'].upper()}: CIM {result['chip']['name']} (ADC {result['adc_bits']} b) "
-                 f"vs GPU; CIM/GPU = {result['cim_over_gpu']:.3f}")
-    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))
-    ax.grid(axis="y", alpha=0.3)
+        vals = torch.tensor([r["cim"]["joules"][part] for r in layers]
+                            + [sum(r["cim"]["joules"][part] for r in layers)], dtype=torch.float64)
+        share = 100 * vals / torch.tensor(cim, dtype=torch.float64)
+        right.bar(x, share, 0.6, bottom=bottom, color=color, label=part)
+        bottom += share
+    right.set_xticks(x.tolist(), names)
+    right.set_ylabel("share of the CIM energy (%)")
+    right.set_title(f"CIM breakdown (ADC {result['adc_bits']} bits, DAC {result['dac_bits']} bits)")
+    right.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
