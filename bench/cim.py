@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import time
 from pathlib import Path
 
@@ -165,7 +164,3 @@ def speed(rounds: int = 7, repeats: int = 20, log=print) -> dict:
                 f"drift step {drift * 1e3:7.2f} ms ({drift_ratio:.2f} of a forward)")
     return {"batch": 256, "inputs": "Fashion-MNIST test[:256]", "threads": torch.get_num_threads(),
             "method": f"median over rounds (first dropped) of medians of {repeats} calls", "rows": rows}
-
-
-def write_json(path, obj) -> None:
-    Path(path).write_text(json.dumps(obj, indent=1) + "\n")

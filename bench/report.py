@@ -21,6 +21,10 @@ QUICK = {"drift_chips": 2, "drift_images": 2000, "energy_images": 500}
 FULL = {"drift_chips": 5, "drift_images": 10_000, "energy_images": 2000}
 
 
+def _dump(path: Path, obj) -> None:
+    path.write_text(json.dumps(obj, indent=1) + "\n")
+
+
 def _section(name: str, out: Path, sections: list, log, fn):
     start = time.perf_counter()
     log(f"== {name}")
@@ -52,7 +56,7 @@ def run(out="report", quick: bool = False, log=print) -> dict:
     def drift():
         result = cim.drift_study("cnn", preset_name="pcm", repeats=plan["drift_chips"],
                                  test_images=plan["drift_images"], log=log)
-        (out / "drift.json").write_text(json.dumps(result, indent=1) + "\n")
+        _dump(out / "drift.json", result)
         cim.plot_drift(result, out / "drift.png")
         lines = [f"The Fashion-MNIST CNN (digital accuracy {result['digital_accuracy']:.4f} on these "
                  f"{result['test_images']} test images) on the `pcm` preset, {result['repeats']} programmed chips:", "",
@@ -64,7 +68,7 @@ def run(out="report", quick: bool = False, log=print) -> dict:
 
     def robust():
         result = robustness.study(quick=quick, log=log)
-        (out / "robustness.json").write_text(json.dumps(result, indent=1) + "\n")
+        _dump(out / "robustness.json", result)
         robustness.plot(result, out / "robustness.png")
         return (f"Mismatch w(1 + eta N(0,1)), {result['plan']['draws']} draws per level on "
                 f"{result['plan']['test_images']} test images; PCM drift with global compensation.\n\n"
@@ -76,7 +80,7 @@ def run(out="report", quick: bool = False, log=print) -> dict:
             checkpoint = cim.RESULTS / f"cnn-{method}.safetensors"
             result = energy.run("cnn", checkpoint if checkpoint.exists() else None, sweep=True,
                                 test_images=plan["energy_images"], log=log)
-            (out / f"energy-{method}.json").write_text(json.dumps(result, indent=1) + "\n")
+            _dump(out / f"energy-{method}.json", result)
             energy.plot(result, out / f"energy-{method}.png")
             kept = result["precision"]["adc_bits"]
             lines.append(f"- CNN trained with **{method}**: lowest ADC resolution within 1 point of the 9-bit "
@@ -95,7 +99,7 @@ def run(out="report", quick: bool = False, log=print) -> dict:
         q = export.export_quantized(ckpt, out / "minilm-kmeans4.onnx", overwrite=True, log=log)
         shutil.rmtree(ckpt)
         c = export.export_cim("cnn", None, out / "cnn-pcm-1y.onnx", "pcm", "1y", overwrite=True, log=log)
-        (out / "onnx.json").write_text(json.dumps({"quantized": q, "cim": c}, indent=1) + "\n")
+        _dump(out / "onnx.json", {"quantized": q, "cim": c})
         return (f"- all-MiniLM-L6-v2, 4-bit k-means: `minilm-kmeans4.onnx`, {q['onnx_bytes'] / 1e6:.1f} MB "
                 f"({q['size_ratio']:.3f}x the quantized safetensors); ONNX Runtime vs PyTorch on {q['sentences']} "
                 f"sentences: max relative error {q['max_rel_error']:.1e}.\n"
@@ -120,7 +124,7 @@ def run(out="report", quick: bool = False, log=print) -> dict:
     (out / "report.md").write_text("\n".join(md))
     summary = {"quick": quick, "seconds": total,
                "sections": [{k: s[k] for k in ("name", "ok", "seconds")} for s in sections]}
-    (out / "report.json").write_text(json.dumps(summary, indent=1) + "\n")
+    _dump(out / "report.json", summary)
     log(f"wrote {out / 'report.md'} ({total / 60:.1f} min)")
     failed = [s["name"] for s in sections if not s["ok"]]
     if failed:

@@ -70,7 +70,7 @@ def _trained(method: str, cfg: NoisyTraining, plan: dict, quick: bool, log) -> t
     if not quick and path.exists():
         model, meta = load_checkpoint(path, "cnn")
         training = dataclasses.asdict(cfg) if cfg.method != "standard" else None
-        if all(meta.get(k) == v for k, v in want.items()) and (training is None or meta.get("training") == _json(training)):
+        if all(meta.get(k) == v for k, v in want.items()) and (training is None or meta.get("training") == json.dumps(training)):
             log(f"{method}: using {path.name}")
             return model
         log(f"{method}: {path} was trained with other settings; retraining and replacing it")
@@ -85,10 +85,6 @@ def _trained(method: str, cfg: NoisyTraining, plan: dict, quick: bool, log) -> t
             meta["training"] = dataclasses.asdict(cfg)
         save_checkpoint(model, path, "cnn", meta)
     return model
-
-
-def _json(obj) -> str:
-    return json.dumps(obj)
 
 
 def study(quick: bool = False, plan: dict | None = None, ablation=tuple(ABLATION), log=print) -> dict:

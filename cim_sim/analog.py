@@ -146,7 +146,7 @@ class AnalogMixin:
     def _tile_mvm(self, x: torch.Tensor, w: torch.Tensor, w_abs) -> tuple[torch.Tensor, torch.Tensor]:
         """One array: noise management, DAC, MVM, ADC, bound management -> (ADC output in steps, input scale)."""
         c = self.config
-        in_step, _ = self._steps()
+        in_step, out_step = self._steps()
         if c.dac_bits is not None:  # noise management: each input row scaled by its abs-max
             x_scale = x.abs().amax(1, keepdim=True).clamp_min_(1e-12)  # (10x faster than aminmax or vector_norm)
         else:
@@ -156,7 +156,7 @@ class AnalogMixin:
         for _ in range(3 if c.bound_management else 0):
             if peak is None:
                 break
-            saturated = peak >= c.out_bound / self._steps()[1]
+            saturated = peak >= c.out_bound / out_step
             rows = saturated.nonzero().squeeze(1) if rows is None else rows[saturated]
             if len(rows) == 0:
                 break

@@ -31,6 +31,15 @@ def _write_json(path: str, obj) -> None:
         raise HiltError(f"{target}: cannot write ({e.strerror})") from None
 
 
+def _write_outputs(args, result, plot=None) -> None:
+    """--json (atomic) and, where the command has one, --plot FILE drawn by ``plot(result, path)``."""
+    if args.json:
+        _write_json(args.json, result)
+    if plot is not None and args.plot:
+        plot(result, args.plot)
+        print(f"wrote {args.plot}")
+
+
 _COMMON = argparse.ArgumentParser(add_help=False)
 # SUPPRESS: a subcommand's default must not undo `hilt --debug CMD`
 _COMMON.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help="show tracebacks")
@@ -214,11 +223,7 @@ def cmd_drift(args) -> int:
 
     result = cim.drift_study(args.workload, args.checkpoint, args.preset, args.times, args.repeats, args.gdc,
                              args.test_images, progress=sys.stderr.isatty())
-    if args.json:
-        _write_json(args.json, result)
-    if args.plot:
-        cim.plot_drift(result, args.plot)
-        print(f"wrote {args.plot}")
+    _write_outputs(args, result, cim.plot_drift)
     return 0
 
 
@@ -227,11 +232,7 @@ def cmd_energy(args) -> int:
 
     result = energy.run(args.workload, args.checkpoint, args.preset, args.adc_bits, args.dac_bits, args.gpu_batch,
                         sweep=args.sweep)
-    if args.json:
-        _write_json(args.json, result)
-    if args.plot:
-        energy.plot(result, args.plot)
-        print(f"wrote {args.plot}")
+    _write_outputs(args, result, energy.plot)
     return 0
 
 
@@ -279,11 +280,7 @@ def cmd_bench_robustness(args) -> int:
     from bench import robustness
 
     result = robustness.study(quick=args.quick)
-    if args.json:
-        _write_json(args.json, result)
-    if args.plot:
-        robustness.plot(result, args.plot)
-        print(f"wrote {args.plot}")
+    _write_outputs(args, result, robustness.plot)
     if args.markdown:
         Path(args.markdown).write_text(robustness.render(result))
         print(f"wrote {args.markdown}")
