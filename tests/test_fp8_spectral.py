@@ -99,6 +99,30 @@ def test_logit_bound_holds_and_is_tight_on_a_layer_norm_input():
     assert (observed <= b["bound"]).all() and (b["bound"] <= b["product_bound"] + 1e-9).all()
 
 
+def test_rank_aware_prediction_holds_on_isotropic_inputs_and_burn_in_fits_gamma():
+    import math
+
+    from fp8.bounds import burn_in_gamma, tail_alpha
+
+    torch.manual_seed(2)
+    d, r, n = 256, 8, 400
+    m = torch.randn(d, r, dtype=torch.float64) @ torch.randn(r, d, dtype=torch.float64)
+    sigma = torch.linalg.matrix_norm(m, ord=2)
+    u = torch.nn.functional.normalize(torch.randn(n, d, dtype=torch.float64), dim=1)
+    worst = float((u @ m @ u.T).abs().max() / sigma)
+    alpha = tail_alpha(d, r, n, delta=1e-3)
+    assert worst <= alpha < 1  # the prediction covers a real sample of n^2 pairs...
+    assert worst > alpha / 4  # ...without being vacuous
+    assert tail_alpha(d, d, n, 1e-3) / alpha == pytest.approx(math.sqrt(d / r))  # rank-agnostic: sqrt(d/r) looser
+    assert tail_alpha(8, 8, 10**6) == 1.0  # never above the worst case
+    observed, bound = torch.tensor([3.0 * alpha, 0.5 * alpha], dtype=torch.float64), torch.ones(2)
+    gamma = burn_in_gamma(observed, bound, d, r, n, 1e-3)
+    assert gamma == pytest.approx(9.0, rel=1e-6) and tail_alpha(d, r, n, 1e-3, gamma) >= 3.0 * alpha - 1e-12
+    assert burn_in_gamma(observed / 10, bound, d, r, n, 1e-3) == 1.0
+    with pytest.raises(HiltError, match="delta"):
+        tail_alpha(d, r, n, delta=0)
+
+
 def test_fp8_scales_on_minilm(minilm_dir):
     from conftest import read_json, run_hilt
 
@@ -111,5 +135,6 @@ def test_fp8_scales_on_minilm(minilm_dir):
     rows = read_json(js)["rows"]
     assert len(rows) == 6 and not any(row["exceeded"] for row in rows)
     assert all(0 < row["max_observed_over_bound"] <= 1 and len(row["scale"]) == 12 for row in rows)
+    assert all(row["max_observed_over_rank_aware"] <= 1 and row["agnostic_over_aware"] > 3 for row in rows)
     bad = run_hilt("fp8", "scales", "gpt5")
     assert bad.returncode == 1 and "minilm or smollm2" in bad.stderr
