@@ -80,8 +80,13 @@ class Current(ScaleRecipe):
         return E4M3_MAX / max(float(x.detach().abs().max()) if x.numel() else 0.0, AMAX_FLOOR)
 
 
+# Between 448 and 464 (half-way to the next step, 480, were there one) round-to-nearest gives
+# 448 anyway: clipping changes a value only from 464 on, so only those count as overflow.
+OVERFLOW_FROM = 464.0
+
+
 def fp8_cast(x: torch.Tensor, scale: float) -> tuple[torch.Tensor, int]:
-    """x through E4M3 at ``scale`` and back: (the dequantized values, how many were clipped at +-448).
+    """x through E4M3 at ``scale`` and back: (the dequantized values, how many the clip changed).
 
     PyTorch's cast to float8_e4m3fn does not saturate (out of range becomes NaN), so values
     are clipped first, as FP8 hardware paths with saturation do.
@@ -89,6 +94,6 @@ def fp8_cast(x: torch.Tensor, scale: float) -> tuple[torch.Tensor, int]:
     if not torch.isfinite(x).all():
         raise HiltError("a tensor cast to FP8 contains NaN or Inf")
     y = x.float() * scale
-    overflow = int((y.abs() > E4M3_MAX).sum())
+    overflow = int((y.abs() >= OVERFLOW_FROM).sum())
     y = y.clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn).float()
     return (y / scale).to(x.dtype), overflow

@@ -13,6 +13,8 @@ def test_cast_counts_clipping_and_round_trips_in_range_values():
     assert overflow == 2 and y[3] == E4M3_MAX and y[4] == -E4M3_MAX
     torch.testing.assert_close(y[:3], x[:3], rtol=2**-3, atol=0)  # E4M3 keeps 3 mantissa bits
     assert not torch.isnan(y).any()
+    # 460 rounds to 448 anyway (the next E4M3 step would be 480): the clip changed nothing
+    assert fp8_cast(torch.tensor([460.0]), 1.0)[1] == 0 and fp8_cast(torch.tensor([470.0]), 1.0)[1] == 1
     with pytest.raises(HiltError, match="NaN"):
         fp8_cast(torch.tensor([float("nan")]), 1.0)
 
