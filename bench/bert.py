@@ -78,6 +78,7 @@ class BertLayer(nn.Module):
         })
         self.intermediate = _group(dense=nn.Linear(d, f))
         self.output = _group(dense=nn.Linear(f, d), LayerNorm=nn.LayerNorm(d, eps=eps))
+        self.attend = None  # None: scaled_dot_product_attention; fp8.attention.use_fp8_attention sets FP8Attention
 
     def forward(self, x: torch.Tensor, key_mask: torch.Tensor) -> torch.Tensor:
         """x [B, T, d]; key_mask [B, 1, 1, T] bool, True where a token may be attended to."""
@@ -88,7 +89,10 @@ class BertLayer(nn.Module):
             return t.view(B, T, self.n_heads, d // self.n_heads).transpose(1, 2)
 
         q, k, v = heads(att.query(x)), heads(att.key(x)), heads(att.value(x))
-        y = F.scaled_dot_product_attention(q, k, v, attn_mask=key_mask)
+        if self.attend is None:
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=key_mask)
+        else:
+            y = self.attend(q, k, v, key_mask=key_mask.view(B, T))
         y = self.attention["output"].dense(y.transpose(1, 2).reshape(B, T, d))
         x = self.attention["output"].LayerNorm(x + y)  # post-norm, as in BERT
         h = F.gelu(self.intermediate.dense(x))  # exact (erf) GELU

@@ -187,6 +187,7 @@ class Block(nn.Module):
         self.ffn_gate = nn.Linear(d, cfg.ffn_dim, bias=False)
         self.ffn_up = nn.Linear(d, cfg.ffn_dim, bias=False)
         self.ffn_down = nn.Linear(cfg.ffn_dim, d, bias=False)
+        self.attend = None  # None: scaled_dot_product_attention; fp8.attention.use_fp8_attention sets FP8Attention
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         B, T, _ = x.shape
@@ -197,7 +198,10 @@ class Block(nn.Module):
         v = self.attn_v(h).view(B, T, cfg.n_kv_heads, cfg.head_dim).transpose(1, 2)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         # Grouped-query attention: query head j reads key/value head j // (n_heads / n_kv_heads).
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        if self.attend is None:
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        else:
+            y = self.attend(q, k, v, causal=True)
         x = x + self.attn_output(y.transpose(1, 2).reshape(B, T, cfg.n_heads * cfg.head_dim))
         h = self.ffn_norm(x)
         return x + self.ffn_down(F.silu(self.ffn_gate(h)) * self.ffn_up(h))

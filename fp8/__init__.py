@@ -1,17 +1,18 @@
-"""fp8: geometry-aware FP8 attention scales from the weights alone.
+"""fp8: geometry-aware FP8 attention scales from the weights alone, and FP8 attention.
 
-So far: per-head spectral norms of W_Q,h^T W_K,g by batched power iteration
-(grouped-query aware, warm-startable), `fp8.spectral.head_norms`, and the
-worst-case logit bounds they give behind a pre-attention norm
-(`fp8.bounds.logit_bounds`; `hilt fp8 scales`), and the scale recipes behind one
-interface (geometry-aware, delayed, current) with a cast that counts clipping
-(`fp8.recipes`). The rank-aware bound, the transient study, the FP8 attention
-kernel and module are still to come (issue 4).
+Per-head spectral norms of W_Q,h^T W_K,g by batched power iteration (grouped-query aware,
+warm-startable: `fp8.spectral.head_norms`); the worst-case logit bounds and the rank-aware
+prediction they give behind a pre-attention norm, with burn-in calibration
+(`fp8.bounds`; `hilt fp8 scales`); scale recipes behind one interface (geometry-aware,
+delayed, current) with a cast that counts clipping (`fp8.recipes`; `hilt fp8 transient`);
+and `FP8Attention`, the module the SmolLM2 and MiniLM forwards use to run attention through
+the FP8 kernel (`fp8.attention`; `hilt fp8 attention`).
 """
 
-from fp8.bounds import logit_bounds, norm_radius
+from fp8.attention import FP8Attention, use_fp8_attention
+from fp8.bounds import burn_in_gamma, logit_bounds, norm_radius, tail_alpha
 from fp8.recipes import Current, Delayed, GeometryAware, ScaleRecipe, fp8_cast
 from fp8.spectral import HeadNorms, head_norms
 
-__all__ = ["Current", "Delayed", "GeometryAware", "HeadNorms", "ScaleRecipe", "fp8_cast", "head_norms",
-           "logit_bounds", "norm_radius"]
+__all__ = ["Current", "Delayed", "FP8Attention", "GeometryAware", "HeadNorms", "ScaleRecipe", "burn_in_gamma",
+           "fp8_cast", "head_norms", "logit_bounds", "norm_radius", "tail_alpha", "use_fp8_attention"]

@@ -267,6 +267,30 @@ def cmd_fp8_scales(args) -> int:
     return 0
 
 
+def cmd_fp8_transient(args) -> int:
+    from bench import fp8_transient
+
+    result = fp8_transient.study(quick=args.quick, seed=args.seed)
+    _write_outputs(args, result, fp8_transient.plot)
+    return 0
+
+
+def cmd_fp8_attention(args) -> int:
+    from bench import fp8_accuracy
+
+    result = fp8_accuracy.run(tokens=args.tokens)
+    _write_outputs(args, result)
+    return 0
+
+
+def cmd_bench_attention(args) -> int:
+    from bench import attention_speed
+
+    result = attention_speed.run()
+    _write_outputs(args, result)
+    return 0
+
+
 def cmd_bench_cim(args) -> int:
     from bench import cim
 
@@ -405,6 +429,19 @@ def build_parser() -> argparse.ArgumentParser:
     fs.add_argument("model", help="minilm or smollm2")
     fs.add_argument("--json", metavar="FILE")
     fs.set_defaults(func=cmd_fp8_scales)
+    ft = _parser_with_example(f8sub, "transient", "overflow of FP8 attention logits after a load, a resume and a "
+                              "learning-rate spike, per scale recipe (fine-tuning a character GPT on Shakespeare)",
+                              "hilt fp8 transient --quick --json transient.json --plot transient.png")
+    ft.add_argument("--quick", action="store_true", help="shorter pretraining and fine-tuning (a few minutes)")
+    ft.add_argument("--seed", type=int, default=0)
+    ft.add_argument("--json", metavar="FILE")
+    ft.add_argument("--plot", metavar="FILE", help="PNG: logits clipped per step, one panel per scenario")
+    ft.set_defaults(func=cmd_fp8_transient)
+    fa = _parser_with_example(f8sub, "attention", "accuracy of FP8 attention on real models: SmolLM2 perplexity and "
+                              "MiniLM embeddings against float32", "hilt fp8 attention --json fp8_attention.json")
+    fa.add_argument("--tokens", type=int, default=4096, help="tokens of Hamlet for the perplexity (default 4096)")
+    fa.add_argument("--json", metavar="FILE")
+    fa.set_defaults(func=cmd_fp8_attention)
 
     d = _parser_with_example(sub, "drift", "accuracy on simulated CIM hardware over time after programming",
                              "hilt drift --workload cnn --preset pcm --times 1s,1h,1d,1mo,1y --repeats 5 --plot drift.png")
@@ -455,6 +492,11 @@ def build_parser() -> argparse.ArgumentParser:
     bk.add_argument("--quick", action="store_true", help="fewer layer shapes")
     bk.add_argument("--json", metavar="FILE")
     bk.set_defaults(func=cmd_bench_kernels)
+
+    ba = _parser_with_example(bsub, "attention", "FP8 attention kernel against bf16 flash SDPA (GPU only), "
+                              "sequences 1k-16k, head dim 128", "hilt bench attention --json attention-gpu.json")
+    ba.add_argument("--json", metavar="FILE")
+    ba.set_defaults(func=cmd_bench_attention)
 
     bc = _parser_with_example(bsub, "cim", "CIM simulator speed: each preset against the digital forward (batch 256)",
                               "hilt bench cim --json cim_speed.json")

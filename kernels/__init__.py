@@ -17,7 +17,11 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from kernels.errors import HiltError  # noqa: E402
+from kernels.fp8_attention import attention_reference, fp8_attention
 from kernels.lut_matmul import dequantize_lut, lut_matmul  # noqa: E402
 from kernels.packing import pack_codes, packed_row_bytes, unpack_codes  # noqa: E402
 
-__all__ = ["HiltError", "dequantize_lut", "lut_matmul", "pack_codes", "packed_row_bytes", "unpack_codes"]
+__all__ = [
+    "HiltError", "attention_reference", "dequantize_lut", "fp8_attention", "lut_matmul", "pack_codes",
+    "packed_row_bytes", "unpack_codes",
+]
