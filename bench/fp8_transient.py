@@ -165,10 +165,10 @@ def _run(pretrained, scenario: str, recipe_name: str, plan: dict, seed: int, gam
     return rows
 
 
-def study(quick: bool = False, seed: int = 0, log=print) -> dict:
+def study(quick: bool = False, seed: int = 0, plan: dict | None = None, log=print) -> dict:
     from bench.gpt import GPT, GPTConfig, corpus, evaluate, train
 
-    plan = QUICK if quick else FULL
+    plan = plan or (QUICK if quick else FULL)
     alphabet, _, val = corpus()
     torch.manual_seed(seed)
     pretrained = GPT(GPTConfig(len(alphabet)))

@@ -121,6 +121,7 @@ def quantize_checkpoint(
     resume: bool = False,
     shard_bytes: int = 256 << 20,
     importance=None,
+    codebooks: dict[str, torch.Tensor] | None = None,
     on_tensor: Callable[[dict], None] | None = None,
     progress: bool = False,
 ) -> dict:
@@ -128,7 +129,8 @@ def quantize_checkpoint(
 
     ``importance``: a safetensors file (from `hilt calibrate`) mapping tensor
     names to per-input-column importance; k-means then weights each weight's
-    error by it. Tensors it does not list are fitted unweighted.
+    error by it. Tensors it does not list are fitted unweighted. ``codebooks``: fixed
+    k-means levels per tensor name (a QAT export), used instead of fitting.
 
     Returns the header written to ``dst/hilt.json``. ``on_tensor`` is called
     with each tensor's entry (name, kind, bits_per_weight, rel_error, ...).
@@ -162,7 +164,7 @@ def quantize_checkpoint(
         except OSError as e:
             raise HiltError(f"{dst}: cannot write there ({e.strerror})") from None
         try:
-            _stream(source, targets, weights, config, partial, state, shard_bytes, on_tensor, progress)
+            _stream(source, targets, weights, codebooks or {}, config, partial, state, shard_bytes, on_tensor, progress)
             header = {
                 "format": FORMAT_NAME,
                 "format_version": FORMAT_VERSION,
@@ -201,7 +203,7 @@ def _start_or_resume(partial: Path, settings: dict, resume: bool) -> dict:
     return state
 
 
-def _stream(source, targets, importance, config, partial, state, shard_bytes, on_tensor, progress):
+def _stream(source, targets, importance, codebooks, config, partial, state, shard_bytes, on_tensor, progress):
     from tqdm import tqdm
 
     done = set(state["tensors"])
@@ -214,7 +216,7 @@ def _stream(source, targets, importance, config, partial, state, shard_bytes, on
         bar.set_postfix_str(name, refresh=False)
         if name in targets:
             w = source.get(name)
-            q = quantize_tensor(w, config, name=name, importance=importance.get(name))
+            q = quantize_tensor(w, config, name=name, importance=importance.get(name), codebook=codebooks.get(name))
             parts = _tensor_parts(name, q)
             entry = {
                 "kind": "quantized",

@@ -84,7 +84,7 @@ def _block_scales(blocks: torch.Tensor, config: QuantConfig):
     return s.to(torch.bfloat16), None
 
 
-def _fixed_codebook(config: QuantConfig) -> torch.Tensor | None:
+def fixed_codebook(config: QuantConfig) -> torch.Tensor | None:
     if config.method == "int":
         half = 1 << (config.bits - 1)
         return torch.arange(-half, half, dtype=torch.float64)
@@ -120,6 +120,7 @@ def quantize_tensor(
     config: QuantConfig,
     name: str = "tensor",
     importance: torch.Tensor | None = None,
+    codebook: torch.Tensor | None = None,
 ) -> QuantizedWeight:
     """Quantize a 2-D weight (out_features, in_features).
 
@@ -129,6 +130,9 @@ def quantize_tensor(
     then minimises the importance-weighted error of the *weights*, so a
     normalised value is weighted by importance x scale^2. Importance is floored
     at 1e-6 of its mean, so that no weight is ignored entirely.
+
+    ``codebook`` (k-means, one per layer): use these 2**bits levels instead of fitting them
+    (a QAT export keeps the codebook the model was trained with).
     """
     config.validate()
     check_quantizable(name, w.shape, config)
@@ -151,8 +155,14 @@ def quantize_tensor(
     scales, offsets = _block_scales(w.float().view(n, k // B, B), config)
     levels = 1 << config.bits
 
-    codebook = _fixed_codebook(config)
-    if codebook is None:
+    if codebook is not None:
+        if config.method != "kmeans" or config.codebook != "layer" or tuple(codebook.shape) != (levels,):
+            raise HiltError(f"a given codebook for '{name}' must be one k-means codebook of {levels} levels "
+                            f"(got shape {tuple(codebook.shape)} for {config.method}/{config.codebook})")
+        if not torch.isfinite(codebook).all():
+            raise HiltError(f"the codebook given for '{name}' contains NaN or Inf")
+        codebook = codebook.to(torch.float16).sort().values
+    elif (codebook := fixed_codebook(config)) is None:
         u = _normalised(w, scales, offsets, B)  # all of it: the codebook is fitted over every value
         weights = None
         if importance is not None:

@@ -1,0 +1,171 @@
+"""Quantization-aware training for the k-means, integer and 1-bit formats.
+
+    prepare_qat_(model, QuantConfig(method="kmeans", bits=2))   # Linear -> FakeQuantLinear, in place
+    ... train; call qat_step_(model, step, schedule) after each optimizer step ...
+    save_qat(model, "model-2bit-qat/")                           # the `hilt quantize` format
+
+A FakeQuantLinear keeps the full-precision weight W as its trainable parameter and runs its
+forward on Q(W), the weight exactly as the saved checkpoint will hold it: block scales
+recomputed from the live W at every forward (rounded to bf16 like the stored ones), each
+value snapped to the nearest codebook level (rounded to fp16 like the stored codebook).
+The gradient goes straight through Q to W (straight-through estimator): dL/dW = dL/dQ(W).
+
+k-means codebooks are fitted (the certified-optimal 1-D k-means of quant.kmeans) when
+quantization starts, after ``warmup`` full-precision steps, and refitted every
+``refit_every`` steps to the weights as they move; integer and 1-bit grids are fixed.
+Exporting quantizes W with the layer's own codebook, so the saved model computes exactly
+what QAT trained.
+"""
+
+from __future__ import annotations
+
+import re
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from safetensors.torch import save_file
+from torch import nn
+
+from kernels import HiltError
+from quant import kmeans
+from quant.checkpoint import KEEP_DENSE, quantize_checkpoint
+from quant.quantize import QuantConfig, fixed_codebook, normalise_blocks
+
+
+@dataclass(frozen=True)
+class QATSchedule:
+    warmup: int = 0  # full-precision steps before quantization starts (and the codebooks are fitted)
+    refit_every: int = 100  # k-means codebooks refitted every this many steps after that (0: never)
+
+    def __post_init__(self):
+        if self.warmup < 0 or self.refit_every < 0:
+            raise HiltError(f"QAT warm-up and refit interval must be >= 0, got {self.warmup}, {self.refit_every}")
+
+
+class FakeQuantLinear(nn.Module):
+    """A Linear trained through its quantized weight (see the module docstring)."""
+
+    def __init__(self, linear: nn.Linear, config: QuantConfig, name: str = "linear"):
+        super().__init__()
+        config.validate()
+        if linear.in_features % config.block_size:
+            raise HiltError(f"layer '{name}' has {linear.in_features} inputs, not a multiple of block size "
+                            f"{config.block_size}")
+        self.config, self.name = config, name
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.weight, self.bias = linear.weight, linear.bias
+        fixed = fixed_codebook(config)
+        # persistent: a resumed QAT run continues with the codebook it had
+        self.register_buffer("codebook", torch.zeros(1 << config.bits) if fixed is None else fixed.float())
+        self.quantizing = False
+
+    @torch.no_grad()
+    def fit_codebook(self) -> None:
+        """Fit the k-means levels to the current weights in block units (a no-op for fixed grids)."""
+        if self.config.method != "kmeans":
+            return
+        _, _, u = normalise_blocks(self.weight.detach().float(), self.config)
+        levels = kmeans.kmeans_optimal(u.flatten(), 1 << self.config.bits).centroids
+        self.codebook.copy_(levels.to(torch.float16).sort().values.float())
+
+    def quantized_weight(self) -> torch.Tensor:
+        """Q(W) as the checkpoint will store it, differentiable straight through to W."""
+        w = self.weight
+        scales, offsets, u = normalise_blocks(w.detach().float(), self.config)
+        book = self.codebook.to(torch.float16).float()
+        levels = book[kmeans.assign(u, book.double())]
+        q = levels * scales.float().unsqueeze(-1)
+        if offsets is not None:
+            q = q + offsets.float().unsqueeze(-1)
+        q = q.view_as(w).to(w.dtype)
+        return w + (q - w).detach()
+
+    def forward(self, x):
+        return F.linear(x, self.quantized_weight() if self.quantizing else self.weight, self.bias)
+
+    def extra_repr(self):
+        c = self.config
+        return (f"in_features={self.in_features}, out_features={self.out_features}, method={c.method}, bits={c.bits}, "
+                f"block_size={c.block_size}, quantizing={self.quantizing}")
+
+
+def fake_quant_layers(model: nn.Module) -> dict[str, FakeQuantLinear]:
+    return {path: m for path, m in model.named_modules() if isinstance(m, FakeQuantLinear)}
+
+
+def prepare_qat_(model: nn.Module, config: QuantConfig, filter_fn=None) -> nn.Module:
+    """Swap every eligible nn.Linear for a FakeQuantLinear, in place (the same layers that
+    ``quantize_model_`` and ``hilt quantize`` would quantize, unless ``filter_fn(module, path)`` says)."""
+    config.validate()
+    swapped = 0
+    for path, module in list(model.named_modules()):
+        if not isinstance(module, nn.Linear):
+            continue
+        ok = filter_fn(module, path) if filter_fn else (
+            not KEEP_DENSE.search(f"{path}.weight") and module.in_features % config.block_size == 0)
+        if ok:
+            parent_path, _, attr = path.rpartition(".")
+            setattr(model.get_submodule(parent_path) if parent_path else model, attr,
+                    FakeQuantLinear(module, config, path))
+            swapped += 1
+    if not swapped:
+        raise HiltError(f"no Linear layer of {type(model).__name__} can take block size {config.block_size}")
+    return model
+
+
+def start_quantizing_(model: nn.Module) -> None:
+    """Fit every codebook to the current weights and switch the forwards to Q(W)."""
+    for layer in fake_quant_layers(model).values():
+        layer.fit_codebook()
+        layer.quantizing = True
+
+
+def qat_step_(model: nn.Module, step: int, schedule: QATSchedule) -> str | None:
+    """Call after optimizer step ``step`` (0-based): starts quantization when the warm-up ends
+    and refits the codebooks on schedule. Returns what it did ("start", "refit") or None."""
+    done = step + 1
+    if done == schedule.warmup:
+        start_quantizing_(model)
+        return "start"
+    if done > schedule.warmup and schedule.refit_every and (done - schedule.warmup) % schedule.refit_every == 0:
+        for layer in fake_quant_layers(model).values():
+            layer.fit_codebook()
+        return "refit"
+    return None
+
+
+def save_qat(model: nn.Module, dst, overwrite: bool = False) -> dict:
+    """Write the model in the `hilt quantize` format: each FakeQuantLinear's W quantized with its
+    own codebook (so the saved model equals the QAT forward), every other tensor dense."""
+    layers = fake_quant_layers(model)
+    if not layers:
+        raise HiltError("the model has no FakeQuantLinear layer: call prepare_qat_ first")
+    configs = {layer.config for layer in layers.values()}
+    if len(configs) > 1:
+        raise HiltError("save_qat writes one format per checkpoint; the model's QAT layers use several")
+    if not all(layer.quantizing for layer in layers.values()):
+        raise HiltError("QAT has not started quantizing yet (still in warm-up): there is nothing quantized to save")
+    config = configs.pop()
+    tensors = {n: t.detach().contiguous() for n, t in model.state_dict().items()
+               if not any(n == f"{p}.codebook" for p in layers)}
+    codebooks = {f"{p}.weight": layer.codebook.to(torch.float16) for p, layer in layers.items()}
+    only = "^(" + "|".join(re.escape(n) for n in codebooks) + ")$"
+    dst = Path(dst)
+    with tempfile.TemporaryDirectory(dir=dst.parent if dst.parent.exists() else None) as tmp:
+        src = Path(tmp) / "qat.safetensors"
+        save_file(_unshared(tensors), src)
+        return quantize_checkpoint(src, dst, config, only=only, overwrite=overwrite,
+                                   codebooks=codebooks if config.method == "kmeans" else None)
+
+
+def _unshared(tensors: dict) -> dict:
+    """safetensors refuses tensors that share memory (tied embeddings): give each its own copy."""
+    seen, out = set(), {}
+    for name, t in tensors.items():
+        key = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape))
+        out[name] = t.clone() if key in seen else t
+        seen.add(key)
+    return out

@@ -1,0 +1,38 @@
+"""The FP8 transient study on a tiny budget, the character GPT it fine-tunes, and the GPU-only bench."""
+
+import torch
+
+from bench import fp8_transient
+from bench.gpt import GPT, GPTConfig, corpus
+
+
+def test_gpt_hook_sees_causal_logits_and_changes_nothing_when_it_returns_them():
+    alphabet, _, val = corpus()
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(len(alphabet), block_size=16, n_layer=2, n_head=2, n_embd=32))
+    idx = val[:16].long()[None]
+    plain = model(idx)
+    seen = []
+    for blk in model.blocks:
+        blk.attn.logit_hook = lambda s, mask: (seen.append(mask), s)[1]
+    torch.testing.assert_close(model(idx), plain, atol=1e-5, rtol=1e-5)
+    assert len(seen) == 2 and bool(seen[0].tril().eq(seen[0]).all()) and bool(seen[0].diagonal().all())
+
+
+def test_geometry_scales_never_overflow_where_delayed_scaling_does():
+    plan = {"pretrain": 40, "before": 3, "after": 4, "spike": 2}
+    result = fp8_transient.study(plan=plan, log=lambda *_: None)
+    runs = {(r["scenario"], r["recipe"]): r for r in result["runs"]}
+    assert len(runs) == len(fp8_transient.SCENARIOS) * len(fp8_transient.RECIPES)
+    assert all(runs[(s, "geometry")]["overflow_logits"] == 0 for s in fp8_transient.SCENARIOS)
+    assert runs[("load", "delayed")]["overflow_logits"] > 1000  # history from the random init: scale far too large
+    assert all(len(r["steps"]) == (4 if s == "load-empty" else 7) for (s, _), r in runs.items())
+
+
+def test_bench_attention_says_it_needs_a_gpu():
+    from conftest import run_hilt
+
+    if torch.cuda.is_available():
+        return
+    r = run_hilt("bench", "attention")
+    assert r.returncode == 1 and "need a CUDA GPU" in r.stderr

@@ -1,0 +1,115 @@
+"""QAT (quant/qat.py): straight-through gradients, codebook refits, export that equals training."""
+
+import pytest
+import torch
+
+from bench.gpt import GPT, GPTConfig, batch, corpus
+from kernels import HiltError
+from quant import QuantConfig, load_quantized_
+from quant.qat import FakeQuantLinear, QATSchedule, fake_quant_layers, prepare_qat_, qat_step_, save_qat, start_quantizing_
+
+
+def _tiny(seed=0):
+    alphabet, train, _ = corpus()
+    torch.manual_seed(seed)
+    model = GPT(GPTConfig(len(alphabet), block_size=32, n_layer=2, n_head=2, n_embd=64))
+    x, y = batch(train, 32, 8, torch.Generator().manual_seed(seed))
+    return model, x, y
+
+
+@pytest.mark.parametrize("method, bits", [("kmeans", 2), ("int", 4), ("binary", 1), ("int-asym", 3)])
+def test_straight_through_gradient_is_the_gradient_at_the_quantized_weight(method, bits):
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(64, 8)
+    fq = FakeQuantLinear(linear, QuantConfig(method=method, bits=bits, block_size=32))
+    fq.fit_codebook()
+    fq.quantizing = True
+    x = torch.randn(5, 64)
+    (fq(x) ** 2).sum().backward()
+    q = fq.quantized_weight().detach().requires_grad_(True)
+    (torch.nn.functional.linear(x, q, linear.bias.detach()) ** 2).sum().backward()
+    torch.testing.assert_close(linear.weight.grad, q.grad)
+    assert not torch.equal(q, linear.weight.detach())  # it did quantize
+    levels = fq.codebook.unique().numel()
+    assert levels == 2**bits
+
+
+def _loss_and_error(model, x, y, layers, quantizing=True):
+    """(loss, summed squared quantization error in block units) with the layers quantizing or not."""
+    from quant.quantize import normalise_blocks
+
+    with torch.no_grad():
+        for layer in layers.values():
+            layer.quantizing = quantizing
+        loss = float(model(x, y)[1])
+        err = 0.0
+        for layer in layers.values():
+            _, _, u = normalise_blocks(layer.weight.float(), layer.config)
+            book = layer.codebook.half().float()
+            err += float(((u - book[(u[..., None] - book).abs().argmin(-1)]) ** 2).sum())
+        for layer in layers.values():
+            layer.quantizing = True
+    return loss, err
+
+
+def test_warmup_then_refits_follow_the_schedule():
+    model, x, y = _tiny()
+    prepare_qat_(model, QuantConfig(method="kmeans", bits=2, block_size=32))
+    layers = fake_quant_layers(model)
+    assert len(layers) == 2 * 6  # q, k, v, proj and the two MLP Linears per block; the tied head stays dense
+    schedule = QATSchedule(warmup=3, refit_every=4)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    events = {}
+    for step in range(12):
+        assert all(layer.quantizing == (step >= 3) for layer in layers.values())
+        loss = model(x, y)[1]
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        events[step] = qat_step_(model, step, schedule)
+    assert {s: e for s, e in events.items() if e} == {2: "start", 6: "refit", 10: "refit"}
+
+
+def test_a_refit_lowers_the_quantization_error_and_moves_the_loss_less_than_quantization_does():
+    model, x, y = _tiny(3)
+    prepare_qat_(model, QuantConfig(method="kmeans", bits=2, block_size=32))
+    layers = fake_quant_layers(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    for step in range(80):  # 50 full-precision steps, then the weights move away from the codebook fitted at 50
+        if step == 50:
+            start_quantizing_(model)
+        loss = model(x, y)[1]
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    old_loss, old_err = _loss_and_error(model, x, y, layers)
+    full_loss, _ = _loss_and_error(model, x, y, layers, quantizing=False)
+    for layer in layers.values():
+        layer.fit_codebook()
+    new_loss, new_err = _loss_and_error(model, x, y, layers)
+    assert new_err <= old_err * (1 + 1e-3)  # the optimal k-means of the current weights
+    assert abs(new_loss - old_loss) <= abs(old_loss - full_loss)
+
+
+def test_exported_checkpoint_reloads_to_the_same_outputs(tmp_path):
+    model, x, _ = _tiny(1)
+    prepare_qat_(model, QuantConfig(method="kmeans", bits=2, block_size=32))
+    with pytest.raises(HiltError, match="warm-up"):
+        save_qat(model, tmp_path / "early")
+    start_quantizing_(model)
+    with torch.no_grad():
+        want = model(x)
+    header = save_qat(model, tmp_path / "qat")
+    assert header["totals"]["quantized_tensors"] == 12
+    fresh, _, _ = _tiny(2)  # other weights: everything must come from the checkpoint
+    load_quantized_(fresh, tmp_path / "qat")
+    with torch.no_grad():
+        got = fresh(x)
+    torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-5)
+    with pytest.raises(HiltError, match="exists"):
+        save_qat(model, tmp_path / "qat")
+
+
+def test_a_model_without_eligible_layers_is_refused():
+    with pytest.raises(HiltError, match="block size 64"):
+        prepare_qat_(torch.nn.Sequential(torch.nn.Linear(10, 4)), QuantConfig(block_size=64))
