@@ -1,6 +1,7 @@
 """`hilt report`: the whole toolkit on the embedded defaults, written to one folder.
 
-Sections, each from a real run: the quantization table (SmolLM2-135M, MiniLM), the CNN
+Sections, each from a real run: the quantization table (SmolLM2-135M, MiniLM), FP8
+attention (weight-only logit bounds, the transient study, accuracy in real models), the CNN
 on PCM over a year, standard vs noise-injection vs DWP training under mismatch and
 drift, energy per inference against a GPU, and the two ONNX exports checked in ONNX
 Runtime. A section that fails is reported as failed (with its error) and the command
@@ -90,6 +91,44 @@ def run(out="report", quick: bool = False, log=print) -> dict:
                          f"(**{100 * (1 - result['cim_over_gpu']):.0f}% lower**). ![energy](energy-{method}.png)")
         return "\n".join(lines) + "\n\nConstants and their sources: `cim_sim/energy.py`.\n"
 
+    def fp8_section():
+        from bench import fp8_accuracy, fp8_scales, fp8_transient
+
+        lines = ["Bounds on |attention logit| from the weights alone against the largest seen on real text "
+                 "(`hilt fp8 scales`); per model, over layers and heads:", "",
+                 "| model | observed / worst-case bound | observed / rank-aware prediction | "
+                 "rank-agnostic / rank-aware | exceeded |", "|---|---|---|---|---|"]
+        for model in ("minilm", "smollm2"):
+            rows = fp8_scales.run(model, log=log)["rows"]
+            _dump(out / f"fp8-scales-{model}.json", rows)
+            lines.append(f"| {model} | {min(r['max_observed_over_bound'] for r in rows):.3f} – "
+                         f"{max(r['max_observed_over_bound'] for r in rows):.3f} | "
+                         f"{min(r['max_observed_over_rank_aware'] for r in rows):.2f} – "
+                         f"{max(r['max_observed_over_rank_aware'] for r in rows):.2f} | "
+                         f"{min(r['agnostic_over_aware'] for r in rows):.2f}x | "
+                         f"{'yes' if any(r['exceeded'] for r in rows) else 'never'} |")
+        result = fp8_transient.study(quick=quick, log=log)
+        _dump(out / "fp8-transient.json", result)
+        fp8_transient.plot(result, out / "fp8-transient.png")
+        lines += ["", f"Transients (`hilt fp8 transient`): a character GPT fine-tuned with its attention logits in "
+                  f"E4M3; steps after the event with logits clipped at ±448 (logits clipped):", "",
+                  "| scenario | " + " | ".join(fp8_transient.RECIPES) + " |", "|---" * (1 + len(fp8_transient.RECIPES)) + "|"]
+        for scenario in fp8_transient.SCENARIOS:
+            runs = {r["recipe"]: r for r in result["runs"] if r["scenario"] == scenario}
+            lines.append(f"| {scenario} | " + " | ".join(
+                f"{runs[n]['overflow_steps']} ({runs[n]['overflow_logits']})" for n in fp8_transient.RECIPES) + " |")
+        variants = ("fp8", "fp8 geometry scales") if quick else tuple(fp8_accuracy.VARIANTS)
+        acc = fp8_accuracy.run(tokens=2048 if quick else 4096, sentences=128 if quick else 256, variants=variants,
+                               log=log)
+        _dump(out / "fp8-attention.json", acc)
+        lines += ["", "![fp8 transients](fp8-transient.png)", "",
+                  f"FP8 attention in real models (`hilt fp8 attention`; SmolLM2-135M perplexity on {acc['tokens']} "
+                  f"tokens of Hamlet, float32 {acc['float32_perplexity']:.3f}; MiniLM embedding cosine vs float32):",
+                  "", "| variant | perplexity | change | MiniLM cosine |", "|---|---|---|---|"]
+        lines += [f"| {r['variant']} | {r['perplexity']:.3f} | {r['perplexity_change_pct']:+.2f}% | "
+                  f"{r['minilm_cosine']:.5f} |" for r in acc["rows"]]
+        return "\n".join(lines) + "\n"
+
     def onnx_exports():
         from bench.bert import minilm_path
         from quant import QuantConfig, quantize_checkpoint
@@ -107,10 +146,7 @@ def run(out="report", quick: bool = False, log=print) -> dict:
                 f"{c['accuracy_onnx']:.4f} vs PyTorch {c['accuracy_torch']:.4f} on {c['test_images']} images.\n")
 
     _section("Quantization: SmolLM2-135M and all-MiniLM-L6-v2", out, sections, log, quantization)
-    sections.append({"name": "FP8 attention scales", "ok": True, "seconds": 0.0,
-                     "markdown": "Not in the report yet: `fp8/` has the per-head spectral norms and worst-case "
-                                 "logit bounds (`hilt fp8 scales`), not yet the scale recipes and the transient "
-                                 "study this section will show.\n"})
+    _section("FP8 attention: scales from the weights, transients, accuracy", out, sections, log, fp8_section)
     _section("Compute-in-memory: a year on PCM", out, sections, log, drift)
     _section("Training for noisy hardware: standard, noise injection, DWP", out, sections, log, robust)
     _section("Energy per inference: CIM against a GPU", out, sections, log, energies)
