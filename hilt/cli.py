@@ -311,6 +311,26 @@ def cmd_bench_robustness(args) -> int:
     return 0
 
 
+def cmd_qat(args) -> int:
+    from bench import qat_finetune
+
+    if args.model != "smollm2":
+        raise HiltError(f"QAT fine-tuning knows the packaged 'smollm2', not {args.model!r}")
+    result = qat_finetune.finetune(args.dst, args.method, args.bits, args.block_size, args.steps, args.lr, args.batch,
+                                   args.context, args.refit_every, args.save_every, args.seed, args.resume,
+                                   args.overwrite, args.only, progress=sys.stderr.isatty())
+    _write_outputs(args, result)
+    return 0
+
+
+def cmd_bench_qat(args) -> int:
+    from bench import qat
+
+    result = qat.study(quick=args.quick, seed=args.seed)
+    _write_outputs(args, result, qat.plot)
+    return 0
+
+
 def cmd_bench_quantize(args) -> int:
     from bench import quant_speed
 
@@ -443,6 +463,26 @@ def build_parser() -> argparse.ArgumentParser:
     fa.add_argument("--json", metavar="FILE")
     fa.set_defaults(func=cmd_fp8_attention)
 
+    qa = _parser_with_example(sub, "qat", "quantization-aware fine-tuning of SmolLM2-135M, saved in the hilt quantize "
+                              "format (resumable)", "hilt qat smollm2 smollm2-2bit-qat --bits 2 --steps 60")
+    qa.add_argument("model", help="smollm2 (the packaged model)")
+    qa.add_argument("dst", help="output folder (a hilt checkpoint, as `hilt quantize` writes)")
+    qa.add_argument("--method", default="kmeans", choices=["kmeans", "int", "int-asym", "binary"])
+    qa.add_argument("--bits", type=int, default=2)
+    qa.add_argument("--block-size", type=int, default=64)
+    qa.add_argument("--steps", type=int, default=60)
+    qa.add_argument("--lr", type=float, default=1e-4)
+    qa.add_argument("--batch", type=int, default=4, help="windows per step")
+    qa.add_argument("--context", type=int, default=256, help="tokens per window")
+    qa.add_argument("--refit-every", type=int, default=20, help="k-means codebook refit interval in steps (0: never)")
+    qa.add_argument("--save-every", type=int, default=10, help="steps between resumable training states")
+    qa.add_argument("--seed", type=int, default=0)
+    qa.add_argument("--only", metavar="REGEX", help="quantize only the Linear weights whose name matches")
+    qa.add_argument("--resume", action="store_true", help="continue from DST.qat-state/")
+    qa.add_argument("--overwrite", action="store_true")
+    qa.add_argument("--json", metavar="FILE")
+    qa.set_defaults(func=cmd_qat)
+
     d = _parser_with_example(sub, "drift", "accuracy on simulated CIM hardware over time after programming",
                              "hilt drift --workload cnn --preset pcm --times 1s,1h,1d,1mo,1y --repeats 5 --plot drift.png")
     d.add_argument("--workload", default="cnn", help="mlp or cnn (default cnn)")
@@ -510,6 +550,15 @@ def build_parser() -> argparse.ArgumentParser:
     br.add_argument("--plot", metavar="FILE", help="PNG: accuracy against mismatch level and over a year of drift")
     br.add_argument("--markdown", metavar="FILE", help="the tables as Markdown")
     br.set_defaults(func=cmd_bench_robustness)
+
+    bqat = _parser_with_example(bsub, "qat", "QAT from scratch on Shakespeare: widths x bits {1,2,4,16} x {kmeans,int}, "
+                                "loss against weight memory, gamma fits, memory-matched winners",
+                                "hilt bench qat --quick --json qat.json --plot qat.png")
+    bqat.add_argument("--quick", action="store_true", help="two widths, shorter training (under 10 minutes on 2 cores)")
+    bqat.add_argument("--seed", type=int, default=0)
+    bqat.add_argument("--json", metavar="FILE")
+    bqat.add_argument("--plot", metavar="FILE", help="PNG: validation loss against weight memory")
+    bqat.set_defaults(func=cmd_bench_qat)
 
     r = _parser_with_example(sub, "report", "the end-to-end run on the embedded defaults (real models): quantization, "
                              "CIM drift, DWP robustness, energy, ONNX; writes DIR/report.md", "hilt report --out report/")

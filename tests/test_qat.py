@@ -113,3 +113,31 @@ def test_exported_checkpoint_reloads_to_the_same_outputs(tmp_path):
 def test_a_model_without_eligible_layers_is_refused():
     with pytest.raises(HiltError, match="block size 64"):
         prepare_qat_(torch.nn.Sequential(torch.nn.Linear(10, 4)), QuantConfig(block_size=64))
+
+
+def test_smollm2_qat_resumes_to_the_same_checkpoint_as_an_uninterrupted_run(smollm2_gguf, tmp_path, monkeypatch):
+    from bench import qat_finetune
+    from quant import load_checkpoint
+
+    small = {"bits": 2, "steps": 2, "batch": 1, "context": 16, "save_every": 1, "lr": 1e-4, "progress": False,
+             "only": r"blk\.[01]\.attn_q", "log": lambda *_: None}
+    real_save = qat_finetune.save_qat
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt  # Ctrl-C after step 1's state was written, before the checkpoint
+
+    monkeypatch.setattr(qat_finetune, "save_qat", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        qat_finetune.finetune(tmp_path / "resumed", **small)
+    assert (tmp_path / "resumed.qat-state" / "state.json").is_file() and not (tmp_path / "resumed").exists()
+    monkeypatch.setattr(qat_finetune, "save_qat", real_save)
+    with pytest.raises(HiltError, match="other settings"):
+        qat_finetune.finetune(tmp_path / "resumed", **{**small, "lr": 2e-4}, resume=True)
+    resumed = qat_finetune.finetune(tmp_path / "resumed", **small, resume=True)
+    assert resumed["resumed_at"] == 1 and not (tmp_path / "resumed.qat-state").exists()
+    qat_finetune.finetune(tmp_path / "straight", **small)
+    a, b = load_checkpoint(tmp_path / "resumed"), load_checkpoint(tmp_path / "straight")
+    name = "blk.0.attn_q.weight"
+    assert a.keys() == b.keys() and torch.equal(a[name].dequantize(), b[name].dequantize())
+    assert sum(1 for n in a if n.endswith("attn_q.weight") and not isinstance(a[n], torch.Tensor)) == 2
+    assert torch.equal(a["blk.3.attn_norm.weight"], b["blk.3.attn_norm.weight"])

@@ -1,0 +1,183 @@
+"""`hilt bench qat`: validation loss against weight memory under QAT (REFERENCES.md section 1).
+
+Character GPTs (bench/gpt.py, 4 layers) of several widths are trained from scratch on
+Shakespeare with the same token budget, in 16-bit (full precision) and with QAT at 1, 2 and
+4 bits in two formats: k-means (codebook per layer, fitted after a full-precision warm-up
+and refitted on schedule) and integers (symmetric absmax; at 1 bit, sign x absmean). Then:
+
+* weight memory with the true bits per weight: each quantized Linear at its stored size
+  (codes, bf16 block scales, fp16 codebook), everything else (embeddings, norms, biases) at
+  16 bits; 16-bit models entirely at 16 bits;
+* the scaling fit L(N) = E + A N^-alpha on the 16-bit runs (N: the weights of the Linears
+  QAT quantizes), and for each quantized run its effective size N_eff, the N at which a
+  16-bit model would reach its loss; then N_eff / N = 1 - exp(-P / gamma) fitted per format
+  (P: bits per weight) gives gamma, the format's "bits to reach full quality" scale;
+* the memory-matched comparison: at each model's memory, the lowest loss any configuration
+  reaches within it.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+
+import torch
+
+from kernels import HiltError
+from quant import QuantConfig
+from quant.qat import QATSchedule, fake_quant_layers, prepare_qat_, qat_step_
+from quant.quantize import expected_bits_per_weight
+
+FULL = {"widths": (64, 96, 128, 192), "steps": 600, "batch": 32, "block": 64, "layers": 4, "heads": 4}
+QUICK = {"widths": (64, 128), "steps": 300, "batch": 32, "block": 64, "layers": 2, "heads": 4}
+BITS = (1, 2, 4)
+METHODS = ("kmeans", "int")
+BLOCK_SIZE, LR = 32, 3e-3
+WARMUP_FRACTION, REFITS = 0.2, 4  # full-precision warm-up share of the steps; codebook refits after it
+
+
+def config_for(method: str, bits: int) -> QuantConfig:
+    if method == "int" and bits == 1:
+        return QuantConfig(method="binary", bits=1, block_size=BLOCK_SIZE)
+    return QuantConfig(method=method, bits=bits, block_size=BLOCK_SIZE)
+
+
+def weight_memory_bits(model, config: QuantConfig | None) -> tuple[float, float, int]:
+    """(bits of weight memory in all, bits of the quantizable Linears, N = their weights)."""
+    quantized = {f"{p}.weight" for p in fake_quant_layers(model)}
+    total, linear, n = 0.0, 0.0, 0
+    for name, p in model.named_parameters():
+        bits = 16.0 * p.numel()
+        if name in quantized:
+            n += p.numel()
+            bits = p.numel() * expected_bits_per_weight(tuple(p.shape), config) if config else bits
+            linear += bits
+        total += bits
+    return total, linear, n
+
+
+def _one(width: int, method: str | None, bits: int, plan: dict, seed: int, log) -> dict:
+    from bench.gpt import GPT, GPTConfig, corpus, evaluate, train
+
+    alphabet, _, val = corpus()
+    torch.manual_seed(seed)
+    model = GPT(GPTConfig(len(alphabet), block_size=plan["block"], n_layer=plan["layers"], n_head=plan["heads"],
+                          n_embd=width))
+    steps = plan["steps"]
+    config = None if method is None else config_for(method, bits)
+    # 16-bit runs get the same FakeQuantLinear layers (to count N the same way) and never start quantizing
+    prepare_qat_(model, config or QuantConfig(method="int", bits=8, block_size=BLOCK_SIZE))
+    warmup = max(1, int(WARMUP_FRACTION * steps))
+    schedule = QATSchedule(warmup=warmup, refit_every=max(1, (steps - warmup) // (REFITS + 1)))
+    events = []
+
+    def after_step(step, loss):
+        if config is not None and qat_step_(model, step, schedule):
+            events.append(step)
+
+    def lr_at(step):  # 20 steps of linear warm-up, then cosine decay to zero
+        return LR * min(1.0, (step + 1) / 20) * 0.5 * (1 + math.cos(math.pi * step / steps))
+
+    start = time.perf_counter()
+    losses = train(model, steps, LR, plan["batch"], seed=seed, lr_at=lr_at, after_step=after_step)
+    val_loss = evaluate(model, val, batches=10, size=32)
+    memory, linear_bits, n = weight_memory_bits(model, config)
+    row = {"width": width, "method": method or "16-bit", "bits": bits, "val_loss": val_loss,
+           "train_loss_end": sum(losses[-10:]) / 10, "memory_kib": memory / 8 / 1024, "n_quantizable": n,
+           "bits_per_weight": linear_bits / n,
+           "qat_events": events, "seconds": time.perf_counter() - start}
+    log(f"  width {width:>4} {row['method']:>7} {bits:>2} bits: validation loss {val_loss:.4f} nats/char, "
+        f"weights {row['memory_kib']:.0f} KiB ({row['seconds']:.0f} s)")
+    return row
+
+
+def _fit_scaling(rows: list[dict]) -> dict:
+    """L = E + A N^-alpha through the 16-bit runs (E = 0 with fewer than 3 widths)."""
+    pts = sorted((r["n_quantizable"], r["val_loss"]) for r in rows)
+    n = torch.tensor([p[0] for p in pts], dtype=torch.float64)
+    loss = torch.tensor([p[1] for p in pts], dtype=torch.float64)
+    candidates = [0.0] if len(pts) < 3 else [float(loss.min()) * f for f in torch.linspace(0, 0.99, 199).tolist()]
+    best = None
+    for e in candidates:
+        y, x = torch.log(loss - e), torch.log(n)
+        slope, intercept = torch.linalg.lstsq(torch.stack([x, torch.ones_like(x)], 1), y[:, None]).solution[:, 0]
+        sse = float(((slope * x + intercept - y) ** 2).sum())
+        if best is None or sse < best[0]:
+            best = (sse, e, float(math.exp(intercept)), float(-slope))
+    _, e, a, alpha = best
+    if alpha <= 0:
+        raise HiltError("the 16-bit losses do not fall with model size: no scaling fit (train longer or wider)")
+    return {"E": e, "A": a, "alpha": alpha}
+
+
+def _gamma(rows: list[dict], fit: dict) -> tuple[float, list[dict]]:
+    """gamma minimising the squared error of N_eff/N = 1 - exp(-P/gamma) over the runs."""
+    pts = []
+    for r in rows:
+        excess = r["val_loss"] - fit["E"]
+        n_eff = (excess / fit["A"]) ** (-1 / fit["alpha"]) if excess > 0 else float("inf")
+        r["n_eff"] = n_eff
+        r["n_eff_ratio"] = min(n_eff / r["n_quantizable"], 1.0)
+        pts.append((r["bits"], r["n_eff_ratio"]))
+    grid = torch.logspace(-2, 2, 2001, dtype=torch.float64)
+    p = torch.tensor([b for b, _ in pts], dtype=torch.float64)[:, None]
+    ratio = torch.tensor([q for _, q in pts], dtype=torch.float64)[:, None]
+    sse = ((ratio - (1 - torch.exp(-p / grid))) ** 2).sum(0)
+    return float(grid[sse.argmin()]), rows
+
+
+def study(quick: bool = False, seed: int = 0, log=print) -> dict:
+    plan = QUICK if quick else FULL
+    log(f"QAT study: widths {plan['widths']}, {plan['steps']} steps of {plan['batch']} x {plan['block']} characters "
+        f"each, bits {BITS} x {METHODS} and 16-bit")
+    rows = []
+    for width in plan["widths"]:
+        rows.append(_one(width, None, 16, plan, seed, log))
+        for method in METHODS:
+            for bits in BITS:
+                rows.append(_one(width, method, bits, plan, seed, log))
+    fit = _fit_scaling([r for r in rows if r["method"] == "16-bit"])
+    gammas = {m: _gamma([r for r in rows if r["method"] == m], fit)[0] for m in METHODS}
+    log(f"  16-bit fit: L = {fit['E']:.3f} + {fit['A']:.3g} N^-{fit['alpha']:.3f};  gamma: "
+        + ", ".join(f"{m} {g:.3f}" for m, g in gammas.items()))
+    kmeans_wins = {f"{w}/{b}": next(r for r in rows if r["width"] == w and r["method"] == "kmeans" and r["bits"] == b)["val_loss"]
+                   < next(r for r in rows if r["width"] == w and r["method"] == "int" and r["bits"] == b)["val_loss"]
+                   for w in plan["widths"] for b in BITS}
+    budgets = []
+    for budget in sorted({r["memory_kib"] for r in rows}):
+        fitting = [r for r in rows if r["memory_kib"] <= budget + 1e-9]
+        best = min(fitting, key=lambda r: r["val_loss"])
+        budgets.append({"memory_kib": budget, "winner": f"width {best['width']} {best['method']} {best['bits']}-bit",
+                        "val_loss": best["val_loss"]})
+    for b in budgets:
+        log(f"  within {b['memory_kib']:7.0f} KiB: best {b['winner']} (loss {b['val_loss']:.4f})")
+    return {"quick": quick, "seed": seed, "plan": plan, "block_size": BLOCK_SIZE, "lr": LR, "rows": rows,
+            "scaling_fit": fit, "gamma": gammas, "kmeans_beats_int": kmeans_wins, "memory_matched": budgets}
+
+
+def plot(result: dict, path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7.5, 4.8))
+    styles = {"16-bit": ("k", "o"), "kmeans": ("tab:blue", "s"), "int": ("tab:red", "^")}
+    for method in ("16-bit", *METHODS):
+        for bits in sorted({r["bits"] for r in result["rows"] if r["method"] == method}):
+            pts = sorted((r["memory_kib"], r["val_loss"]) for r in result["rows"]
+                         if r["method"] == method and r["bits"] == bits)
+            color, marker = styles[method]
+            dash = {1: ":", 2: "--", 4: "-.", 16: "-"}[bits]
+            ax.plot(*zip(*pts, strict=True), color=color, marker=marker, ls=dash, lw=1.3,
+                    label="16-bit" if method == "16-bit" else f"{method} {bits}-bit")
+    ax.set_xscale("log")
+    ax.set_xlabel("weight memory (KiB, true bits per weight)")
+    ax.set_ylabel("validation loss (nats/char)")
+    g = result["gamma"]
+    ax.set_title(f"QAT on Shakespeare: loss against memory (gamma: k-means {g['kmeans']:.2f}, int {g['int']:.2f})")
+    ax.grid(alpha=0.3, which="both")
+    ax.legend(fontsize=8, ncol=2)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
