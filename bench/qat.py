@@ -28,7 +28,7 @@ from quant import QuantConfig
 from quant.qat import QATSchedule, fake_quant_layers, prepare_qat_, qat_step_
 from quant.quantize import expected_bits_per_weight
 
-FULL = {"widths": (64, 96, 128, 192), "steps": 600, "batch": 32, "block": 64, "layers": 4, "heads": 4}
+FULL = {"widths": (64, 96, 128), "steps": 600, "batch": 32, "block": 64, "layers": 4, "heads": 4}
 QUICK = {"widths": (64, 128), "steps": 300, "batch": 32, "block": 64, "layers": 2, "heads": 4}
 BITS = (1, 2, 4)
 METHODS = ("kmeans", "int")
@@ -181,3 +181,28 @@ def plot(result: dict, path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+def render(result: dict) -> str:
+    """The study as Markdown: validation loss per width and format, gamma, memory-matched winners."""
+    widths = sorted({r["width"] for r in result["rows"]})
+    formats = [("16-bit", 16)] + [(m, b) for m in METHODS for b in BITS]
+    lines = ["| format | bits/weight | " + " | ".join(f"width {w}" for w in widths) + " |",
+             "|---|---|" + "---|" * len(widths)]
+    for method, bits in formats:
+        rows = {r["width"]: r for r in result["rows"] if r["method"] == method and r["bits"] == bits}
+        name = "16-bit" if method == "16-bit" else f"{method} {bits}-bit"
+        cells = []
+        for w in widths:
+            r = rows[w]
+            other = "int" if method == "kmeans" else "kmeans" if method == "int" else None
+            rival = next((x for x in result["rows"] if x["width"] == w and x["method"] == other and x["bits"] == bits), None)
+            best = rival is not None and r["val_loss"] < rival["val_loss"]
+            cells.append(f"{'**' if best else ''}{r['val_loss']:.4f}{'**' if best else ''} ({r['memory_kib']:.0f} KiB)")
+        lines.append(f"| {name} | {rows[widths[0]]['bits_per_weight']:.2f} | " + " | ".join(cells) + " |")
+    fit, g = result["scaling_fit"], result["gamma"]
+    lines += ["", f"16-bit fit L = {fit['E']:.3f} + {fit['A']:.3g} N^-{fit['alpha']:.3f}; "
+              f"gamma: k-means {g['kmeans']:.3f}, int {g['int']:.3f} (N_eff / N = 1 - exp(-bits / gamma)).", "",
+              "| weight memory budget | lowest loss within it | loss |", "|---|---|---|"]
+    lines += [f"| {b['memory_kib']:.0f} KiB | {b['winner']} | {b['val_loss']:.4f} |" for b in result["memory_matched"]]
+    return "\n".join(lines) + "\n"

@@ -141,3 +141,24 @@ def test_smollm2_qat_resumes_to_the_same_checkpoint_as_an_uninterrupted_run(smol
     assert a.keys() == b.keys() and torch.equal(a[name].dequantize(), b[name].dequantize())
     assert sum(1 for n in a if n.endswith("attn_q.weight") and not isinstance(a[n], torch.Tensor)) == 2
     assert torch.equal(a["blk.3.attn_norm.weight"], b["blk.3.attn_norm.weight"])
+
+
+def test_study_fits_recover_a_known_scaling_law_and_gamma():
+    import math
+
+    from bench import qat
+
+    e, a, alpha, gamma = 1.2, 40.0, 0.3, 1.5
+    full = [{"width": w, "method": "16-bit", "bits": 16, "n_quantizable": n, "val_loss": e + a * n**-alpha}
+            for w, n in ((64, 2e5), (96, 4.5e5), (128, 8e5), (192, 1.8e6))]
+    fit = qat._fit_scaling(full)
+    assert fit["E"] == pytest.approx(e, abs=0.02) and fit["alpha"] == pytest.approx(alpha, rel=0.05)
+    quantized = []
+    for r in full:
+        for bits in (1, 2, 4):
+            n_eff = r["n_quantizable"] * (1 - math.exp(-bits / gamma))
+            quantized.append({**r, "method": "kmeans", "bits": bits, "val_loss": e + a * n_eff**-alpha})
+    g, rows = qat._gamma(quantized, {"E": e, "A": a, "alpha": alpha})
+    assert g == pytest.approx(gamma, rel=0.01) and all(0 < r["n_eff_ratio"] <= 1 for r in rows)
+    with pytest.raises(HiltError, match="do not fall"):
+        qat._fit_scaling([{**r, "val_loss": 3.0 + r["n_quantizable"] * 1e-7} for r in full])
