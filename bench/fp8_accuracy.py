@@ -23,12 +23,6 @@ VARIANTS = {  # name: (scales, v_fp8, rotate)
 }
 
 
-def _plain(model):
-    for layer in getattr(model, "blk", None) or model.encoder.layer:
-        layer.attend = None
-    return model
-
-
 def run(tokens: int = 4096, context: int = 512, sentences: int = 256, variants=tuple(VARIANTS), log=print) -> dict:
     from bench.bert import embed, embedding_similarity, load_minilm
     from bench.llama import load_llama, perplexity
@@ -53,6 +47,5 @@ def run(tokens: int = 4096, context: int = 512, sentences: int = 256, variants=t
                      "perplexity_change_pct": 100 * (ppl / base - 1), "minilm_cosine": sim})
         log(f"  {name:<20} perplexity {ppl:.3f} ({rows[-1]['perplexity_change_pct']:+.2f}%)   "
             f"MiniLM embedding cosine {sim:.5f}")
-    _plain(llama), _plain(minilm)
     return {"tokens": len(ids), "context": context, "sentences": len(text), "float32_perplexity": base,
             "rows": rows, "target_pct": 1.0}

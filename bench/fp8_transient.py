@@ -195,9 +195,9 @@ def study(quick: bool = False, seed: int = 0, plan: dict | None = None, log=prin
             log(f"  {scenario:>10} {name:>10}: {r['overflow_steps']:>3} of {len(after)} steps overflow after the event "
                 f"({r['overflow_logits']} logits clipped), {r['flushed_logits']} flushed to zero, "
                 f"final loss {r['final_loss']:.3f}")
-    clean = [f"{r['scenario']}" for r in runs if r["recipe"] == "geometry" and r["overflow_steps"]]
-    if clean:
-        log(f"  geometry-aware scales overflowed in: {', '.join(clean)} (they must not: the bound is wrong)")
+    broken = [r["scenario"] for r in runs if r["recipe"] == "geometry" and r["overflow_steps"]]
+    if broken:
+        log(f"  geometry-aware scales overflowed in: {', '.join(broken)} (they must not: the bound is wrong)")
     return {"quick": quick, "seed": seed, "plan": plan, "lr": LR, "spike_factor": SPIKE, "e4m3_max": E4M3_MAX,
             "model": {"config": vars(pretrained.cfg), "pretrain_validation_loss": val_loss}, "burn_in_gamma": gammas, "runs": runs}
 
