@@ -147,7 +147,8 @@ def study(quick: bool = False, seed: int = 0, log=print) -> dict:
     for budget in sorted({r["memory_kib"] for r in rows}):
         fitting = [r for r in rows if r["memory_kib"] <= budget + 1e-9]
         best = min(fitting, key=lambda r: r["val_loss"])
-        budgets.append({"memory_kib": budget, "winner": f"width {best['width']} {best['method']} {best['bits']}-bit",
+        label = "16-bit" if best["method"] == "16-bit" else f"{best['method']} {best['bits']}-bit"
+        budgets.append({"memory_kib": budget, "winner": f"width {best['width']} {label}",
                         "val_loss": best["val_loss"]})
     for b in budgets:
         log(f"  within {b['memory_kib']:7.0f} KiB: best {b['winner']} (loss {b['val_loss']:.4f})")
