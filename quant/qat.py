@@ -127,8 +127,8 @@ def qat_step_(model: nn.Module, step: int, schedule: QATSchedule) -> str | None:
     """Call after optimizer step ``step`` (0-based): starts quantization when the warm-up ends
     and refits the codebooks on schedule. Returns what it did ("start", "refit") or None."""
     done = step + 1
-    if done == schedule.warmup:
-        start_quantizing_(model)
+    if done >= schedule.warmup and not all(layer.quantizing for layer in fake_quant_layers(model).values()):
+        start_quantizing_(model)  # the warm-up is over (warmup 0: right after the first step)
         return "start"
     if done > schedule.warmup and schedule.refit_every and (done - schedule.warmup) % schedule.refit_every == 0:
         for layer in fake_quant_layers(model).values():
