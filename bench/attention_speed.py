@@ -20,11 +20,7 @@ tokens at every length), 16 heads of 128: about a minute of GPU time in all.
 
 from __future__ import annotations
 
-import argparse
-import json
 import platform
-import sys
-from pathlib import Path
 
 import torch
 import triton
@@ -99,25 +95,3 @@ def run(seqs=(1024, 2048, 4096, 8192, 16384), head_dim=128, heads=16, batch=None
                 f"speedup {row['speedup']:.2f}x / {row['kernel_speedup']:.2f}x  cosine {cosine:.5f}")
         del q, k, v, q8, k8, v8, out
     return info
-
-
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--seqs", type=int, nargs="+", default=[1024, 2048, 4096, 8192, 16384])
-    ap.add_argument("--head-dim", type=int, default=128, choices=[64, 128])
-    ap.add_argument("--heads", type=int, default=16)
-    ap.add_argument("--batch", type=int, default=None)
-    ap.add_argument("--json", type=Path, help="write the results here")
-    args = ap.parse_args(argv)
-    try:
-        result = run(tuple(args.seqs), args.head_dim, args.heads, args.batch)
-    except HiltError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
-    if args.json:
-        args.json.write_text(json.dumps(result, indent=2))
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -8,9 +8,8 @@ import math
 import torch
 
 from fp8.bounds import burn_in_gamma, logit_bounds, norm_radius, tail_alpha
+from fp8.recipes import E4M3_MAX
 from kernels import HiltError
-
-E4M3_MAX = 448.0
 
 
 def _capture(modules: dict[str, torch.nn.Module]):

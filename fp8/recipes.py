@@ -22,8 +22,8 @@ from collections import deque
 import torch
 
 from kernels import HiltError
+from kernels.fp8_attention import E4M3_MAX
 
-E4M3_MAX = 448.0
 AMAX_FLOOR = 1e-12
 
 
