@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from cim_sim.devices import PCM, RRAM, stuck_at
+from cim_sim.devices import PCM, RRAM, gaussian_, stuck_at
 from kernels import HiltError
 
 
@@ -188,10 +188,10 @@ class AnalogMixin:
                 # current loses a share of it, 5% at full current on every row of the array
                 part *= 1 - (0.05 * c.ir_drop * in_step / w.shape[1]) * stats[len(xq):]
             if c.w_noise:  # per-read PCM noise: std w_noise * sqrt(sum_j |w_ij| x_j^2)
-                noise = torch.randn(part.shape, generator=self.gen).mul_(stats[: len(xq)].sqrt_())
+                noise = gaussian_(torch.empty(part.shape), self.gen).mul_(stats[: len(xq)].sqrt_())
                 part.add_(noise, alpha=c.w_noise * in_step / out_step)
         if c.out_noise:
-            part.add_(torch.randn(part.shape, generator=self.gen), alpha=c.out_noise / out_step)
+            part.add_(gaussian_(torch.empty(part.shape), self.gen), alpha=c.out_noise / out_step)
         peak = None
         if c.adc_bits is not None:
             out_levels = c.out_bound / out_step

@@ -15,6 +15,29 @@ from dataclasses import dataclass
 
 import torch
 
+# N(0, 1) at the midpoints of 65536 equal-probability bins: a draw is one lookup by 16 random bits
+_QUANTILES = torch.special.ndtri((torch.arange(65536, dtype=torch.float64) + 0.5) / 65536).float()
+
+
+def gaussian_(out: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
+    """Fill ``out`` (contiguous) with N(0, 1) draws for per-read noise, from ``gen``.
+
+    The noise drawn afresh for every device at every read is most of a drift step, and torch's
+    CPU sampler spends half its time on Box-Muller. Here each draw is 16 random bits looking up
+    one of 65536 equal-probability quantiles: twice as fast, the same mean and variance (to
+    2e-4), tails cut at 4.3 sigma (a probability of 1.5e-5), far inside the noise models' own
+    uncertainty. Programming noise and drift exponents, drawn once, use torch.randn.
+    """
+    n = out.numel()
+    bits = torch.empty((n + 3) // 4, dtype=torch.int64).random_(-(2**63), 2**63 - 1, generator=gen)
+    index = bits.view(torch.uint16)[:n].to(torch.int32)
+    table = _QUANTILES if out.dtype == torch.float32 else _QUANTILES.to(out.dtype)
+    return torch.index_select(table, 0, index, out=out.view(-1)).view(out.shape)
+    if _POOL is None or _POOL._max_workers != threads:
+        _POOL = ThreadPoolExecutor(threads)
+    list(_POOL.map(draw, chunks, seeds))
+    return out
+
 @dataclass(frozen=True)
 class PCM:
     g_max: float = 25.0  # µS
@@ -58,9 +81,8 @@ class PCM:
         sigma = math.sqrt(math.log((T + self.t_read) / (2 * self.t_read))) * self.read_noise_scale
         g_buf, noise_buf = out if out is not None else (None, None)
         g = torch.mul(nu, -math.log(T / self.t0), out=g_buf).exp_().mul_(g_prog)
-        noise = (torch.randn(g.shape, generator=gen, dtype=g.dtype) if noise_buf is None
-                 else noise_buf.normal_(generator=gen))
-        return g.mul_(noise.mul_(q).mul_(sigma).add_(1)).clamp_min_(0)
+        noise = gaussian_(torch.empty_like(g) if noise_buf is None else noise_buf, gen)
+        return g.addcmul_(g, noise.mul_(q), value=sigma).clamp_min_(0)  # g + sigma g Q N: two passes, not five
 
 
 @dataclass(frozen=True)
