@@ -50,7 +50,8 @@ def run(seqs=(1024, 2048, 4096, 8192, 16384), head_dim=128, heads=16, batch=None
             "head_dim": head_dim, "heads": heads,
             "timed": {"sdpa": "bf16 flash SDPA on bf16 inputs",
                       "fp8": "fp8_attention on the same bf16 inputs: checks, Q/K/V to FP8, attention kernel",
-                      "fp8_kernel": "the attention kernel alone on Q/K/V already in FP8"},
+                      "fp8_kernel": "the attention kernel alone on Q/K/V already in FP8",
+                      "fp8_split": "fp8_attention with split_qk (Q and K as two E4M3 terms: 3 FP8 products for Q K^T)"},
             "timing": "triton.testing.do_bench, median ms", "rows": []}
     log(f"{info['gpu']} ({info['capability']}), torch {info['torch']}, triton {info['triton']}; "
         f"{heads} heads x {head_dim}")
@@ -80,9 +81,13 @@ def run(seqs=(1024, 2048, 4096, 8192, 16384), head_dim=128, heads=16, batch=None
             if not cosine >= MIN_COSINE:
                 raise HiltError(f"FP8 attention differs from bf16 SDPA at T={seq} causal={is_causal}: "
                                 f"cosine {cosine:.5f} < {MIN_COSINE}")
+            def fp8_split(is_causal=is_causal, q=q, k=k, v=v, qs=q_scale, ks=k_scale, vs=v_scale):
+                return fp8_attention(q, k, v, qs, ks, vs, causal=is_causal, split_qk=True)
+
             fp8_kernel()
+            fp8_split()
             ms = {name: do_bench(fn, return_mode="median")
-                  for name, fn in (("sdpa", sdpa), ("fp8", fp8), ("fp8_kernel", fp8_kernel))}
+                  for name, fn in (("sdpa", sdpa), ("fp8", fp8), ("fp8_kernel", fp8_kernel), ("fp8_split", fp8_split))}
             flops = 4 * b * heads * seq * seq * head_dim / (2 if is_causal else 1)
             row = {"seq": seq, "batch": b, "causal": is_causal, "cosine_vs_bf16": cosine,
                    **{f"{n}_ms": t for n, t in ms.items()},
@@ -92,6 +97,7 @@ def run(seqs=(1024, 2048, 4096, 8192, 16384), head_dim=128, heads=16, batch=None
             log(f"T={seq:6d} B={b:2d} {'causal' if is_causal else 'full  '}  sdpa bf16 {ms['sdpa']:7.3f} ms "
                 f"({row['sdpa_tflops']:5.0f} TFLOP/s)  fp8 {ms['fp8']:7.3f} ms ({row['fp8_tflops']:5.0f})  "
                 f"kernel only {ms['fp8_kernel']:7.3f} ms ({row['fp8_kernel_tflops']:5.0f})  "
+                f"split Q K {ms['fp8_split']:7.3f} ms  "
                 f"speedup {row['speedup']:.2f}x / {row['kernel_speedup']:.2f}x  cosine {cosine:.5f}")
         del q, k, v, q8, k8, v8, out
     return info

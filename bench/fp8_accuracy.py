@@ -15,11 +15,12 @@ import torch
 
 from fp8.attention import use_fp8_attention
 
-VARIANTS = {  # name: (scales, v_fp8, rotate)
-    "fp8": ("current", True, True),
-    "fp8 geometry scales": ("geometry", True, True),
-    "fp8 no rotation": ("current", True, False),
-    "fp8, V 16-bit": ("current", False, True),
+VARIANTS = {  # name: (scales, v_fp8, rotate, split_qk)
+    "fp8": ("current", True, True, False),
+    "fp8 geometry scales": ("geometry", True, True, False),
+    "fp8 no rotation": ("current", True, False, False),
+    "fp8, V 16-bit": ("current", False, True, False),
+    "fp8, split Q K": ("current", True, True, True),
 }
 
 
@@ -40,10 +41,11 @@ def run(tokens: int = 4096, context: int = 512, sentences: int = 256, variants=t
     ref = embed(minilm, bert_tok, text)
     rows = []
     for name in variants:
-        scales, v_fp8, rotate = VARIANTS[name]
-        ppl = perplexity(use_fp8_attention(llama, scales, v_fp8, rotate), ids, context)
-        sim = embedding_similarity(ref, embed(use_fp8_attention(minilm, scales, v_fp8, rotate), bert_tok, text))
-        rows.append({"variant": name, "scales": scales, "v_fp8": v_fp8, "rotate": rotate, "perplexity": ppl,
+        scales, v_fp8, rotate, split_qk = VARIANTS[name]
+        ppl = perplexity(use_fp8_attention(llama, scales, v_fp8, rotate, split_qk), ids, context)
+        sim = embedding_similarity(ref, embed(use_fp8_attention(minilm, scales, v_fp8, rotate, split_qk), bert_tok, text))
+        rows.append({"variant": name, "scales": scales, "v_fp8": v_fp8, "rotate": rotate, "split_qk": split_qk,
+                     "perplexity": ppl,
                      "perplexity_change_pct": 100 * (ppl / base - 1), "minilm_cosine": sim})
         log(f"  {name:<20} perplexity {ppl:.3f} ({rows[-1]['perplexity_change_pct']:+.2f}%)   "
             f"MiniLM embedding cosine {sim:.5f}")

@@ -13,6 +13,8 @@ Scales per head: ``current`` (448 / this tensor's amax, a reduction per call) or
 ``geometry`` (448 / a bound from the weights: |entry of q| <= ||q|| <= ||W_Q,h||_2 R, and K
 smoothing at most doubles ||k||; rotation keeps norms), set by :func:`use_fp8_attention`.
 V goes to E4M3 with per-channel current scales (``v_fp8=True``) or stays 16-bit.
+``split_qk=True`` stores Q and K as two E4M3 terms each (kernels.fp8_attention): three FP8
+products for the logits, for activations whose outliers survive the rotation.
 
 A padding mask (MiniLM's batches) is served sequence by sequence at its own length: keys past
 it are cut off, and padded queries, whose outputs nothing reads, get zeros.
@@ -57,13 +59,14 @@ class FP8Attention(nn.Module):
     """softmax(Q K^T / sqrt(d_h)) V with Q, K, P (and V) in E4M3; q (B, H, T, d_h), k, v (B, G, T, d_h)."""
 
     def __init__(self, scales: str = "current", q_bound: torch.Tensor | None = None,
-                 k_bound: torch.Tensor | None = None, v_fp8: bool = True, rotate: bool = True):
+                 k_bound: torch.Tensor | None = None, v_fp8: bool = True, rotate: bool = True,
+                 split_qk: bool = False):
         super().__init__()
         if scales not in SCALES:
             raise HiltError(f"unknown FP8 attention scales {scales!r}; choose from {', '.join(SCALES)}")
         if scales == "geometry" and (q_bound is None or k_bound is None):
             raise HiltError("geometry-aware FP8 attention needs per-head bounds on |q| and |k| from the weights")
-        self.scales, self.v_fp8, self.rotate = scales, v_fp8, rotate
+        self.scales, self.v_fp8, self.rotate, self.split_qk = scales, v_fp8, rotate, split_qk
         self.q_bound, self.k_bound = q_bound, k_bound
 
     def forward(self, q, k, v, causal: bool = False, key_mask: torch.Tensor | None = None):
@@ -77,7 +80,8 @@ class FP8Attention(nn.Module):
             q_scale = E4M3_MAX / self.q_bound.float().clamp_min(AMAX_FLOOR)
             k_scale = E4M3_MAX / ((2.0 if self.rotate else 1.0) * self.k_bound.float()).clamp_min(AMAX_FLOOR)
         v_scale = _current(v, (0, 2)) if self.v_fp8 else None
-        return fp8_attention(q, k, v, q_scale.to(q.device), k_scale.to(q.device), v_scale, causal)
+        return fp8_attention(q, k, v, q_scale.to(q.device), k_scale.to(q.device), v_scale, causal,
+                             split_qk=self.split_qk)
 
     def _padded(self, q, k, v, causal, key_mask):
         if key_mask.shape != (k.shape[0], k.shape[2]):
@@ -104,7 +108,8 @@ def attention_bounds(w_q, w_k, n_heads: int, n_kv_heads: int, radius: float, b_q
     return q * r, k * r
 
 
-def use_fp8_attention(model: nn.Module, scales: str = "current", v_fp8: bool = True, rotate: bool = True) -> nn.Module:
+def use_fp8_attention(model: nn.Module, scales: str = "current", v_fp8: bool = True, rotate: bool = True,
+                      split_qk: bool = False) -> nn.Module:
     """Route every attention layer of a bench SmolLM2 (Llama) or MiniLM (Bert) model through
     FP8Attention; with ``scales="geometry"`` the per-head bounds come from its weights."""
     from bench.bert import Bert
@@ -115,7 +120,7 @@ def use_fp8_attention(model: nn.Module, scales: str = "current", v_fp8: bool = T
         for blk in model.blk:
             qb, kb = attention_bounds(blk.attn_q.weight, blk.attn_k.weight, cfg.n_heads, cfg.n_kv_heads,
                                       norm_radius(blk.attn_norm.weight))
-            blk.attend = FP8Attention(scales, qb, kb, v_fp8, rotate)
+            blk.attend = FP8Attention(scales, qb, kb, v_fp8, rotate, split_qk)
     elif isinstance(model, Bert):
         cfg, layers = model.cfg, model.encoder.layer
         for i, layer in enumerate(layers):
@@ -124,7 +129,7 @@ def use_fp8_attention(model: nn.Module, scales: str = "current", v_fp8: bool = T
             qb, kb = attention_bounds(att.query.weight, att.key.weight, cfg.num_attention_heads,
                                       cfg.num_attention_heads, norm_radius(norm.weight, norm.bias),
                                       att.query.bias.double(), att.key.bias.double())
-            layer.attend = FP8Attention(scales, qb, kb, v_fp8, rotate)
+            layer.attend = FP8Attention(scales, qb, kb, v_fp8, rotate, split_qk)
     else:
         raise HiltError(f"FP8 attention knows SmolLM2 (Llama) and MiniLM (Bert) models, not {type(model).__name__}")
     return model

@@ -15,6 +15,13 @@ float32 in, (B, H, Tq, D) in q's dtype out. The definition is :func:`fp8_attenti
   row sum l is over the unquantized p, so each p is converted once, on its way into the dot
   (summing the quantized p measured 10-20 % lower relative L1 in an emulation: not worth an
   extra upcast of every p on the GPU).
+* ``split_qk=True``: Q and K each as two E4M3 terms, ``X8 = hi + lo / 16`` with
+  ``hi = e4m3(x * scale)``, ``lo = e4m3(16 (x * scale - hi))``, and
+  ``Q8 K8^T ~ Qhi Khi^T + (Qlo Khi^T + Qhi Klo^T) / 16`` (the lo x lo term, ~2^-8 of the
+  rest, dropped): three FP8 products for the logits instead of one, a relative rounding
+  error of ~2^-8 instead of ~2^-4. One large product that dominates a logit (an outlier
+  channel in Q and K) is then no longer off by E4M3's 3-bit mantissa (tests: relative L1
+  5-7e-2 -> 0.05-0.2e-2 with V 16-bit).
 * ``v_scale`` (G, D): ``V8 = e4m3(v * v_scale)``, output channel d divided by v_scale[g, d]
   at the end. ``v_scale=None``: V stays in its dtype and p is rounded to that dtype (no 448:
   16-bit floats hold [0, 1]) for P V in that dtype (float32: p exact).
@@ -94,7 +101,14 @@ def attention_reference(q, k, v, causal=False, sm_scale=None):
     return out.reshape(b, h, tq, d).to(q.dtype)
 
 
-def fp8_attention_reference(q, k, v, q_scale, k_scale, v_scale=None, causal=False, sm_scale=None):
+def _split_e4m3(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(hi, lo) E4M3 values in float32 with x ~ hi + lo / 16 (x already scaled; see split_qk)."""
+    hi = _e4m3(x)
+    return hi, _e4m3((x.clamp(-E4M3_MAX, E4M3_MAX) - hi) * 16)
+
+
+def fp8_attention_reference(q, k, v, q_scale, k_scale, v_scale=None, causal=False, sm_scale=None,
+                            split_qk=False):
     """The definition, emulated in torch: Q, K (V) through E4M3 at their scales, S in
     float32, P = e4m3(448 * exp(S - rowmax)) / 448 (or p rounded to v's dtype when
     v_scale is None), row sum over the unquantized p. Vectorised over heads; long
@@ -107,8 +121,12 @@ def fp8_attention_reference(q, k, v, q_scale, k_scale, v_scale=None, causal=Fals
     sm_scale = _sm_scale(sm_scale, d)
     qs = q_scale.view(1, g, r, 1, 1)
     ks = k_scale.view(1, g, 1, 1, 1)
-    q8 = _e4m3(q.float().reshape(b, g, r, tq, d) * qs)
-    k8 = _e4m3(k.float().reshape(b, g, 1, tk, d) * ks)
+    if split_qk:
+        q8, q_lo = _split_e4m3(q.float().reshape(b, g, r, tq, d) * qs)
+        k8, k_lo = _split_e4m3(k.float().reshape(b, g, 1, tk, d) * ks)
+    else:
+        q8 = _e4m3(q.float().reshape(b, g, r, tq, d) * qs)
+        k8 = _e4m3(k.float().reshape(b, g, 1, tk, d) * ks)
     logit_scale = sm_scale / (qs * ks)  # (1, g, r, 1, 1)
     if v_scale is not None:
         vs = v_scale.view(1, g, 1, 1, d)
@@ -117,7 +135,10 @@ def fp8_attention_reference(q, k, v, q_scale, k_scale, v_scale=None, causal=Fals
         vq = v.float().reshape(b, g, 1, tk, d)
     out = torch.empty(b, g, r, tq, d, dtype=torch.float32, device=q.device)
     for i0, i1 in _query_chunks(b, h, tq, tk):
-        s = (q8[:, :, :, i0:i1] @ k8.transpose(-1, -2)).mul_(logit_scale)
+        s = q8[:, :, :, i0:i1] @ k8.transpose(-1, -2)
+        if split_qk:
+            s += (q_lo[:, :, :, i0:i1] @ k8.transpose(-1, -2) + q8[:, :, :, i0:i1] @ k_lo.transpose(-1, -2)) / 16
+        s.mul_(logit_scale)
         if causal:
             s.masked_fill_(~_causal_mask(i0, i1, tq, tk, q.device), float("-inf"))
         p = s.sub_(s.amax(dim=-1, keepdim=True)).exp_()  # in place: these are the big tensors
@@ -251,11 +272,11 @@ def _to_dtype(x, dtype: tl.constexpr, EMULATE: tl.constexpr):
 
 @triton.jit
 def _quantize_kernel(
-    x_ptr, s_ptr, y_ptr, T, HX,
+    x_ptr, s_ptr, y_ptr, lo_ptr, T, HX,
     stride_xb, stride_xh, stride_xt, stride_xd,
     stride_yb, stride_yh, stride_yt, stride_yd,
     stride_sh, stride_sd,
-    D: tl.constexpr, BLOCK_T: tl.constexpr, EMULATE: tl.constexpr,
+    D: tl.constexpr, BLOCK_T: tl.constexpr, EMULATE: tl.constexpr, SPLIT: tl.constexpr,
 ):
     pid_t = tl.program_id(0)
     pid_bh = tl.program_id(1)
@@ -268,16 +289,19 @@ def _quantize_kernel(
                 mask=mask, other=0.0).to(tl.float32)
     s = tl.load(s_ptr + h * stride_sh + offs_d * stride_sd)
     y = tl.minimum(tl.maximum(x * s[None, :], -448.0), 448.0)
-    tl.store(y_ptr + b * stride_yb + h * stride_yh + offs_t[:, None] * stride_yt + offs_d[None, :] * stride_yd,
-             _to_e4m3(y, EMULATE), mask=mask)
+    y_offs = b * stride_yb + h * stride_yh + offs_t[:, None] * stride_yt + offs_d[None, :] * stride_yd
+    hi = _to_e4m3(y, EMULATE)
+    tl.store(y_ptr + y_offs, hi, mask=mask)
+    if SPLIT:  # lo has y's strides; |y - hi| <= 16 (half an ulp at 448), so 16 (y - hi) stays in range
+        tl.store(lo_ptr + y_offs, _to_e4m3((y - hi.to(tl.float32)) * 16.0, EMULATE), mask=mask)
 
 
 @triton.jit
 def _attn_tile(
-    acc, l_i, m_i, q, k_base, v_base, offs_m, lo, hi, Tk, causal_off, qk_scale,
+    acc, l_i, m_i, q, q_lo, k_base, k_lo_base, v_base, offs_m, lo, hi, Tk, causal_off, qk_scale,
     stride_kn, stride_kd, stride_vn, stride_vd,
     HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr,
-    V_FP8: tl.constexpr, EMULATE: tl.constexpr, PV_FP32: tl.constexpr,
+    V_FP8: tl.constexpr, EMULATE: tl.constexpr, PV_FP32: tl.constexpr, SPLIT: tl.constexpr,
 ):
     offs_d = tl.arange(0, HEAD_DIM)
     for start_n in range(lo, hi, BLOCK_N):
@@ -291,7 +315,12 @@ def _attn_tile(
         else:
             k = tl.load(k_ptrs)
             v = tl.load(v_ptrs)
-        s = tl.dot(q, tl.trans(k)) * qk_scale  # fp8 x fp8 -> fp32, logits in log2 units
+        s = tl.dot(q, tl.trans(k))  # fp8 x fp8 -> fp32
+        if SPLIT:
+            k_lo_ptrs = k_lo_base + offs_n[:, None] * stride_kn + offs_d[None, :] * stride_kd
+            k_lo = tl.load(k_lo_ptrs, mask=(offs_n < Tk)[:, None], other=0.0) if MASKED else tl.load(k_lo_ptrs)
+            s += (tl.dot(q_lo, tl.trans(k)) + tl.dot(q, tl.trans(k_lo))) * 0.0625
+        s = s * qk_scale  # logits in log2 units
         if MASKED:
             keep = (offs_n < Tk)[None, :]
             if CAUSAL:
@@ -315,14 +344,14 @@ def _attn_tile(
 
 @triton.jit
 def _attn_fwd_kernel(
-    q_ptr, k_ptr, v_ptr, qs_ptr, ks_ptr, vs_ptr, o_ptr,
+    q_ptr, k_ptr, v_ptr, qs_ptr, ks_ptr, vs_ptr, o_ptr, q_lo_ptr, k_lo_ptr,
     stride_qb, stride_qh, stride_qm, stride_qd,
     stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd,
     stride_ob, stride_oh, stride_om, stride_od,
     H, GROUP, Tq, Tk, sm_scale_log2, tk_bucket,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
-    V_FP8: tl.constexpr, EMULATE: tl.constexpr, PV_FP32: tl.constexpr,
+    V_FP8: tl.constexpr, EMULATE: tl.constexpr, PV_FP32: tl.constexpr, SPLIT: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
@@ -332,11 +361,13 @@ def _attn_fwd_kernel(
     start_m = pid_m * BLOCK_M
     offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, HEAD_DIM)
-    q = tl.load(q_ptr + b * stride_qb + h.to(tl.int64) * stride_qh + offs_m[:, None] * stride_qm
-                + offs_d[None, :] * stride_qd, mask=(offs_m < Tq)[:, None], other=0.0)
+    q_offs = b * stride_qb + h.to(tl.int64) * stride_qh + offs_m[:, None] * stride_qm + offs_d[None, :] * stride_qd
+    q = tl.load(q_ptr + q_offs, mask=(offs_m < Tq)[:, None], other=0.0)
+    q_lo = tl.load(q_lo_ptr + q_offs, mask=(offs_m < Tq)[:, None], other=0.0) if SPLIT else q  # same strides as q
     qk_scale = sm_scale_log2 / (tl.load(qs_ptr + h) * tl.load(ks_ptr + g))
     k_base = k_ptr + b * stride_kb + g.to(tl.int64) * stride_kh
     v_base = v_ptr + b * stride_vb + g.to(tl.int64) * stride_vh
+    k_lo_base = k_lo_ptr + b * stride_kb + g.to(tl.int64) * stride_kh  # same strides as k
     m_i = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
     l_i = tl.zeros((BLOCK_M,), dtype=tl.float32)
     acc = tl.zeros((BLOCK_M, HEAD_DIM), dtype=tl.float32)
@@ -349,12 +380,12 @@ def _attn_fwd_kernel(
         causal_off = 0
         full_hi = (Tk // BLOCK_N) * BLOCK_N
         hi = Tk
-    acc, l_i, m_i = _attn_tile(acc, l_i, m_i, q, k_base, v_base, offs_m, 0, full_hi, Tk, causal_off, qk_scale,
+    acc, l_i, m_i = _attn_tile(acc, l_i, m_i, q, q_lo, k_base, k_lo_base, v_base, offs_m, 0, full_hi, Tk, causal_off, qk_scale,
                                stride_kn, stride_kd, stride_vn, stride_vd,
-                               HEAD_DIM, BLOCK_N, False, CAUSAL, V_FP8, EMULATE, PV_FP32)
-    acc, l_i, m_i = _attn_tile(acc, l_i, m_i, q, k_base, v_base, offs_m, full_hi, hi, Tk, causal_off, qk_scale,
+                               HEAD_DIM, BLOCK_N, False, CAUSAL, V_FP8, EMULATE, PV_FP32, SPLIT)
+    acc, l_i, m_i = _attn_tile(acc, l_i, m_i, q, q_lo, k_base, k_lo_base, v_base, offs_m, full_hi, hi, Tk, causal_off, qk_scale,
                                stride_kn, stride_kd, stride_vn, stride_vd,
-                               HEAD_DIM, BLOCK_N, True, CAUSAL, V_FP8, EMULATE, PV_FP32)
+                               HEAD_DIM, BLOCK_N, True, CAUSAL, V_FP8, EMULATE, PV_FP32, SPLIT)
     out = acc / l_i[:, None]
     if V_FP8:
         out = out / (tl.load(vs_ptr + g * HEAD_DIM + offs_d) * 448.0)[None, :]
@@ -369,7 +400,7 @@ _CUDA_CONFIGS = [
     triton.Config({"BLOCK_M": 64, "BLOCK_N": 64}, num_warps=4, num_stages=3),
 ]
 # Keyed on the power-of-two bucket of Tk, not Tk itself, so a model's many lengths share a tuning.
-_attn_fwd_tuned = triton.autotune(_CUDA_CONFIGS, key=["tk_bucket", "HEAD_DIM", "CAUSAL", "V_FP8"])(_attn_fwd_kernel)
+_attn_fwd_tuned = triton.autotune(_CUDA_CONFIGS, key=["tk_bucket", "HEAD_DIM", "CAUSAL", "V_FP8", "SPLIT"])(_attn_fwd_kernel)
 INTERPRETER_BLOCKS = (64, 64)  # (BLOCK_M, BLOCK_N): one fixed small config keeps the interpreter fast
 
 
@@ -377,46 +408,56 @@ def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET") == "1"
 
 
-def _quantize(x, scale, out, emulate):
-    """E4M3 copy of x (B, HX, T, D) into ``out`` (any strides) at ``scale`` (HX, D) or (HX,)."""
+def _quantize(x, scale, out, emulate, lo=None):
+    """E4M3 copy of x (B, HX, T, D) into ``out`` (any strides) at ``scale`` (HX, D) or (HX,);
+    with ``lo`` (out's shape and strides), the split_qk second term too."""
     b, hx, t, d = x.shape
     stride_sd = scale.stride(1) if scale.ndim == 2 else 0
     block_t = 64
     _quantize_kernel[(triton.cdiv(t, block_t), b * hx)](
-        x, scale, out, t, hx, *x.stride(), *out.stride(), scale.stride(0), stride_sd,
-        D=d, BLOCK_T=block_t, EMULATE=emulate)
+        x, scale, out, out if lo is None else lo, t, hx, *x.stride(), *out.stride(), scale.stride(0), stride_sd,
+        D=d, BLOCK_T=block_t, EMULATE=emulate, SPLIT=lo is not None)
     return out
 
 
-def quantize_inputs(q, k, v, q_scale, k_scale, v_scale):
-    """(q8, k8, v8): the FP8 copies the attention kernel reads (v8 is v itself when v_scale is None).
+def quantize_inputs(q, k, v, q_scale, k_scale, v_scale, split_qk=False):
+    """(q8, k8, v8) or, with split_qk, (q8, k8, v8, q_lo, k_lo): the FP8 copies the attention
+    kernel reads (v8 is v itself when v_scale is None).
 
     v8 is stored with Tk contiguous (padded to 16 elements) and returned as a (B, G, Tk, D) view.
     head_dim must be 64 or 128; inputs are not validated here (see :func:`fp8_attention_triton`)."""
     emulate = _interpreting()
     f8 = torch.float8_e4m3fn
-    q8 = _quantize(q, q_scale, torch.empty(q.shape, dtype=f8, device=q.device), emulate)
-    k8 = _quantize(k, k_scale, torch.empty(k.shape, dtype=f8, device=k.device), emulate)
+    q8, k8 = (torch.empty(x.shape, dtype=f8, device=x.device) for x in (q, k))
+    lows = tuple(torch.empty_like(x8) for x8 in (q8, k8)) if split_qk else (None, None)
+    _quantize(q, q_scale, q8, emulate, lows[0])
+    _quantize(k, k_scale, k8, emulate, lows[1])
     if v_scale is None:
-        return q8, k8, v
-    b, g, tk, d = v.shape
-    store = torch.empty(b, g, d, triton.cdiv(tk, 16) * 16, dtype=f8, device=v.device)
-    v8 = store[..., :tk].transpose(2, 3)
-    return q8, k8, _quantize(v, v_scale, v8, emulate)
+        v8 = v
+    else:
+        b, g, tk, d = v.shape
+        store = torch.empty(b, g, d, triton.cdiv(tk, 16) * 16, dtype=f8, device=v.device)
+        v8 = _quantize(v, v_scale, store[..., :tk].transpose(2, 3), emulate)
+    return (q8, k8, v8, *lows) if split_qk else (q8, k8, v8)
 
 
 def attention_from_fp8(q8, k8, v8, q_scale, k_scale, v_scale, causal, sm_scale, out,
-                       block_m=None, block_n=None):
-    """Launch the attention kernel on inputs already quantized by :func:`quantize_inputs`."""
+                       block_m=None, block_n=None, q_lo=None, k_lo=None):
+    """Launch the attention kernel on inputs already quantized by :func:`quantize_inputs`
+    (``q_lo``, ``k_lo``: the split_qk second terms, both or neither)."""
     b, h, tq, d = q8.shape
     g, tk = k8.shape[1], k8.shape[2]
     v_fp8 = v_scale is not None
     interpreting = _interpreting()
     pv_fp32 = not v_fp8 and (v8.dtype == torch.float32 or (interpreting and v8.dtype == torch.bfloat16))
+    split = q_lo is not None
+    if split != (k_lo is not None):
+        raise HiltError("split_qk needs the second terms of both Q and K (q_lo and k_lo)")
     args = (q8, k8, v8, q_scale, k_scale, v_scale if v_fp8 else q_scale, out,
-            *q8.stride(), *k8.stride(), *v8.stride(), *out.stride(),
+            q_lo if split else q8, k_lo if split else k8, *q8.stride(), *k8.stride(), *v8.stride(), *out.stride(),
             h, h // g, tq, tk, sm_scale * math.log2(math.e), triton.next_power_of_2(tk))
-    flags = {"HEAD_DIM": d, "CAUSAL": bool(causal), "V_FP8": v_fp8, "EMULATE": interpreting, "PV_FP32": pv_fp32}
+    flags = {"HEAD_DIM": d, "CAUSAL": bool(causal), "V_FP8": v_fp8, "EMULATE": interpreting, "PV_FP32": pv_fp32,
+             "SPLIT": split}
     if q8.is_cuda and block_m is None and block_n is None:
         def grid(meta):
             return (triton.cdiv(tq, meta["BLOCK_M"]), b * h)
@@ -440,7 +481,7 @@ def _check_triton(q):
 
 
 def fp8_attention_triton(q, k, v, q_scale, k_scale, v_scale=None, causal=False, sm_scale=None, *,
-                         block_m=None, block_n=None, out=None):
+                         split_qk=False, block_m=None, block_n=None, out=None):
     """The Triton path (a GPU with FP8 tensor cores, or the CPU interpreter); same arguments
     as :func:`fp8_attention`. ``block_m``/``block_n`` override the tile sizes (tests);
     ``out`` is an optional (B, H, Tq, D) output tensor in q's dtype."""
@@ -451,8 +492,8 @@ def fp8_attention_triton(q, k, v, q_scale, k_scale, v_scale=None, causal=False, 
     elif tuple(out.shape) != tuple(q.shape) or out.dtype != q.dtype or out.device != q.device:
         raise HiltError(f"out must be {q.dtype} {tuple(q.shape)} on {q.device}, got {out.dtype} "
                         f"{tuple(out.shape)} on {out.device}")
-    q8, k8, v8 = quantize_inputs(q, k, v, q_scale, k_scale, v_scale)
-    return attention_from_fp8(q8, k8, v8, q_scale, k_scale, v_scale, causal, sm_scale, out, block_m, block_n)
+    q8, k8, v8, *lows = quantize_inputs(q, k, v, q_scale, k_scale, v_scale, split_qk)
+    return attention_from_fp8(q8, k8, v8, q_scale, k_scale, v_scale, causal, sm_scale, out, block_m, block_n, *lows)
 
 
 def _triton_runs(q) -> bool:
@@ -460,15 +501,16 @@ def _triton_runs(q) -> bool:
             and torch.cuda.get_device_capability(q.device) >= (8, 9))
 
 
-def fp8_attention(q, k, v, q_scale, k_scale, v_scale=None, causal=False, sm_scale=None):
+def fp8_attention(q, k, v, q_scale, k_scale, v_scale=None, causal=False, sm_scale=None, split_qk=False):
     """Public entry: CUDA tensors on sm89+ with head_dim 64 or 128 -> Triton kernel; anything
     else (CPU, older GPUs, other head dims) -> :func:`fp8_attention_reference` on the tensors'
     device (same numbers up to the kernel's online-softmax rounding of P).
 
     q (B, H, Tq, D); k, v (B, G, Tk, D); q_scale (H,), k_scale (G,), v_scale (G, D) or
-    None (V kept in its dtype). Returns (B, H, Tq, D) in q's dtype. See the module
-    docstring for what is computed."""
+    None (V kept in its dtype); split_qk: Q and K as two E4M3 terms each (three FP8 products
+    for the logits; for activations with outliers). Returns (B, H, Tq, D) in q's dtype. See
+    the module docstring for what is computed."""
     if _triton_runs(q):
-        return fp8_attention_triton(q, k, v, q_scale, k_scale, v_scale, causal, sm_scale)
+        return fp8_attention_triton(q, k, v, q_scale, k_scale, v_scale, causal, sm_scale, split_qk=split_qk)
     (q_scale, k_scale, v_scale), sm_scale = _validate(q, k, v, q_scale, k_scale, v_scale, causal, sm_scale)
-    return fp8_attention_reference(q, k, v, q_scale, k_scale, v_scale, causal, sm_scale)
+    return fp8_attention_reference(q, k, v, q_scale, k_scale, v_scale, causal, sm_scale, split_qk)
