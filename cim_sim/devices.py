@@ -33,10 +33,7 @@ def gaussian_(out: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
     index = bits.view(torch.uint16)[:n].to(torch.int32)
     table = _QUANTILES if out.dtype == torch.float32 else _QUANTILES.to(out.dtype)
     return torch.index_select(table, 0, index, out=out.view(-1)).view(out.shape)
-    if _POOL is None or _POOL._max_workers != threads:
-        _POOL = ThreadPoolExecutor(threads)
-    list(_POOL.map(draw, chunks, seeds))
-    return out
+
 
 @dataclass(frozen=True)
 class PCM:
