@@ -6,7 +6,17 @@ import pytest
 import torch
 from torch import nn
 
-from cim_sim import PCM, convert_to_analog, drift_to, mismatch, parse_time, preset, program, stuck_at
+from cim_sim import (
+    PCM,
+    convert_to_analog,
+    drift_to,
+    mismatch,
+    parse_time,
+    preset,
+    program,
+    stuck_at,
+)
+from cim_sim.devices import gaussian_
 from kernels import HiltError
 
 
@@ -47,6 +57,23 @@ def test_conductance_after_drift_matches_the_model(t):
     z = (g - drifted) / (drifted * sigma_r)
     assert float(z.mean()) == pytest.approx(0.0, abs=0.01) and float(z.std()) == pytest.approx(1.0, rel=0.01)
     assert float(g.mean()) < 20.0 * 0.9  # a year (or an hour) of drift lowers conductance
+
+
+@pytest.mark.parametrize(("n", "dtype"), [(1_000_003, torch.float32), (7, torch.float32), (40_001, torch.float64)])
+def test_per_read_gaussian_draws(n, dtype):
+    """The quantile-lookup N(0, 1) of per-read noise: moments of a normal, every element
+    written (odd sizes too), the same seed gives the same draws, another seed others."""
+    z = gaussian_(torch.full((n,), float("nan"), dtype=dtype), torch.Generator().manual_seed(3))
+    assert z.dtype == dtype and torch.isfinite(z).all()
+    again = gaussian_(torch.empty(n, dtype=dtype), torch.Generator().manual_seed(3))
+    assert torch.equal(z, again)
+    assert not torch.equal(z, gaussian_(torch.empty(n, dtype=dtype), torch.Generator().manual_seed(4)))
+    if n > 10_000:
+        tol = 5 / math.sqrt(n)
+        z = z.double()
+        assert abs(float(z.mean())) < tol and abs(float(z.var()) - 1) < 2 * tol
+        assert abs(float((z**4).mean()) - 3) < 20 * tol  # normal kurtosis: not a uniform or two-point draw
+        assert float(z.abs().max()) < 4.33  # the table's tails
 
 
 def test_same_seed_same_numbers():
