@@ -1,9 +1,12 @@
 """`hilt fp8 scales`: per layer and head, the weight-only logit bound (fp8/bounds.py) against the
-largest |logit| observed on real text, for all-MiniLM-L6-v2 and SmolLM2-135M."""
+largest |logit| observed on real text, for all-MiniLM-L6-v2 and SmolLM2-135M, or for another
+checkpoint of either family: a llama GGUF file (text: Hamlet, with the file's tokenizer) or a
+BERT directory with config.json, tokenizer.json and model.safetensors (text: English sentences)."""
 
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import torch
 
@@ -31,11 +34,11 @@ def _max_logits(q, k, n_heads, n_kv, mask) -> torch.Tensor:
 
 
 @torch.inference_mode()
-def minilm(sentences: int = 128) -> list[dict]:
+def minilm(sentences: int = 128, path=None) -> list[dict]:
     from bench.bert import load_minilm
     from bench.text import sentences as real_sentences
 
-    model, tokenizer = load_minilm()
+    model, tokenizer = load_minilm(path)
     cfg, layers = model.cfg, model.encoder.layer
     mods = {}
     for i, layer in enumerate(layers):
@@ -68,11 +71,11 @@ def minilm(sentences: int = 128) -> list[dict]:
 
 
 @torch.inference_mode()
-def smollm2(tokens: int = 1024, context: int = 256) -> list[dict]:
+def smollm2(tokens: int = 1024, context: int = 256, path=None) -> list[dict]:
     from bench.llama import apply_rope, load_llama, rope_cos_sin
     from bench.text import shakespeare_text
 
-    model, tokenizer = load_llama()
+    model, tokenizer = load_llama(path)
     cfg = model.cfg
     mods = {}
     for i, blk in enumerate(model.blk):
@@ -126,10 +129,36 @@ def _row(model: str, layer: int, b: dict, batches: list[torch.Tensor], d: int) -
             "exceeded": bool((observed > bound).any())}
 
 
+# the first layer's query and key weights, by family: what a checkpoint must hold to be analysed
+ATTENTION_WEIGHTS = {"llama": ("blk.0.attn_q.weight", "blk.0.attn_k.weight"),
+                     "bert": ("encoder.layer.0.attention.self.query.weight", "encoder.layer.0.attention.self.key.weight")}
+
+
+def checkpoint_family(path) -> str:
+    """"llama" or "bert" for a checkpoint hilt fp8 scales can analyse; a clear error otherwise."""
+    from quant.sources import GGUFSource, open_source
+
+    path = Path(path)
+    with open_source(path) as src:  # names the file when it is missing, a pickle or not a checkpoint
+        family = "llama" if isinstance(src, GGUFSource) else "bert"
+        names = set(src.names())
+    missing = [n for n in ATTENTION_WEIGHTS[family] if n not in names]
+    if missing:
+        raise HiltError(f"{path}: no attention weights to bound (no {' or '.join(missing)}); "
+                        f"hilt fp8 scales reads llama GGUF and BERT safetensors checkpoints")
+    return family
+
+
 def run(model: str, log=print) -> dict:
-    if model not in ("minilm", "smollm2"):
-        raise HiltError(f"unknown model {model!r}; choose minilm or smollm2")
-    rows = minilm() if model == "minilm" else smollm2()
+    """``model``: minilm, smollm2, or the path of a llama GGUF / BERT safetensors checkpoint."""
+    if model in ("minilm", "smollm2"):
+        rows = minilm() if model == "minilm" else smollm2()
+    elif Path(model).exists():
+        family = checkpoint_family(model)
+        rows = minilm(path=model) if family == "bert" else smollm2(path=model)
+        model = str(model)
+    else:
+        raise HiltError(f"{model}: not minilm or smollm2, and no such file or directory")
     first = rows[0]
     log(f"{model}: per layer, max over heads: largest |logit| observed on real text; the worst-case bound "
         f"(holds for every input); the rank-aware prediction (delta 1e-6, n {first['n_tokens']}) and how the "

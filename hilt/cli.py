@@ -402,7 +402,7 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--noise-model", default="mismatch", help="the noise trained under: mismatch, pcm or rram")
     t.add_argument("--eta", type=float, help="noise: the mismatch level (default 0.3)")
     t.add_argument("--eta-range", type=_float_pair, metavar="MIN,MAX", help="dwp: the copies' levels (default 0.1,0.6)")
-    t.add_argument("--copies", type=int, help="dwp: noisy copies per step (default 4)")
+    t.add_argument("--copies", type=int, help="dwp: noisy copies per step (default 8)")
     t.add_argument("--weighting", default="js", help="dwp: disagreement measure js, error or none (default js)")
     t.add_argument("--epochs", type=int, help="epochs (default: the workload's)")
     t.add_argument("--seed", type=int, default=0)
@@ -446,7 +446,8 @@ def build_parser() -> argparse.ArgumentParser:
     fs = _parser_with_example(f8sub, "scales", "per layer and head: the weight-only bound on |attention logit| "
                               "(spectral norm of W_Q,h^T W_K,g) against the largest observed on real text",
                               "hilt fp8 scales minilm --json minilm-fp8.json")
-    fs.add_argument("model", help="minilm or smollm2")
+    fs.add_argument("model", help="minilm, smollm2, or a checkpoint: a llama GGUF file or a BERT directory "
+                                  "(config.json, tokenizer.json, model.safetensors)")
     fs.add_argument("--json", metavar="FILE")
     fs.set_defaults(func=cmd_fp8_scales)
     ft = _parser_with_example(f8sub, "transient", "overflow of FP8 attention logits after a load, a resume and a "

@@ -130,7 +130,7 @@ def test_fp8_scales_on_minilm(minilm_dir):
     from pathlib import Path
 
     js = Path(tempfile.mkdtemp()) / "fp8.json"
-    r = run_hilt("fp8", "scales", "minilm", "--json", js)
+    r = run_hilt("fp8", "scales", minilm_dir, "--json", js)  # the checkpoint by path (as `minilm` names it)
     assert r.returncode == 0, r.stderr
     rows = read_json(js)["rows"]
     assert len(rows) == 6 and not any(row["exceeded"] for row in rows)
@@ -138,3 +138,18 @@ def test_fp8_scales_on_minilm(minilm_dir):
     assert all(row["max_observed_over_rank_aware"] <= 1 and row["agnostic_over_aware"] > 3 for row in rows)
     bad = run_hilt("fp8", "scales", "gpt5")
     assert bad.returncode == 1 and "minilm or smollm2" in bad.stderr
+
+
+def test_fp8_scales_names_a_checkpoint_without_attention_weights(tmp_path):
+    from conftest import run_hilt
+    from safetensors.torch import save_file
+
+    from bench.fp8_scales import checkpoint_family
+
+    ckpt = tmp_path / "mlp.safetensors"
+    save_file({"fc1.weight": torch.randn(8, 4)}, ckpt)
+    r = run_hilt("fp8", "scales", ckpt)
+    assert r.returncode == 1 and f"{ckpt}: no attention weights" in r.stderr and "Traceback" not in r.stderr
+    (tmp_path / "model.pt").write_bytes(b"not read")
+    with pytest.raises(HiltError, match="pickle"):
+        checkpoint_family(tmp_path / "model.pt")
