@@ -318,7 +318,10 @@ def _attn_tile(
         s = tl.dot(q, tl.trans(k))  # fp8 x fp8 -> fp32
         if SPLIT:
             k_lo_ptrs = k_lo_base + offs_n[:, None] * stride_kn + offs_d[None, :] * stride_kd
-            k_lo = tl.load(k_lo_ptrs, mask=(offs_n < Tk)[:, None], other=0.0) if MASKED else tl.load(k_lo_ptrs)
+            if MASKED:
+                k_lo = tl.load(k_lo_ptrs, mask=(offs_n < Tk)[:, None], other=0.0)
+            else:
+                k_lo = tl.load(k_lo_ptrs)
             s += (tl.dot(q_lo, tl.trans(k)) + tl.dot(q, tl.trans(k_lo))) * 0.0625
         s = s * qk_scale  # logits in log2 units
         if MASKED:
@@ -363,7 +366,10 @@ def _attn_fwd_kernel(
     offs_d = tl.arange(0, HEAD_DIM)
     q_offs = b * stride_qb + h.to(tl.int64) * stride_qh + offs_m[:, None] * stride_qm + offs_d[None, :] * stride_qd
     q = tl.load(q_ptr + q_offs, mask=(offs_m < Tq)[:, None], other=0.0)
-    q_lo = tl.load(q_lo_ptr + q_offs, mask=(offs_m < Tq)[:, None], other=0.0) if SPLIT else q  # same strides as q
+    if SPLIT:  # q_lo has q's strides
+        q_lo = tl.load(q_lo_ptr + q_offs, mask=(offs_m < Tq)[:, None], other=0.0)
+    else:
+        q_lo = q
     qk_scale = sm_scale_log2 / (tl.load(qs_ptr + h) * tl.load(ks_ptr + g))
     k_base = k_ptr + b * stride_kb + g.to(tl.int64) * stride_kh
     v_base = v_ptr + b * stride_vb + g.to(tl.int64) * stride_vh
