@@ -402,7 +402,7 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--noise-model", default="mismatch", help="the noise trained under: mismatch, pcm or rram")
     t.add_argument("--eta", type=float, help="noise: the mismatch level (default 0.3)")
     t.add_argument("--eta-range", type=_float_pair, metavar="MIN,MAX", help="dwp: the copies' levels (default 0.1,0.6)")
-    t.add_argument("--copies", type=int, help="dwp: noisy copies per step (default 8)")
+    t.add_argument("--copies", type=int, help="dwp: noisy copies per step (default 4)")
     t.add_argument("--weighting", default="js", help="dwp: disagreement measure js, error or none (default js)")
     t.add_argument("--epochs", type=int, help="epochs (default: the workload's)")
     t.add_argument("--seed", type=int, default=0)
