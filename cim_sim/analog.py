@@ -107,7 +107,7 @@ class AnalogMixin:
         g_target = torch.stack([(self.w_digital * scale).clamp(0, dev.g_max), (-self.w_digital * scale).clamp(0, dev.g_max)])
         g_prog = stuck_at(dev.program(g_target, gen), self.config.stuck_at_rate, dev.g_max, gen)
         self.programmed = {"scale": scale, "g": g_prog, "nu": dev.drift_exponent(g_target, gen),
-                           "q": dev.read_noise_coefficient(g_prog), "log_g": g_prog.log()}
+                           "q": dev.read_noise_coefficient(g_prog)}
         self.read_at(0.0, gen)
 
     def read_at(self, t: float, gen: torch.Generator) -> None:
@@ -116,7 +116,7 @@ class AnalogMixin:
             return
         p = self.programmed
         work = p.setdefault("work", (torch.empty_like(p["g"]), torch.empty_like(p["g"])))  # reused at every read
-        g = self.device_model.read(p["g"], p["nu"], t, gen, q=p["q"], out=work, log_g=p["log_g"])
+        g = self.device_model.read(p["g"], p["nu"], t, gen, q=p["q"], out=work)
         torch.sub(g[0], g[1], out=self.w_eff).div_(p["scale"])
 
     # -- the analog matrix-vector product ---------------------------------------------------

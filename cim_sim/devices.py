@@ -65,13 +65,11 @@ class PCM:
         return (0.0088 / (g_prog.abs() / self.g_max).pow(0.65).clamp_min(1e-3)).clamp_max(0.2)
 
     def read(self, g_prog: torch.Tensor, nu: torch.Tensor, t: float, gen: torch.Generator,
-             q: torch.Tensor | None = None, out: tuple[torch.Tensor, torch.Tensor] | None = None,
-             log_g: torch.Tensor | None = None) -> torch.Tensor:
+             q: torch.Tensor | None = None, out: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         """Conductance read t seconds after programming: drift, then 1/f read noise (a fresh draw).
 
         g = max(0, g_drift (1 + Q sqrt(ln((T + t_read) / (2 t_read))) N(0,1))),
-        g_drift = g_prog (T / t0)^-nu, T = t + t0 (g_prog >= 0). ``q``: precomputed Q(g_prog);
-        ``log_g``: precomputed log(g_prog), which makes the drift two passes, exp(log_g - nu ln(T/t0)).
+        g_drift = g_prog (T / t0)^-nu, T = t + t0 (g_prog >= 0). ``q``: precomputed Q(g_prog).
         ``out``: two tensors shaped like g_prog to work in (the result is the first); reusing
         them at every read saves the page faults of fresh allocations, a third of a read's time.
         """
@@ -79,10 +77,7 @@ class PCM:
         q = self.read_noise_coefficient(g_prog) if q is None else q
         sigma = math.sqrt(math.log((T + self.t_read) / (2 * self.t_read))) * self.read_noise_scale
         g_buf, noise_buf = out if out is not None else (None, None)
-        if log_g is None:
-            g = torch.mul(nu, -math.log(T / self.t0), out=g_buf).exp_().mul_(g_prog)
-        else:  # log(0) = -inf gives exp(-inf) = 0: a device at zero stays there
-            g = torch.add(log_g, nu, alpha=-math.log(T / self.t0), out=g_buf).exp_()
+        g = torch.mul(nu, -math.log(T / self.t0), out=g_buf).exp_().mul_(g_prog)
         noise = gaussian_(torch.empty_like(g) if noise_buf is None else noise_buf, gen)
         return g.addcmul_(g, noise.mul_(q), value=sigma).clamp_min_(0)  # g + sigma g Q N: two passes, not five
 
