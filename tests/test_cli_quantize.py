@@ -214,8 +214,11 @@ def test_interrupt_then_resume_gives_identical_bytes(tmp_path):
     assert run_hilt("quantize", src, ref, *args).returncode == 0
     dst = tmp_path / "dst"
     partial = Path(str(dst) + ".partial")
+    # SIGINT back to its default in the child: a test run started in the background by a
+    # non-interactive shell inherits SIGINT ignored, and Python then never raises KeyboardInterrupt
     proc = subprocess.Popen([sys.executable, "-m", "hilt", "quantize", str(src), str(dst), *args],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     deadline = time.time() + 120
     while not (partial / "model-00002.safetensors").exists() and proc.poll() is None and time.time() < deadline:
         time.sleep(0.01)
