@@ -24,9 +24,10 @@ def gaussian_(out: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
 
     The noise drawn afresh for every device at every read is most of a drift step, and torch's
     CPU sampler spends half its time on Box-Muller. Here each draw is 16 random bits looking up
-    one of 65536 equal-probability quantiles: twice as fast, the same mean and variance (to
-    2e-4), tails cut at 4.3 sigma (a probability of 1.5e-5), far inside the noise models' own
-    uncertainty. Programming noise and drift exponents, drawn once, use torch.randn.
+    one of 65536 equal-probability quantiles (measured: a drift step of the MLP 3.5 -> 2.7 ms,
+    its pcm forward 2.3 -> 2.0 ms); mean exact, variance 1 - 2e-5, tails cut at 4.3 sigma (a
+    probability of 1.5e-5), far inside the noise models' own uncertainty. Programming noise and
+    drift exponents, drawn once, use torch.randn.
     """
     n = out.numel()
     bits = torch.empty((n + 3) // 4, dtype=torch.int64).random_(-(2**63), 2**63 - 1, generator=gen)
@@ -79,7 +80,7 @@ class PCM:
         g_buf, noise_buf = out if out is not None else (None, None)
         g = torch.mul(nu, -math.log(T / self.t0), out=g_buf).exp_().mul_(g_prog)
         noise = gaussian_(torch.empty_like(g) if noise_buf is None else noise_buf, gen)
-        return g.addcmul_(g, noise.mul_(q), value=sigma).clamp_min_(0)  # g + sigma g Q N: two passes, not five
+        return g.addcmul_(g, noise.mul_(q), value=sigma).clamp_min_(0)  # g + sigma g Q N: three passes with the clamp, not five
 
 
 @dataclass(frozen=True)
