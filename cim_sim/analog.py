@@ -115,9 +115,8 @@ class AnalogMixin:
         if self.programmed is None:
             return
         p = self.programmed
-        work = p.setdefault("work", (torch.empty_like(p["g"]), torch.empty_like(p["g"])))  # reused at every read
-        g = self.device_model.read(p["g"], p["nu"], t, gen, q=p["q"], out=work)
-        torch.sub(g[0], g[1], out=self.w_eff).div_(p["scale"])
+        g_diff = self.device_model.read_differential(p["g"], p["nu"], t, gen, q=p["q"])
+        torch.div(g_diff, p["scale"], out=self.w_eff)
 
     # -- the analog matrix-vector product ---------------------------------------------------
 

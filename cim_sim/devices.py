@@ -11,29 +11,86 @@ g_max = 25 µS, t0 = 20 s, t_read = 250 ns.
 from __future__ import annotations
 
 import math
+import warnings
 from dataclasses import dataclass
 
 import torch
 
-# N(0, 1) at the midpoints of 65536 equal-probability bins: a draw is one lookup by 16 random bits
-_QUANTILES = torch.special.ndtri((torch.arange(65536, dtype=torch.float64) + 0.5) / 65536).float()
+# -- per-read noise -----------------------------------------------------------------------------
+# N(0, 1) at the midpoints of 65536 equal-probability bins: a draw is one lookup by 16 random bits.
+# Mean exact, variance 1 - 2e-5, tails cut at 4.33 sigma (a probability of 1.5e-5), far inside the
+# noise models' own uncertainty; torch's CPU sampler spends half its time on Box-Muller instead.
+_QUANTILES = torch.special.ndtri((torch.arange(65536, dtype=torch.float64) + 0.5) / 65536)
+_TABLES = {torch.float64: _QUANTILES, torch.float32: _QUANTILES.float()}
 
 
 def gaussian_(out: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
-    """Fill ``out`` (contiguous) with N(0, 1) draws for per-read noise, from ``gen``.
-
-    The noise drawn afresh for every device at every read is most of a drift step, and torch's
-    CPU sampler spends half its time on Box-Muller. Here each draw is 16 random bits looking up
-    one of 65536 equal-probability quantiles (measured: a drift step of the MLP 3.5 -> 2.7 ms,
-    its pcm forward 2.3 -> 2.0 ms); mean exact, variance 1 - 2e-5, tails cut at 4.3 sigma (a
-    probability of 1.5e-5), far inside the noise models' own uncertainty. Programming noise and
-    drift exponents, drawn once, use torch.randn.
-    """
+    """Fill ``out`` (contiguous) with N(0, 1) draws for the forward's per-read noise, from ``gen``:
+    16 bits of torch's generator per draw (four draws per int64) looking up the table above."""
     n = out.numel()
     bits = torch.empty((n + 3) // 4, dtype=torch.int64).random_(-(2**63), 2**63 - 1, generator=gen)
     index = bits.view(torch.uint16)[:n].to(torch.int32)
-    table = _QUANTILES if out.dtype == torch.float32 else _QUANTILES.to(out.dtype)
-    return torch.index_select(table, 0, index, out=out.view(-1)).view(out.shape)
+    return torch.index_select(_TABLES[out.dtype], 0, index, out=out.view(-1)).view(out.shape)
+
+
+# The read noise of a drift step is drawn afresh for every device, and is most of the step. There
+# the 16 bits come from a counter-based generator instead: draw i of a read is a hash of i and two
+# keys the read takes from the caller's generator. With no sequential state, torch.compile fuses
+# the draws with the drift arithmetic into one parallel pass over the devices; torch's sampler is
+# serial. Integer arithmetic in int32, wrapping on overflow; right shifts masked to be logical.
+
+def _hash32(x: torch.Tensor) -> torch.Tensor:
+    """A bijective 32-bit integer mixer (xorshift-multiply with the constants of C. Wellons' lowbias32)."""
+    x = (x ^ ((x >> 16) & 0xFFFF)) * 0x21F0AAAD
+    x = (x ^ ((x >> 15) & 0x1FFFF)) * (0xD35A2D97 - (1 << 32))  # as a signed int32
+    return x ^ ((x >> 15) & 0x1FFFF)
+
+
+def _hashed_normal(n: int, keys: torch.Tensor) -> torch.Tensor:
+    """Draws 0..n-1 of the read keyed by ``keys`` (two int32), in float32. A hash of a hash: two reads
+    share (almost) no hashed counter, so their draws are independent."""
+    x = _hash32(_hash32(torch.arange(n, dtype=torch.int32) ^ keys[0]) ^ keys[1])
+    return _TABLES[torch.float32][(x >> 16) & 0xFFFF]
+
+
+def _drifted_read(g_prog, nu, q, log_t, sigma, keys):
+    """g_prog (T/t0)^-nu (1 + sigma Q N), clipped at 0 (PCM.read): one pass over the devices when compiled."""
+    g = g_prog * torch.exp(nu * -log_t)
+    noise = _hashed_normal(g_prog.numel(), keys).view(g_prog.shape).to(g_prog.dtype)
+    return (g + sigma * g * q * noise).clamp_min(0)
+
+
+def _compiled(fn):
+    """``fn`` compiled by torch.compile (inductor: one C++ loop) on first use. Where compiling fails
+    (no C++ compiler), ``fn`` itself after one warning: the same draws, several times slower."""
+    compiled = None
+
+    def call(*args):
+        nonlocal compiled
+        if compiled is None:
+            compiled = torch.compile(fn, dynamic=True)
+        try:
+            return compiled(*args)
+        except Exception as e:  # any compile failure; a bug in fn raises again below
+            if compiled is fn:
+                raise
+            reason = (str(e).strip().splitlines() or [""])[0][:200]
+            warnings.warn(f"torch.compile of {fn.__name__} failed ({type(e).__name__}: {reason}); the drift "
+                          "step's read noise runs uncompiled, several times slower", stacklevel=2)
+            compiled = fn
+            return fn(*args)
+
+    return call
+
+
+def _differential_read(g_prog, nu, q, log_t, sigma, keys):
+    """G+ - G- of the pairs stacked on dim 0, without storing either read (one pass when compiled)."""
+    g = _drifted_read(g_prog, nu, q, log_t, sigma, keys)
+    return g[0] - g[1]
+
+
+_drifted_read_compiled = _compiled(_drifted_read)
+_differential_read_compiled = _compiled(_differential_read)
 
 
 @dataclass(frozen=True)
@@ -66,21 +123,28 @@ class PCM:
         return (0.0088 / (g_prog.abs() / self.g_max).pow(0.65).clamp_min(1e-3)).clamp_max(0.2)
 
     def read(self, g_prog: torch.Tensor, nu: torch.Tensor, t: float, gen: torch.Generator,
-             q: torch.Tensor | None = None, out: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+             q: torch.Tensor | None = None) -> torch.Tensor:
         """Conductance read t seconds after programming: drift, then 1/f read noise (a fresh draw).
 
         g = max(0, g_drift (1 + Q sqrt(ln((T + t_read) / (2 t_read))) N(0,1))),
         g_drift = g_prog (T / t0)^-nu, T = t + t0 (g_prog >= 0). ``q``: precomputed Q(g_prog).
-        ``out``: two tensors shaped like g_prog to work in (the result is the first); reusing
-        them at every read saves the page faults of fresh allocations, a third of a read's time.
         """
+        return _drifted_read_compiled(*self._read_args(g_prog, nu, t, gen, q))
+
+    def read_differential(self, g_pairs: torch.Tensor, nu: torch.Tensor, t: float, gen: torch.Generator,
+                          q: torch.Tensor | None = None) -> torch.Tensor:
+        """G+ - G- of device pairs stacked on dim 0 (``g_pairs[0]`` the G+), read as ``read`` does
+        (the same draws for the same generator state) in one pass, never storing either device."""
+        return _differential_read_compiled(*self._read_args(g_pairs, nu, t, gen, q))
+
+    def _read_args(self, g_prog, nu, t, gen, q):
         T = t + self.t0
         q = self.read_noise_coefficient(g_prog) if q is None else q
         sigma = math.sqrt(math.log((T + self.t_read) / (2 * self.t_read))) * self.read_noise_scale
-        g_buf, noise_buf = out if out is not None else (None, None)
-        g = torch.mul(nu, -math.log(T / self.t0), out=g_buf).exp_().mul_(g_prog)
-        noise = gaussian_(torch.empty_like(g) if noise_buf is None else noise_buf, gen)
-        return g.addcmul_(g, noise.mul_(q), value=sigma).clamp_min_(0)  # g + sigma g Q N: three passes with the clamp, not five
+        keys = torch.randint(-(2**31), 2**31, (2,), generator=gen, dtype=torch.int32)
+        # times as 0-d tensors: the compiled read would be specialised (recompiled) on each float
+        log_t, sigma = (torch.tensor(v, dtype=g_prog.dtype) for v in (math.log(T / self.t0), sigma))
+        return g_prog, nu, q, log_t, sigma, keys
 
 
 @dataclass(frozen=True)

@@ -105,8 +105,7 @@ def perturb(w: torch.Tensor, eta: float, noise_model: str, gen: torch.Generator)
         g = device.program(target, gen)
         nu = device.drift_exponent(target, gen)
         t = math.exp(float(torch.rand((), generator=gen)) * math.log(_YEAR))  # log-uniform, 1 s .. 1 y
-        g_t = device.read(g, nu, t, gen)
-        w_t = (g_t[0] - g_t[1]) / scale
+        w_t = device.read_differential(g, nu, t, gen) / scale
         w_t *= wd.abs().sum() / w_t.abs().sum().clamp_min(1e-12)  # global drift compensation
     return w + (w_t.to(w.dtype) - w).detach()
 

@@ -9,6 +9,7 @@ from torch import nn
 from cim_sim import (
     PCM,
     convert_to_analog,
+    devices,
     drift_to,
     mismatch,
     parse_time,
@@ -74,6 +75,65 @@ def test_per_read_gaussian_draws(n, dtype):
         assert abs(float(z.mean())) < tol and abs(float(z.var()) - 1) < 2 * tol
         assert abs(float((z**4).mean()) - 3) < 20 * tol  # normal kurtosis: not a uniform or two-point draw
         assert float(z.abs().max()) < 4.33  # the table's tails
+
+
+def _lowbias32(x: int) -> int:
+    """The read-noise hash in plain Python integers: the reference the tensor versions must match."""
+    m = 0xFFFFFFFF
+    x ^= x >> 16
+    x = (x * 0x21F0AAAD) & m
+    x ^= x >> 15
+    x = (x * 0xD35A2D97) & m
+    return x ^ (x >> 15)
+
+
+def test_hashed_read_noise_is_the_documented_generator():
+    """Draw i of a read is table[top 16 bits of h(h(i ^ k0) ^ k1)], compiled or not; its draws have
+    the moments of N(0, 1); two reads (other keys) and neighbouring devices are uncorrelated."""
+    keys = torch.tensor([-123_456_789, 987_654_321], dtype=torch.int32)
+    n = 1_000_003
+    z = devices._hashed_normal(n, keys)
+    k0, k1 = (int(k) & 0xFFFFFFFF for k in keys)
+    for i in (0, 1, 2, 77_777, n - 1):
+        expected = devices._QUANTILES[_lowbias32(_lowbias32(i ^ k0) ^ k1) >> 16].float()
+        assert float(z[i]) == float(expected)
+    assert torch.equal(devices._compiled(devices._hashed_normal)(n, keys), z)
+    tol = 5 / math.sqrt(n)
+    z = z.double()
+    assert abs(float(z.mean())) < tol and abs(float(z.var()) - 1) < 2 * tol
+    assert abs(float((z**4).mean()) - 3) < 20 * tol
+    other = devices._hashed_normal(n, keys + 1).double()
+    assert abs(float(torch.corrcoef(torch.stack([z, other]))[0, 1])) < tol
+    assert abs(float(torch.corrcoef(torch.stack([z[:-1], z[1:]]))[0, 1])) < tol
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_fused_read_equals_its_reference(dtype, monkeypatch):
+    """The compiled read (one pass) computes what its torch reference does, with the same draws;
+    read_differential is read's G+ - G-; a failed compile warns once and runs the reference."""
+    dev, gen = PCM(), torch.Generator().manual_seed(5)
+    target = torch.rand(2, 37, 53, generator=gen, dtype=dtype) * 25
+    target[1] = 0  # the off device of each pair, as the analog mapping programs it
+    g, nu = dev.program(target, gen), dev.drift_exponent(target, gen)
+    state = torch.Generator().manual_seed(9).get_state()
+    read = dev.read(g, nu, 86400.0, torch.Generator().set_state(state))
+    args = dev._read_args(g, nu, 86400.0, torch.Generator().set_state(state), None)
+    reference = devices._drifted_read(*args)
+    assert read.dtype == dtype and torch.isfinite(read).all() and (read >= 0).all()
+    torch.testing.assert_close(read, reference, rtol=1e-6, atol=1e-6)
+    diff = dev.read_differential(g, nu, 86400.0, torch.Generator().set_state(state))
+    torch.testing.assert_close(diff, read[0] - read[1], rtol=1e-6, atol=1e-6)
+
+    def no_compiler(fn, **kwargs):
+        def fail(*args):
+            raise RuntimeError("no C++ compiler")
+        return fail
+
+    monkeypatch.setattr(torch, "compile", no_compiler)
+    fallback = devices._compiled(devices._drifted_read)
+    with pytest.warns(UserWarning, match="uncompiled"):
+        again = fallback(*args)
+    assert torch.equal(again, reference)
 
 
 def test_same_seed_same_numbers():
