@@ -27,6 +27,8 @@ from torch import nn
 from cim_sim.devices import PCM, RRAM, gaussian_, stuck_at
 from kernels import HiltError
 
+_ZERO = torch.zeros(())  # addmm's ignored input (beta=0): a product scaled inside BLAS
+
 
 @dataclass(frozen=True)
 class AnalogConfig:
@@ -89,34 +91,32 @@ class AnalogMixin:
         self.w_max = float(w.abs().max()) or 1.0
         self.gdc_scale = torch.ones(w.shape[0])  # drift compensation, per output column
         self.gen = torch.Generator().manual_seed(0)
-        self.programmed = None
 
     # -- device life cycle ------------------------------------------------------------------
 
-    def program(self, gen: torch.Generator) -> None:
-        """Program the conductance pairs (noise and drift exponents drawn once)."""
+    def program(self, gen: torch.Generator) -> dict | None:
+        """Program the conductance pairs: programming noise and drift exponents drawn once.
+
+        Returns the devices for the model to read (cim_sim.model pools every layer's devices, so a
+        drift step reads them all in one pass): G+ and G- stacked, in weight units (G / scale; a
+        read is linear in G), their drift exponents and read-noise coefficients. None on the ideal
+        device, whose weights are then the digital ones.
+        """
         self.gen = torch.Generator().manual_seed(int(torch.randint(2**62, (1,), generator=gen)))
-        self._tiles_of = None
         dev = self.device_model
         if dev is None:
-            self.programmed = None
-            self.w_eff = self.w_digital.clone()
-            return
+            self.set_weights(self.w_digital.clone())
+            return None
         scale = dev.g_max / self.w_max
         # G+ and G- stacked: one tensor op per step for both devices of every pair
         g_target = torch.stack([(self.w_digital * scale).clamp(0, dev.g_max), (-self.w_digital * scale).clamp(0, dev.g_max)])
         g_prog = stuck_at(dev.program(g_target, gen), self.config.stuck_at_rate, dev.g_max, gen)
-        self.programmed = {"scale": scale, "g": g_prog, "nu": dev.drift_exponent(g_target, gen),
-                           "q": dev.read_noise_coefficient(g_prog)}
-        self.read_at(0.0, gen)
+        return {"g": g_prog / scale, "nu": dev.drift_exponent(g_target, gen), "q": dev.read_noise_coefficient(g_prog)}
 
-    def read_at(self, t: float, gen: torch.Generator) -> None:
-        """Set the weights to the conductances read t seconds after programming."""
-        if self.programmed is None:
-            return
-        p = self.programmed
-        g_diff = self.device_model.read_differential(p["g"], p["nu"], t, gen, q=p["q"])
-        torch.div(g_diff, p["scale"], out=self.w_eff)
+    def set_weights(self, w: torch.Tensor) -> None:
+        """What the arrays hold now (a read of the devices), shaped like the digital weights."""
+        self.w_eff = w
+        self._tiles_of = None
 
     # -- the analog matrix-vector product ---------------------------------------------------
 
@@ -169,7 +169,7 @@ class AnalogMixin:
         steps, per-row peak before clipping or None when no output saturated).
 
         Converters work in integer steps: the DAC's step is folded into the input scaling
-        and the ADC's into ``w`` and the final scaling, so each pass over the data is one
+        and the ADC's into the product's scale and the final scaling, so each pass over the data is one
         multiply, clip or round (this is most of the simulator's cost).
         """
         c = self.config
@@ -178,10 +178,11 @@ class AnalogMixin:
             if c.inp_bound < 1:
                 xq.clamp_(-c.inp_bound / in_step, c.inp_bound / in_step)
             xq.round_()
-        part = xq @ w.T  # in ADC steps: w carries in_step / out_step
+        # w and w_abs are views of the weights (/ w_max inside the product; BLAS scales for free)
+        part = torch.addmm(_ZERO, xq, w.T, beta=0, alpha=in_step / (out_step * self.w_max))  # in ADC steps
         if c.w_noise or c.ir_drop:
             # both need |w| against a function of x: one matmul for both
-            stats = torch.cat([xq * xq, xq.abs()]) @ w_abs.T
+            stats = torch.addmm(_ZERO, torch.cat([xq * xq, xq.abs()]), w_abs.T, beta=0, alpha=1 / self.w_max)
             if c.ir_drop:
                 # first-order IR drop (our approximation): a bit line carrying a large total
                 # current loses a share of it, 5% at full current on every row of the array
@@ -208,22 +209,17 @@ class AnalogMixin:
                 2 * c.out_bound / (2**c.adc_bits - 2) if c.adc_bits is not None else 1.0)
 
     def _tiles(self) -> list:
-        """(k0, k1, w, |w|) per array of ``tile_size`` inputs, (out, k) contiguous, normalised to |w| <= ~1
-        (cached per read). Products are taken as x @ w.T, which BLAS runs faster than x @ w^T stored."""
-        key = (id(self.w_eff), self.w_eff._version)  # the version counts in-place reads into w_eff
+        """(k0, k1, w, |w|) per array of ``tile_size`` inputs: views of the weights (and of their
+        magnitudes, where per-read noise or IR drop need them), rebuilt when a read replaces them."""
+        key = self.w_eff._version  # set_weights resets the key; the version counts in-place writes
         if getattr(self, "_tiles_of", None) != key:
             c, n_in = self.config, self.w_eff.shape[1]
-            in_step, out_step = self._steps()
-            old = getattr(self, "_tile_list", None)
-            tiles = []
-            for i, k0 in enumerate(range(0, n_in, c.tile_size)):
-                buffers = old[i][2:] if old else (None, None)  # refilled in place: no fresh pages per read
-                w = torch.div(self.w_eff[:, k0 : k0 + c.tile_size], self.w_max / (in_step / out_step), out=buffers[0])
-                w_abs = torch.abs(w, out=buffers[1]).div_(in_step / out_step) if c.w_noise or c.ir_drop else None
-                tiles.append((k0, min(n_in, k0 + c.tile_size), w, w_abs))
-            self._tile_list, self._tiles_of = tiles, key
+            w_abs = self.w_eff.abs() if c.w_noise or c.ir_drop else None
+            self._tile_list = [(k0, min(n_in, k0 + c.tile_size), self.w_eff[:, k0 : k0 + c.tile_size],
+                                None if w_abs is None else w_abs[:, k0 : k0 + c.tile_size])
+                               for k0 in range(0, n_in, c.tile_size)]
+            self._tiles_of = key
         return self._tile_list
-
 
     @property
     def is_ideal(self) -> bool:

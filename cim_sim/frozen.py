@@ -40,11 +40,12 @@ class FrozenArrays(nn.Module):
         if self.ideal:
             self.register_buffer("weight", layer.w_eff.clone())
         else:
+            to_steps = self.in_step / (out_step * layer.w_max)  # weights -> ADC steps per DAC step, as the arrays scale
             for i, (k0, k1, w, w_abs) in enumerate(layer._tiles()):
                 self.bounds.append((k0, k1))
-                self.register_buffer(f"w{i}", w.clone())
+                self.register_buffer(f"w{i}", w * to_steps)
                 if self.ir_drop:
-                    self.register_buffer(f"w_abs{i}", w_abs.clone())
+                    self.register_buffer(f"w_abs{i}", w_abs / layer.w_max)
         self.out_scale = out_step * layer.w_max
         self.register_buffer("gdc", layer.gdc_scale.clone().float())
         self.register_buffer("bias", None if layer.bias is None else layer.bias.detach().clone().float())

@@ -76,14 +76,35 @@ def _probe(layer: AnalogMixin, gen: torch.Generator) -> torch.Tensor:
 def program(model: nn.Module, seed: int = 0) -> nn.Module:
     """Program every analog layer (a new chip: programming noise and drift exponents drawn)."""
     gen = torch.Generator().manual_seed(seed)
+    by_device = {}
     for _, layer in analog_layers(model):
-        layer.program(gen)
+        devices = layer.program(gen)
+        if devices is not None:
+            by_device.setdefault(layer.device_model, []).append((layer, devices))
+    # every device of the chip in one flat pool per device model: a read is one pass over all of them
+    model.device_pools = [
+        {"device": device, "layers": [layer for layer, _ in members],
+         **{k: torch.cat([d[k].reshape(2, -1) for _, d in members], 1) for k in ("g", "nu", "q")}}
+        for device, members in by_device.items()]
+    _read(model, 0.0, gen)
+    for _, layer in analog_layers(model):
         layer.gdc_scale = torch.ones(layer.w_digital.shape[0])
         probe = _probe(layer, torch.Generator().manual_seed(seed))
         layer.gdc_probe = probe
         layer.gdc_ref_noisy = layer._mvm(probe).abs().mean(0)
         layer.gdc_ref_ideal = (probe @ layer.w_digital.T).abs().mean(0)
     return model
+
+
+def _read(model: nn.Module, t: float, gen: torch.Generator) -> None:
+    """Set every analog layer's weights to its devices read t seconds after programming."""
+    for pool in getattr(model, "device_pools", []):
+        w = pool["device"].read_differential(pool["g"], pool["nu"], t, gen, q=pool["q"])  # weight units
+        offset = 0
+        for layer in pool["layers"]:
+            n = layer.w_digital.numel()
+            layer.set_weights(w[offset : offset + n].view_as(layer.w_digital))
+            offset += n
 
 
 @torch.no_grad()
@@ -93,9 +114,8 @@ def drift_to(model: nn.Module, t_seconds: float, seed: int = 1, gdc: str = "glob
         raise HiltError(f"unknown drift compensation {gdc!r}; choose one of {', '.join(GDC_MODES)}")
     if not t_seconds >= 0:
         raise HiltError(f"time after programming must be >= 0 s, got {t_seconds}")
-    gen = torch.Generator().manual_seed(seed)
+    _read(model, float(t_seconds), torch.Generator().manual_seed(seed))
     for _, layer in analog_layers(model):
-        layer.read_at(float(t_seconds), gen)
         layer.gdc_scale = torch.ones(layer.w_digital.shape[0])
         if gdc == "none":
             continue

@@ -179,6 +179,29 @@ def test_drift_lowers_output_and_compensation_restores_it(build, shape):
         assert float(analog(x).detach().norm() / ref.norm()) == pytest.approx(1.0, abs=0.2), gdc
 
 
+@pytest.mark.parametrize("device", ["pcm", "rram"])
+def test_each_layer_reads_its_own_devices(device):
+    """A chip's devices are read in one pooled pass: with programming noise, drift and read noise
+    off, every layer (conv, linear, and in the model's order) holds exactly its own weights, and
+    with them on, each layer's read error is the size its own devices give (no layer swapped)."""
+    import dataclasses
+
+    model = cnn()
+    quiet = dataclasses.replace(preset(device), prog_noise_scale=0.0, read_noise_scale=0.0, drift_scale=0.0)
+    analog = convert_to_analog(model, quiet)
+    drift_to(analog, parse_time("1y"))
+    layers = [m for m in analog.modules() if hasattr(m, "w_eff")]
+    assert len(layers) == 2 and len(analog.device_pools) == 1
+    for layer in layers:
+        torch.testing.assert_close(layer.w_eff, layer.w_digital, rtol=1e-6, atol=1e-7)
+    noisy = convert_to_analog(model, preset(device))
+    drift_to(noisy, 1.0, gdc="none")
+    for layer in (m for m in noisy.modules() if hasattr(m, "w_eff")):
+        assert layer.w_eff.shape == layer.w_digital.shape
+        error = float((layer.w_eff - layer.w_digital).norm() / layer.w_digital.norm())
+        assert 0.005 < error < 0.5
+
+
 def test_analog_forward_is_reproducible_by_seed():
     model, x = mlp(), torch.randn(16, 64)
     outs = []
