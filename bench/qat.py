@@ -3,7 +3,8 @@
 Character GPTs (bench/gpt.py, 4 layers) of several widths are trained from scratch on
 Shakespeare with the same token budget, in 16-bit (full precision) and with QAT at 1, 2 and
 4 bits in two formats: k-means (codebook per layer, fitted after a full-precision warm-up
-and refitted on schedule) and integers (symmetric absmax; at 1 bit, sign x absmean). Then:
+and refitted on schedule, each value weighted by |u|^fit_power) and integers (symmetric
+absmax; at 1 bit, sign x absmean). Then:
 
 * weight memory with the true bits per weight: each quantized Linear at its stored size
   (codes, bf16 block scales, fp16 codebook), everything else (embeddings, norms, biases) at
@@ -25,14 +26,15 @@ import torch
 
 from kernels import HiltError
 from quant import QuantConfig
-from quant.qat import QATSchedule, fake_quant_layers, prepare_qat_, qat_step_
+from quant.qat import FIT_POWER, QATSchedule, fake_quant_layers, prepare_qat_, qat_step_
 from quant.quantize import expected_bits_per_weight
 
 FULL = {"widths": (64, 96, 128), "steps": 600, "batch": 32, "block": 64, "layers": 4, "heads": 4}
 QUICK = {"widths": (64, 128), "steps": 300, "batch": 32, "block": 64, "layers": 2, "heads": 4}
 BITS = (1, 2, 4)
 METHODS = ("kmeans", "int")
-BLOCK_SIZE, LR = 32, 3e-3
+# LR: the best of 3e-3, 6e-3, 1.2e-2 for the 16-bit models at widths 64 and 128 (README)
+BLOCK_SIZE, LR = 32, 6e-3
 WARMUP_FRACTION, REFITS = 0.2, 4  # full-precision warm-up share of the steps; codebook refits after it
 
 
@@ -56,7 +58,8 @@ def weight_memory_bits(model, config: QuantConfig | None) -> tuple[float, float,
     return total, linear, n
 
 
-def _one(width: int, method: str | None, bits: int, plan: dict, seed: int, log) -> dict:
+def _one(width: int, method: str | None, bits: int, plan: dict, seed: int, log, fit_power: float = FIT_POWER,
+         lr: float = LR) -> dict:
     from bench.gpt import GPT, GPTConfig, corpus, evaluate, train
 
     alphabet, _, val = corpus()
@@ -66,7 +69,7 @@ def _one(width: int, method: str | None, bits: int, plan: dict, seed: int, log) 
     steps = plan["steps"]
     config = None if method is None else config_for(method, bits)
     # 16-bit runs get the same FakeQuantLinear layers (to count N the same way) and never start quantizing
-    prepare_qat_(model, config or QuantConfig(method="int", bits=8, block_size=BLOCK_SIZE))
+    prepare_qat_(model, config or QuantConfig(method="int", bits=8, block_size=BLOCK_SIZE), fit_power=fit_power)
     warmup = max(1, int(WARMUP_FRACTION * steps))
     schedule = QATSchedule(warmup=warmup, refit_every=max(1, (steps - warmup) // (REFITS + 1)))
     events = []
@@ -76,10 +79,10 @@ def _one(width: int, method: str | None, bits: int, plan: dict, seed: int, log) 
             events.append(step)
 
     def lr_at(step):  # 20 steps of linear warm-up, then cosine decay to zero
-        return LR * min(1.0, (step + 1) / 20) * 0.5 * (1 + math.cos(math.pi * step / steps))
+        return lr * min(1.0, (step + 1) / 20) * 0.5 * (1 + math.cos(math.pi * step / steps))
 
     start = time.perf_counter()
-    losses = train(model, steps, LR, plan["batch"], seed=seed, lr_at=lr_at, after_step=after_step)
+    losses = train(model, steps, lr, plan["batch"], seed=seed, lr_at=lr_at, after_step=after_step)
     val_loss = evaluate(model, val, batches=10, size=32)
     memory, linear_bits, n = weight_memory_bits(model, config)
     row = {"width": width, "method": method or "16-bit", "bits": bits, "val_loss": val_loss,
@@ -126,16 +129,17 @@ def _gamma(rows: list[dict], fit: dict) -> tuple[float, list[dict]]:
     return float(grid[sse.argmin()]), rows
 
 
-def study(quick: bool = False, seed: int = 0, log=print) -> dict:
+def study(quick: bool = False, seed: int = 0, fit_power: float = FIT_POWER, lr: float | None = None, log=print) -> dict:
+    lr = LR if lr is None else lr
     plan = QUICK if quick else FULL
     log(f"QAT study: widths {plan['widths']}, {plan['steps']} steps of {plan['batch']} x {plan['block']} characters "
-        f"each, bits {BITS} x {METHODS} and 16-bit")
+        f"each at peak lr {lr:g}, bits {BITS} x {METHODS} and 16-bit; k-means fit weighted by |u|^{fit_power:g}")
     rows = []
     for width in plan["widths"]:
-        rows.append(_one(width, None, 16, plan, seed, log))
+        rows.append(_one(width, None, 16, plan, seed, log, fit_power, lr))
         for method in METHODS:
             for bits in BITS:
-                rows.append(_one(width, method, bits, plan, seed, log))
+                rows.append(_one(width, method, bits, plan, seed, log, fit_power, lr))
     fit = _fit_scaling([r for r in rows if r["method"] == "16-bit"])
     gammas = {m: _gamma([r for r in rows if r["method"] == m], fit)[0] for m in METHODS}
     log(f"  16-bit fit: L = {fit['E']:.3f} + {fit['A']:.3g} N^-{fit['alpha']:.3f};  gamma: "
@@ -152,7 +156,8 @@ def study(quick: bool = False, seed: int = 0, log=print) -> dict:
                         "val_loss": best["val_loss"]})
     for b in budgets:
         log(f"  within {b['memory_kib']:7.0f} KiB: best {b['winner']} (loss {b['val_loss']:.4f})")
-    return {"quick": quick, "seed": seed, "plan": plan, "block_size": BLOCK_SIZE, "lr": LR, "rows": rows,
+    return {"quick": quick, "seed": seed, "fit_power": fit_power, "plan": plan, "block_size": BLOCK_SIZE, "lr": lr,
+            "rows": rows,
             "scaling_fit": fit, "gamma": gammas, "kmeans_beats_int": kmeans_wins, "memory_matched": budgets}
 
 

@@ -13,6 +13,10 @@ The gradient goes straight through Q to W (straight-through estimator): dL/dW = 
 k-means codebooks are fitted (the certified-optimal 1-D k-means of quant.kmeans) when
 quantization starts, after ``warmup`` full-precision steps, and refitted every
 ``refit_every`` steps to the weights as they move; integer and 1-bit grids are fixed.
+The fit may weight each block-normalised value u by |u|**fit_power: 0 (the default) is plain
+k-means, the published procedure; a higher power fits the large values more closely and moves
+the outer levels outwards. Measured with bench/qat.py (README, "Quantization-aware training"):
+it helps at a learning rate too low for the model and not consistently at a tuned one.
 Exporting quantizes W with the layer's own codebook, so the saved model computes exactly
 what QAT trained.
 """
@@ -35,6 +39,9 @@ from quant.checkpoint import KEEP_DENSE, quantize_checkpoint
 from quant.quantize import QuantConfig, fixed_codebook, normalise_blocks
 
 
+FIT_POWER = 0.0  # k-means QAT codebook fit: each block-normalised value weighted by |u| ** FIT_POWER
+
+
 @dataclass(frozen=True)
 class QATSchedule:
     warmup: int = 0  # full-precision steps before quantization starts (and the codebooks are fitted)
@@ -48,9 +55,12 @@ class QATSchedule:
 class FakeQuantLinear(nn.Module):
     """A Linear trained through its quantized weight (see the module docstring)."""
 
-    def __init__(self, linear: nn.Linear, config: QuantConfig, name: str = "linear"):
+    def __init__(self, linear: nn.Linear, config: QuantConfig, name: str = "linear", fit_power: float = FIT_POWER):
         super().__init__()
         config.validate()
+        if not fit_power >= 0:
+            raise HiltError(f"the codebook fit power must be >= 0, got {fit_power}")
+        self.fit_power = fit_power
         if linear.in_features % config.block_size:
             raise HiltError(f"layer '{name}' has {linear.in_features} inputs, not a multiple of block size "
                             f"{config.block_size}")
@@ -68,7 +78,12 @@ class FakeQuantLinear(nn.Module):
         if self.config.method != "kmeans":
             return
         _, _, u = normalise_blocks(self.weight.detach().float(), self.config)
-        levels = kmeans.kmeans_optimal(u.flatten(), 1 << self.config.bits).centroids
+        u = u.flatten()
+        importance = None
+        if self.fit_power:  # floored so that no value is ignored (and an all-zero layer still fits)
+            importance = u.abs().pow(self.fit_power)
+            importance = importance.clamp_min(float(importance.mean()) * 1e-6 or 1.0)
+        levels = kmeans.kmeans_optimal(u, 1 << self.config.bits, weights=importance).centroids
         self.codebook.copy_(levels.to(torch.float16).sort().values.float())
 
     def quantized_weight(self) -> torch.Tensor:
@@ -96,9 +111,10 @@ def fake_quant_layers(model: nn.Module) -> dict[str, FakeQuantLinear]:
     return {path: m for path, m in model.named_modules() if isinstance(m, FakeQuantLinear)}
 
 
-def prepare_qat_(model: nn.Module, config: QuantConfig, filter_fn=None) -> nn.Module:
+def prepare_qat_(model: nn.Module, config: QuantConfig, filter_fn=None, fit_power: float = FIT_POWER) -> nn.Module:
     """Swap every eligible nn.Linear for a FakeQuantLinear, in place (the same layers that
-    ``quantize_model_`` and ``hilt quantize`` would quantize, unless ``filter_fn(module, path)`` says)."""
+    ``quantize_model_`` and ``hilt quantize`` would quantize, unless ``filter_fn(module, path)`` says).
+    ``fit_power``: the k-means codebook fit's weighting, |u| ** fit_power (see the module docstring)."""
     config.validate()
     swapped = 0
     for path, module in list(model.named_modules()):
@@ -109,7 +125,7 @@ def prepare_qat_(model: nn.Module, config: QuantConfig, filter_fn=None) -> nn.Mo
         if ok:
             parent_path, _, attr = path.rpartition(".")
             setattr(model.get_submodule(parent_path) if parent_path else model, attr,
-                    FakeQuantLinear(module, config, path))
+                    FakeQuantLinear(module, config, path, fit_power))
             swapped += 1
     if not swapped:
         raise HiltError(f"no Linear layer of {type(model).__name__} can take block size {config.block_size}")

@@ -35,7 +35,8 @@ def test_straight_through_gradient_is_the_gradient_at_the_quantized_weight(metho
 
 
 def _loss_and_error(model, x, y, layers, quantizing=True):
-    """(loss, summed squared quantization error in block units) with the layers quantizing or not."""
+    """(loss, the codebook fit's objective: squared quantization error in block units, each value u
+    weighted by |u| ** fit_power, summed) with the layers quantizing or not."""
     from quant.quantize import normalise_blocks
 
     with torch.no_grad():
@@ -46,10 +47,33 @@ def _loss_and_error(model, x, y, layers, quantizing=True):
         for layer in layers.values():
             _, _, u = normalise_blocks(layer.weight.float(), layer.config)
             book = layer.codebook.half().float()
-            err += float(((u - book[(u[..., None] - book).abs().argmin(-1)]) ** 2).sum())
+            err += float((u.abs() ** layer.fit_power * (u - book[(u[..., None] - book).abs().argmin(-1)]) ** 2).sum())
         for layer in layers.values():
             layer.quantizing = True
     return loss, err
+
+
+def test_codebook_fit_power_weights_the_large_values():
+    """fit_power 0 is plain k-means of the block-normalised weights; a higher power moves the outer
+    levels outwards (large values fitted more closely); a negative power is refused."""
+    from quant import kmeans
+    from quant.quantize import normalise_blocks
+
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(256, 64)
+    config = QuantConfig(method="kmeans", bits=2, block_size=32)
+    books = {}
+    for power in (0.0, 2.0, 4.0):
+        fq = FakeQuantLinear(linear, config, fit_power=power)
+        fq.fit_codebook()
+        books[power] = fq.codebook.clone()
+    _, _, u = normalise_blocks(linear.weight.detach().float(), config)
+    plain = kmeans.kmeans_optimal(u.flatten(), 4).centroids.half().sort().values.float()
+    torch.testing.assert_close(books[0.0], plain)
+    outer = {p: float(b.abs().max()) for p, b in books.items()}
+    assert outer[0.0] < outer[2.0] < outer[4.0]
+    with pytest.raises(HiltError, match="fit power"):
+        FakeQuantLinear(linear, config, fit_power=-1.0)
 
 
 def test_warmup_then_refits_follow_the_schedule():
