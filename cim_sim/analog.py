@@ -211,7 +211,7 @@ class AnalogMixin:
     def _tiles(self) -> list:
         """(k0, k1, w, |w|) per array of ``tile_size`` inputs: views of the weights (and of their
         magnitudes, where per-read noise or IR drop need them), rebuilt when a read replaces them."""
-        key = self.w_eff._version  # set_weights resets the key; the version counts in-place writes
+        key = (id(self.w_eff), self.w_eff._version)  # set_weights also resets it; the version counts in-place writes
         if getattr(self, "_tiles_of", None) != key:
             c, n_in = self.config, self.w_eff.shape[1]
             w_abs = self.w_eff.abs() if c.w_noise or c.ir_drop else None
