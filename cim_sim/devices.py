@@ -60,6 +60,12 @@ def _drifted_read(g_prog, nu, q, log_t, sigma, keys):
     return (g + sigma * g * q * noise).clamp_min(0)
 
 
+def _differential_read(g_prog, nu, q, log_t, sigma, keys):
+    """G+ - G- of the pairs stacked on dim 0, without storing either read (one pass when compiled)."""
+    g = _drifted_read(g_prog, nu, q, log_t, sigma, keys)
+    return g[0] - g[1]
+
+
 def _compiled(fn):
     """``fn`` compiled by torch.compile (inductor: one C++ loop) on first use. Where compiling fails
     (no C++ compiler), ``fn`` itself after one warning: the same draws, several times slower."""
@@ -81,12 +87,6 @@ def _compiled(fn):
             return fn(*args)
 
     return call
-
-
-def _differential_read(g_prog, nu, q, log_t, sigma, keys):
-    """G+ - G- of the pairs stacked on dim 0, without storing either read (one pass when compiled)."""
-    g = _drifted_read(g_prog, nu, q, log_t, sigma, keys)
-    return g[0] - g[1]
 
 
 _drifted_read_compiled = _compiled(_drifted_read)

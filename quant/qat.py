@@ -36,7 +36,7 @@ from torch import nn
 from kernels import HiltError
 from quant import kmeans
 from quant.checkpoint import KEEP_DENSE, quantize_checkpoint
-from quant.quantize import QuantConfig, fixed_codebook, normalise_blocks
+from quant.quantize import QuantConfig, fixed_codebook, floor_importance, normalise_blocks
 
 
 FIT_POWER = 0.0  # k-means QAT codebook fit: each block-normalised value weighted by |u| ** FIT_POWER
@@ -79,10 +79,7 @@ class FakeQuantLinear(nn.Module):
             return
         _, _, u = normalise_blocks(self.weight.detach().float(), self.config)
         u = u.flatten()
-        importance = None
-        if self.fit_power:  # floored so that no value is ignored (and an all-zero layer still fits)
-            importance = u.abs().pow(self.fit_power)
-            importance = importance.clamp_min(float(importance.mean()) * 1e-6 or 1.0)
+        importance = floor_importance(u.abs().pow(self.fit_power)) if self.fit_power else None
         levels = kmeans.kmeans_optimal(u, 1 << self.config.bits, weights=importance).centroids
         self.codebook.copy_(levels.to(torch.float16).sort().values.float())
 

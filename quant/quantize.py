@@ -115,6 +115,12 @@ def normalise_blocks(w: torch.Tensor, config: QuantConfig):
     return scales, offsets, _normalised(w, scales, offsets, B)
 
 
+def floor_importance(importance: torch.Tensor) -> torch.Tensor:
+    """Importance weights floored at 1e-6 of their mean, so that no value is ignored entirely
+    (and all-zero importance still weighs every value alike)."""
+    return importance.clamp_min(1e-6 * float(importance.mean()) + 1e-30)
+
+
 def quantize_tensor(
     w: torch.Tensor,
     config: QuantConfig,
@@ -149,7 +155,7 @@ def quantize_tensor(
         except RuntimeError:
             raise HiltError(f"importance for '{name}' has shape {tuple(importance.shape)}, "
                             f"which does not match the weight {tuple(w.shape)}") from None
-        importance = importance.clamp_min(1e-6 * float(importance.mean()) + 1e-30)
+        importance = floor_importance(importance)
     n, k = w.shape
     B = config.block_size
     scales, offsets = _block_scales(w.float().view(n, k // B, B), config)
