@@ -2,9 +2,11 @@
 
 Character GPTs (bench/gpt.py, 4 layers) of several widths are trained from scratch on
 Shakespeare with the same token budget, in 16-bit (full precision) and with QAT at 1, 2 and
-4 bits in two formats: k-means (codebook per layer, fitted after a full-precision warm-up
-and refitted on schedule, each value weighted by |u|^fit_power) and integers (symmetric
-absmax; at 1 bit, sign x absmean). Then:
+4 bits in two formats: k-means (codebook per layer, fitted after a full-precision warm-up,
+then trained by the loss; or, with learn_codebook=False, refitted by k-means on schedule, the
+published procedure) and integers (symmetric absmax; at 1 bit, sign x absmean). Every
+configuration is trained from several seeds (the same seeds for every configuration: a seed
+fixes the initial weights and the batches) and compared on its mean validation loss. Then:
 
 * weight memory with the true bits per weight: each quantized Linear at its stored size
   (codes, bf16 block scales, fp16 codebook), everything else (embeddings, norms, biases) at
@@ -26,16 +28,22 @@ import torch
 
 from kernels import HiltError
 from quant import QuantConfig
-from quant.qat import FIT_POWER, QATSchedule, fake_quant_layers, prepare_qat_, qat_step_
+from quant.qat import (
+    QATSchedule,
+    fake_quant_layers,
+    prepare_qat_,
+    qat_param_groups,
+    qat_step_,
+)
 from quant.quantize import expected_bits_per_weight
 
-FULL = {"widths": (64, 96, 128), "steps": 600, "batch": 32, "block": 64, "layers": 4, "heads": 4}
-QUICK = {"widths": (64, 128), "steps": 300, "batch": 32, "block": 64, "layers": 2, "heads": 4}
+FULL = {"widths": (64, 96, 128), "steps": 600, "batch": 32, "block": 64, "layers": 4, "heads": 4, "seeds": (0, 1, 2)}
+QUICK = {"widths": (64, 128), "steps": 300, "batch": 32, "block": 64, "layers": 2, "heads": 4, "seeds": (0,)}
 BITS = (1, 2, 4)
 METHODS = ("kmeans", "int")
 # LR: the best of 3e-3, 6e-3, 1.2e-2 for the 16-bit models at widths 64 and 128 (README)
 BLOCK_SIZE, LR = 32, 6e-3
-WARMUP_FRACTION, REFITS = 0.2, 4  # full-precision warm-up share of the steps; codebook refits after it
+WARMUP_FRACTION, REFITS = 0.2, 4  # full-precision warm-up share of the steps; k-means refits after it (not learned)
 
 
 def config_for(method: str, bits: int) -> QuantConfig:
@@ -58,7 +66,7 @@ def weight_memory_bits(model, config: QuantConfig | None) -> tuple[float, float,
     return total, linear, n
 
 
-def _one(width: int, method: str | None, bits: int, plan: dict, seed: int, log, fit_power: float = FIT_POWER,
+def _one(width: int, method: str | None, bits: int, plan: dict, seed: int, log, learn_codebook: bool = True,
          lr: float = LR) -> dict:
     from bench.gpt import GPT, GPTConfig, corpus, evaluate, train
 
@@ -69,9 +77,11 @@ def _one(width: int, method: str | None, bits: int, plan: dict, seed: int, log, 
     steps = plan["steps"]
     config = None if method is None else config_for(method, bits)
     # 16-bit runs get the same FakeQuantLinear layers (to count N the same way) and never start quantizing
-    prepare_qat_(model, config or QuantConfig(method="int", bits=8, block_size=BLOCK_SIZE), fit_power=fit_power)
+    prepare_qat_(model, config or QuantConfig(method="int", bits=8, block_size=BLOCK_SIZE),
+                 learn_codebook=learn_codebook)
     warmup = max(1, int(WARMUP_FRACTION * steps))
-    schedule = QATSchedule(warmup=warmup, refit_every=max(1, (steps - warmup) // (REFITS + 1)))
+    refit_every = 0 if learn_codebook else max(1, (steps - warmup) // (REFITS + 1))
+    schedule = QATSchedule(warmup=warmup, refit_every=refit_every, steps=steps)
     events = []
 
     def after_step(step, loss):
@@ -82,20 +92,22 @@ def _one(width: int, method: str | None, bits: int, plan: dict, seed: int, log, 
         return lr * min(1.0, (step + 1) / 20) * 0.5 * (1 + math.cos(math.pi * step / steps))
 
     start = time.perf_counter()
-    losses = train(model, steps, lr, plan["batch"], seed=seed, lr_at=lr_at, after_step=after_step)
+    opt = torch.optim.AdamW(qat_param_groups(model, weight_decay=0.1), lr=lr, betas=(0.9, 0.95))  # as train()'s
+    losses = train(model, steps, lr, plan["batch"], seed=seed, optimizer=opt, lr_at=lr_at, after_step=after_step)
     val_loss = evaluate(model, val, batches=10, size=32)
     memory, linear_bits, n = weight_memory_bits(model, config)
-    row = {"width": width, "method": method or "16-bit", "bits": bits, "val_loss": val_loss,
+    row = {"width": width, "method": method or "16-bit", "bits": bits, "seed": seed, "val_loss": val_loss,
            "train_loss_end": sum(losses[-10:]) / 10, "memory_kib": memory / 8 / 1024, "n_quantizable": n,
            "bits_per_weight": linear_bits / n,
            "qat_events": events, "seconds": time.perf_counter() - start}
-    log(f"  width {width:>4} {row['method']:>7} {bits:>2} bits: validation loss {val_loss:.4f} nats/char, "
+    log(f"  seed {seed} width {width:>4} {row['method']:>7} {bits:>2} bits: validation loss {val_loss:.4f} nats/char, "
         f"weights {row['memory_kib']:.0f} KiB ({row['seconds']:.0f} s)")
     return row
 
 
-def _fit_scaling(rows: list[dict]) -> dict:
-    """L = E + A N^-alpha through the 16-bit runs (E = 0 with fewer than 3 widths)."""
+def _fit_scaling(rows: list[dict]) -> dict | None:
+    """L = E + A N^-alpha through the 16-bit runs (E = 0 with fewer than 3 widths); None when the
+    losses do not fall with size (a diverged run), so that the runs are still reported."""
     pts = sorted((r["n_quantizable"], r["val_loss"]) for r in rows)
     n = torch.tensor([p[0] for p in pts], dtype=torch.float64)
     loss = torch.tensor([p[1] for p in pts], dtype=torch.float64)
@@ -108,13 +120,12 @@ def _fit_scaling(rows: list[dict]) -> dict:
         if best is None or sse < best[0]:
             best = (sse, e, float(math.exp(intercept)), float(-slope))
     _, e, a, alpha = best
-    if alpha <= 0:
-        raise HiltError("the 16-bit losses do not fall with model size: no scaling fit (train longer or wider)")
-    return {"E": e, "A": a, "alpha": alpha}
+    return {"E": e, "A": a, "alpha": alpha} if alpha > 0 else None
 
 
-def _gamma(rows: list[dict], fit: dict) -> tuple[float, list[dict]]:
-    """gamma minimising the squared error of N_eff/N = 1 - exp(-P/gamma) over the runs."""
+def _gamma(rows: list[dict], fit: dict) -> float:
+    """gamma minimising the squared error of N_eff/N = 1 - exp(-P/gamma) over the rows (which get
+    their n_eff and n_eff_ratio)."""
     pts = []
     for r in rows:
         excess = r["val_loss"] - fit["E"]
@@ -126,27 +137,70 @@ def _gamma(rows: list[dict], fit: dict) -> tuple[float, list[dict]]:
     p = torch.tensor([b for b, _ in pts], dtype=torch.float64)[:, None]
     ratio = torch.tensor([q for _, q in pts], dtype=torch.float64)[:, None]
     sse = ((ratio - (1 - torch.exp(-p / grid))) ** 2).sum(0)
-    return float(grid[sse.argmin()]), rows
+    return float(grid[sse.argmin()])
 
 
-def study(quick: bool = False, seed: int = 0, fit_power: float = FIT_POWER, lr: float | None = None, log=print) -> dict:
+def _mean_rows(runs: list[dict]) -> list[dict]:
+    """One row per (width, format): the seeds' mean validation loss, their spread and every seed's loss."""
+    rows = {}
+    for run in runs:
+        key = (run["width"], run["method"], run["bits"])
+        rows.setdefault(key, {k: run[k] for k in ("width", "method", "bits", "memory_kib", "n_quantizable",
+                                                 "bits_per_weight")} | {"val_losses": []})
+        rows[key]["val_losses"].append(run["val_loss"])
+    for row in rows.values():
+        losses = torch.tensor(row["val_losses"], dtype=torch.float64)
+        row["val_loss"] = float(losses.mean())
+        row["val_loss_std"] = float(losses.std()) if len(losses) > 1 else 0.0
+    return list(rows.values())
+
+
+def _row(rows: list[dict], width: int, method: str, bits: int) -> dict:
+    return next(r for r in rows if r["width"] == width and r["method"] == method and r["bits"] == bits)
+
+
+def _kmeans_vs_int(rows: list[dict]) -> list[dict]:
+    """k-means against int in every (width, bits) cell: on the seeds' mean, and seed by seed (the same
+    seed starts both from the same weights and feeds them the same batches)."""
+    versus = []
+    for w, b in sorted({(r["width"], r["bits"]) for r in rows if r["method"] == "kmeans"}):
+        km, integer = _row(rows, w, "kmeans", b), _row(rows, w, "int", b)
+        diffs = [k - i for k, i in zip(km["val_losses"], integer["val_losses"], strict=True)]
+        versus.append({"width": w, "bits": b, "kmeans_minus_int": km["val_loss"] - integer["val_loss"],
+                       "per_seed": diffs, "kmeans_wins": km["val_loss"] < integer["val_loss"],
+                       "seeds_won": sum(d < 0 for d in diffs)})
+    return versus
+
+
+def study(quick: bool = False, seeds=None, lr: float | None = None, learn_codebook: bool = True, log=print) -> dict:
     lr = LR if lr is None else lr
     plan = QUICK if quick else FULL
+    seeds = tuple(plan["seeds"] if seeds is None else seeds)
+    if not seeds:
+        raise HiltError("the QAT study needs at least one seed")
+    codebook = "trained by the loss" if learn_codebook else f"refitted by k-means {REFITS} times"
     log(f"QAT study: widths {plan['widths']}, {plan['steps']} steps of {plan['batch']} x {plan['block']} characters "
-        f"each at peak lr {lr:g}, bits {BITS} x {METHODS} and 16-bit; k-means fit weighted by |u|^{fit_power:g}")
-    rows = []
-    for width in plan["widths"]:
-        rows.append(_one(width, None, 16, plan, seed, log, fit_power, lr))
-        for method in METHODS:
-            for bits in BITS:
-                rows.append(_one(width, method, bits, plan, seed, log, fit_power, lr))
+        f"each at peak lr {lr:g}, bits {BITS} x {METHODS} and 16-bit, seeds {seeds}; k-means codebooks {codebook}")
+    runs = []
+    for seed in seeds:
+        for width in plan["widths"]:
+            runs.append(_one(width, None, 16, plan, seed, log, learn_codebook, lr))
+            for method in METHODS:
+                for bits in BITS:
+                    runs.append(_one(width, method, bits, plan, seed, log, learn_codebook, lr))
+    rows = _mean_rows(runs)
     fit = _fit_scaling([r for r in rows if r["method"] == "16-bit"])
-    gammas = {m: _gamma([r for r in rows if r["method"] == m], fit)[0] for m in METHODS}
-    log(f"  16-bit fit: L = {fit['E']:.3f} + {fit['A']:.3g} N^-{fit['alpha']:.3f};  gamma: "
-        + ", ".join(f"{m} {g:.3f}" for m, g in gammas.items()))
-    kmeans_wins = {f"{w}/{b}": next(r for r in rows if r["width"] == w and r["method"] == "kmeans" and r["bits"] == b)["val_loss"]
-                   < next(r for r in rows if r["width"] == w and r["method"] == "int" and r["bits"] == b)["val_loss"]
-                   for w in plan["widths"] for b in BITS}
+    if fit is None:
+        gammas = None
+        log("  no scaling fit: the 16-bit losses do not fall with model size (a run diverged? lower --lr)")
+    else:
+        gammas = {m: _gamma([r for r in rows if r["method"] == m], fit) for m in METHODS}
+        log(f"  16-bit fit: L = {fit['E']:.3f} + {fit['A']:.3g} N^-{fit['alpha']:.3f};  gamma: "
+            + ", ".join(f"{m} {g:.3f}" for m, g in gammas.items()))
+    versus = _kmeans_vs_int(rows)
+    for v in versus:
+        log(f"  width {v['width']:>4} {v['bits']} bits: k-means - int = {v['kmeans_minus_int']:+.4f} nats/char "
+            f"(k-means lower on {v['seeds_won']} of {len(seeds)} seeds)")
     budgets = []
     for budget in sorted({r["memory_kib"] for r in rows}):
         fitting = [r for r in rows if r["memory_kib"] <= budget + 1e-9]
@@ -156,9 +210,9 @@ def study(quick: bool = False, seed: int = 0, fit_power: float = FIT_POWER, lr: 
                         "val_loss": best["val_loss"]})
     for b in budgets:
         log(f"  within {b['memory_kib']:7.0f} KiB: best {b['winner']} (loss {b['val_loss']:.4f})")
-    return {"quick": quick, "seed": seed, "fit_power": fit_power, "plan": plan, "block_size": BLOCK_SIZE, "lr": lr,
-            "rows": rows,
-            "scaling_fit": fit, "gamma": gammas, "kmeans_beats_int": kmeans_wins, "memory_matched": budgets}
+    return {"quick": quick, "seeds": list(seeds), "learn_codebook": learn_codebook, "plan": plan,
+            "block_size": BLOCK_SIZE, "lr": lr, "rows": rows, "runs": runs, "scaling_fit": fit, "gamma": gammas,
+            "kmeans_vs_int": versus, "memory_matched": budgets}
 
 
 def plot(result: dict, path) -> None:
@@ -171,17 +225,20 @@ def plot(result: dict, path) -> None:
     styles = {"16-bit": ("k", "o"), "kmeans": ("tab:blue", "s"), "int": ("tab:red", "^")}
     for method in ("16-bit", *METHODS):
         for bits in sorted({r["bits"] for r in result["rows"] if r["method"] == method}):
-            pts = sorted((r["memory_kib"], r["val_loss"]) for r in result["rows"]
+            pts = sorted((r["memory_kib"], r["val_loss"], r["val_loss_std"]) for r in result["rows"]
                          if r["method"] == method and r["bits"] == bits)
             color, marker = styles[method]
             dash = {1: ":", 2: "--", 4: "-.", 16: "-"}[bits]
-            ax.plot(*zip(*pts, strict=True), color=color, marker=marker, ls=dash, lw=1.3,
-                    label="16-bit" if method == "16-bit" else f"{method} {bits}-bit")
+            memory, loss, spread = zip(*pts, strict=True)
+            ax.errorbar(memory, loss, yerr=spread, color=color, marker=marker, ls=dash, lw=1.3, capsize=2,
+                        label="16-bit" if method == "16-bit" else f"{method} {bits}-bit")
     ax.set_xscale("log")
     ax.set_xlabel("weight memory (KiB, true bits per weight)")
-    ax.set_ylabel("validation loss (nats/char)")
+    seeds = len(result["seeds"])
+    ax.set_ylabel(f"validation loss (nats/char; mean of {seeds} seed{'s' * (seeds > 1)}, bars: std)")
     g = result["gamma"]
-    ax.set_title(f"QAT on Shakespeare: loss against memory (gamma: k-means {g['kmeans']:.2f}, int {g['int']:.2f})")
+    gammas = f"gamma: k-means {g['kmeans']:.2f}, int {g['int']:.2f}" if g else "no scaling fit"
+    ax.set_title(f"QAT on Shakespeare: loss against memory ({gammas})")
     ax.grid(alpha=0.3, which="both")
     ax.legend(fontsize=8, ncol=2)
     fig.tight_layout()
@@ -190,7 +247,8 @@ def plot(result: dict, path) -> None:
 
 
 def render(result: dict) -> str:
-    """The study as Markdown: validation loss per width and format, gamma, memory-matched winners."""
+    """The study as Markdown: mean validation loss (seeds' std) per width and format, the lower of
+    k-means and int in bold, gamma, memory-matched winners."""
     widths = sorted({r["width"] for r in result["rows"]})
     formats = [("16-bit", 16)] + [(m, b) for m in METHODS for b in BITS]
     lines = ["| format | bits/weight | " + " | ".join(f"width {w}" for w in widths) + " |",
@@ -204,11 +262,17 @@ def render(result: dict) -> str:
             other = "int" if method == "kmeans" else "kmeans" if method == "int" else None
             rival = next((x for x in result["rows"] if x["width"] == w and x["method"] == other and x["bits"] == bits), None)
             best = rival is not None and r["val_loss"] < rival["val_loss"]
-            cells.append(f"{'**' if best else ''}{r['val_loss']:.4f}{'**' if best else ''} ({r['memory_kib']:.0f} KiB)")
+            spread = f" ± {r['val_loss_std']:.3f}" if len(r["val_losses"]) > 1 else ""
+            cells.append(f"{'**' if best else ''}{r['val_loss']:.4f}{'**' if best else ''}{spread} "
+                         f"({r['memory_kib']:.0f} KiB)")
         lines.append(f"| {name} | {rows[widths[0]]['bits_per_weight']:.2f} | " + " | ".join(cells) + " |")
     fit, g = result["scaling_fit"], result["gamma"]
-    lines += ["", f"16-bit fit L = {fit['E']:.3f} + {fit['A']:.3g} N^-{fit['alpha']:.3f}; "
+    lines += ["", "No scaling fit: the 16-bit losses do not fall with model size." if fit is None else
+              f"16-bit fit L = {fit['E']:.3f} + {fit['A']:.3g} N^-{fit['alpha']:.3f}; "
               f"gamma: k-means {g['kmeans']:.3f}, int {g['int']:.3f} (N_eff / N = 1 - exp(-bits / gamma)).", "",
-              "| weight memory budget | lowest loss within it | loss |", "|---|---|---|"]
+              "| width | bits | k-means - int (mean) | per seed |", "|---|---|---|---|"]
+    lines += [f"| {v['width']} | {v['bits']} | {v['kmeans_minus_int']:+.4f} | "
+              + ", ".join(f"{d:+.4f}" for d in v["per_seed"]) + " |" for v in result["kmeans_vs_int"]]
+    lines += ["", "| weight memory budget | lowest loss within it | loss |", "|---|---|---|"]
     lines += [f"| {b['memory_kib']:.0f} KiB | {b['winner']} | {b['val_loss']:.4f} |" for b in result["memory_matched"]]
     return "\n".join(lines) + "\n"

@@ -22,7 +22,14 @@ from tqdm import tqdm
 
 from kernels import HiltError
 from quant import QuantConfig
-from quant.qat import FIT_POWER, QATSchedule, fake_quant_layers, prepare_qat_, qat_step_, save_qat, start_quantizing_
+from quant.qat import (
+    QATSchedule,
+    fake_quant_layers,
+    prepare_qat_,
+    qat_step_,
+    save_qat,
+    start_quantizing_,
+)
 
 HELD_OUT = "hamlet"
 
@@ -70,8 +77,8 @@ def _load_state(path: Path, model, opt, settings: dict) -> int:
 
 
 def finetune(dst, method: str = "kmeans", bits: int = 2, block_size: int = 64, steps: int = 60, lr: float = 1e-4,
-             batch: int = 4, context: int = 256, refit_every: int = 20, save_every: int = 10, seed: int = 0,
-             resume: bool = False, overwrite: bool = False, only: str | None = None, fit_power: float = FIT_POWER,
+             batch: int = 4, context: int = 256, refit_every: int = 0, save_every: int = 10, seed: int = 0,
+             resume: bool = False, overwrite: bool = False, only: str | None = None, learn_codebook: bool = True,
              log=print, progress: bool = True) -> dict:
     """QAT fine-tuning (see the module docstring); ``only``: a regular expression on weight names
     that narrows the quantized layers (as `hilt quantize --only`)."""
@@ -87,7 +94,8 @@ def finetune(dst, method: str = "kmeans", bits: int = 2, block_size: int = 64, s
         raise HiltError("QAT needs steps, batch and save-every >= 1 and a context >= 2")
     config = QuantConfig(method=method, bits=bits, block_size=block_size).validate()
     settings = {"config": asdict(config), "steps": steps, "lr": lr, "batch": batch, "context": context,
-                "refit_every": refit_every, "seed": seed, "only": only, "fit_power": fit_power}
+                "refit_every": refit_every, "seed": seed, "only": only,
+                "learn_codebook": learn_codebook}
     try:
         only_re = re.compile(only) if only else None
     except re.error as e:
@@ -97,7 +105,7 @@ def finetune(dst, method: str = "kmeans", bits: int = 2, block_size: int = 64, s
     model.to(device).requires_grad_(True)  # loaded for inference: frozen
     prepare_qat_(model, config, None if only_re is None else
                  lambda m, path: bool(only_re.search(f"{path}.weight")) and m.in_features % block_size == 0,
-                 fit_power=fit_power)
+                 learn_codebook=learn_codebook)
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
     start = 0
     if resume and (state_dir / "state.json").is_file():
@@ -111,7 +119,7 @@ def finetune(dst, method: str = "kmeans", bits: int = 2, block_size: int = 64, s
         log(f"fitting {len(fake_quant_layers(model))} {bits}-bit {method} codebooks to SmolLM2-135M...")
         start_quantizing_(model)
     tokens = _training_tokens(tokenizer, 400_000)
-    schedule = QATSchedule(warmup=0, refit_every=refit_every)
+    schedule = QATSchedule(warmup=0, refit_every=refit_every, steps=steps)
     losses = []
     bar = tqdm(range(start, steps), desc="qat", unit="step", disable=not progress, initial=start, total=steps)
     model.train()

@@ -13,7 +13,6 @@ import sys
 from pathlib import Path
 
 from kernels import HiltError
-from quant.qat import FIT_POWER
 
 EXIT_ERROR, EXIT_INTERRUPTED = 1, 130
 
@@ -319,7 +318,8 @@ def cmd_qat(args) -> int:
         raise HiltError(f"QAT fine-tuning knows the packaged 'smollm2', not {args.model!r}")
     result = qat_finetune.finetune(args.dst, args.method, args.bits, args.block_size, args.steps, args.lr, args.batch,
                                    args.context, args.refit_every, args.save_every, args.seed, args.resume,
-                                   args.overwrite, args.only, fit_power=args.fit_power, progress=sys.stderr.isatty())
+                                   args.overwrite, args.only, learn_codebook=args.learn_codebook,
+                                   progress=sys.stderr.isatty())
     _write_outputs(args, result)
     return 0
 
@@ -327,7 +327,7 @@ def cmd_qat(args) -> int:
 def cmd_bench_qat(args) -> int:
     from bench import qat
 
-    result = qat.study(quick=args.quick, seed=args.seed, fit_power=args.fit_power, lr=args.lr)
+    result = qat.study(quick=args.quick, seeds=args.seeds, lr=args.lr, learn_codebook=args.learn_codebook)
     _write_outputs(args, result, qat.plot)
     return 0
 
@@ -476,9 +476,11 @@ def build_parser() -> argparse.ArgumentParser:
     qa.add_argument("--lr", type=float, default=1e-4)
     qa.add_argument("--batch", type=int, default=4, help="windows per step")
     qa.add_argument("--context", type=int, default=256, help="tokens per window")
-    qa.add_argument("--refit-every", type=int, default=20, help="k-means codebook refit interval in steps (0: never)")
-    qa.add_argument("--fit-power", type=float, default=FIT_POWER,
-                    help="k-means codebook fit weights each value u by |u|^P (0: plain k-means; default %(default)g)")
+    qa.add_argument("--learn-codebook", action=argparse.BooleanOptionalAction, default=True,
+                    help="k-means: train the codebook levels by the loss after their fit (default), or only refit them")
+    qa.add_argument("--refit-every", type=int, default=0,
+                    help="k-means codebook refit interval in steps (default 0: never; the published procedure "
+                         "with --no-learn-codebook refits every few thousand)")
     qa.add_argument("--save-every", type=int, default=10, help="steps between resumable training states")
     qa.add_argument("--seed", type=int, default=0)
     qa.add_argument("--only", metavar="REGEX", help="quantize only the Linear weights whose name matches")
@@ -559,9 +561,9 @@ def build_parser() -> argparse.ArgumentParser:
                                 "loss against weight memory, gamma fits, memory-matched winners",
                                 "hilt bench qat --quick --json qat.json --plot qat.png")
     bqat.add_argument("--quick", action="store_true", help="two widths, shorter training (under 10 minutes on 2 cores)")
-    bqat.add_argument("--seed", type=int, default=0)
-    bqat.add_argument("--fit-power", type=float, default=FIT_POWER,
-                      help="k-means codebook fit weights each value u by |u|^P (0: plain k-means; default %(default)g)")
+    bqat.add_argument("--seeds", type=int, nargs="+", help="default: 0 1 2 (--quick: 0)")
+    bqat.add_argument("--learn-codebook", action=argparse.BooleanOptionalAction, default=True,
+                      help="k-means codebooks trained by the loss after their fit (default), or refitted by k-means")
     bqat.add_argument("--lr", type=float, default=None, help="peak learning rate (default: bench/qat.py's LR, 6e-3)")
     bqat.add_argument("--json", metavar="FILE")
     bqat.add_argument("--plot", metavar="FILE", help="PNG: validation loss against weight memory")

@@ -1,6 +1,7 @@
 """Quantization-aware training for the k-means, integer and 1-bit formats.
 
     prepare_qat_(model, QuantConfig(method="kmeans", bits=2))   # Linear -> FakeQuantLinear, in place
+    opt = torch.optim.AdamW(qat_param_groups(model, weight_decay=0.1), lr=...)
     ... train; call qat_step_(model, step, schedule) after each optimizer step ...
     save_qat(model, "model-2bit-qat/")                           # the `hilt quantize` format
 
@@ -11,14 +12,15 @@ value snapped to the nearest codebook level (rounded to fp16 like the stored cod
 The gradient goes straight through Q to W (straight-through estimator): dL/dW = dL/dQ(W).
 
 k-means codebooks are fitted (the certified-optimal 1-D k-means of quant.kmeans) when
-quantization starts, after ``warmup`` full-precision steps, and refitted every
-``refit_every`` steps to the weights as they move; integer and 1-bit grids are fixed.
-The fit may weight each block-normalised value u by |u|**fit_power: 0 (the default) is plain
-k-means, the published procedure; a higher power fits the large values more closely and moves
-the outer levels outwards. Measured with bench/qat.py (README, "Quantization-aware training"):
-it helps at a learning rate too low for the model and not consistently at a tuned one.
-Exporting quantizes W with the layer's own codebook, so the saved model computes exactly
-what QAT trained.
+quantization starts, after ``warmup`` full-precision steps. From then on they are trained
+with the weights (``learn_codebook``, the default): each level gets the gradient of the loss,
+dL/dc = sum over the weights snapped to c of scale x dL/dQ, so the levels go where the loss
+wants them rather than where the latent weights' squared error does (under the
+straight-through estimator the latent weights are not what the model computes with).
+Without it they are refitted by k-means every ``refit_every`` steps, the published procedure
+(REFERENCES.md section 1). Measured with bench/qat.py (README, "Quantization-aware training").
+Integer and 1-bit grids are fixed. Exporting quantizes W with the layer's own codebook, so the
+saved model computes exactly what QAT trained.
 """
 
 from __future__ import annotations
@@ -36,16 +38,16 @@ from torch import nn
 from kernels import HiltError
 from quant import kmeans
 from quant.checkpoint import KEEP_DENSE, quantize_checkpoint
-from quant.quantize import QuantConfig, fixed_codebook, floor_importance, normalise_blocks
-
-
-FIT_POWER = 0.0  # k-means QAT codebook fit: each block-normalised value weighted by |u| ** FIT_POWER
+from quant.quantize import QuantConfig, fixed_codebook, normalise_blocks
 
 
 @dataclass(frozen=True)
 class QATSchedule:
     warmup: int = 0  # full-precision steps before quantization starts (and the codebooks are fitted)
     refit_every: int = 100  # k-means codebooks refitted every this many steps after that (0: never)
+    # total steps, if known: no refit with fewer than refit_every steps left to train against it. A refit
+    # moves every level at once; just before the end it costs more than it fits (measured: +0.06 nats)
+    steps: int | None = None
 
     def __post_init__(self):
         if self.warmup < 0 or self.refit_every < 0:
@@ -55,12 +57,9 @@ class QATSchedule:
 class FakeQuantLinear(nn.Module):
     """A Linear trained through its quantized weight (see the module docstring)."""
 
-    def __init__(self, linear: nn.Linear, config: QuantConfig, name: str = "linear", fit_power: float = FIT_POWER):
+    def __init__(self, linear: nn.Linear, config: QuantConfig, name: str = "linear", learn_codebook: bool = True):
         super().__init__()
         config.validate()
-        if not fit_power >= 0:
-            raise HiltError(f"the codebook fit power must be >= 0, got {fit_power}")
-        self.fit_power = fit_power
         if linear.in_features % config.block_size:
             raise HiltError(f"layer '{name}' has {linear.in_features} inputs, not a multiple of block size "
                             f"{config.block_size}")
@@ -68,8 +67,11 @@ class FakeQuantLinear(nn.Module):
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.weight, self.bias = linear.weight, linear.bias
         fixed = fixed_codebook(config)
-        # persistent: a resumed QAT run continues with the codebook it had
-        self.register_buffer("codebook", torch.zeros(1 << config.bits) if fixed is None else fixed.float())
+        # in the state dict either way: a resumed QAT run continues with the codebook it had
+        if fixed is None and learn_codebook:
+            self.codebook = nn.Parameter(torch.zeros(1 << config.bits))  # fitted when quantization starts
+        else:
+            self.register_buffer("codebook", torch.zeros(1 << config.bits) if fixed is None else fixed.float())
         self.quantizing = False
 
     @torch.no_grad()
@@ -78,22 +80,23 @@ class FakeQuantLinear(nn.Module):
         if self.config.method != "kmeans":
             return
         _, _, u = normalise_blocks(self.weight.detach().float(), self.config)
-        u = u.flatten()
-        importance = floor_importance(u.abs().pow(self.fit_power)) if self.fit_power else None
-        levels = kmeans.kmeans_optimal(u, 1 << self.config.bits, weights=importance).centroids
+        levels = kmeans.kmeans_optimal(u.flatten(), 1 << self.config.bits).centroids
         self.codebook.copy_(levels.to(torch.float16).sort().values.float())
 
+    def levels(self) -> torch.Tensor:
+        """The codebook as stored: fp16 values, ascending (training may move one level past another)."""
+        return self.codebook.to(torch.float16).float().sort().values
+
     def quantized_weight(self) -> torch.Tensor:
-        """Q(W) as the checkpoint will store it, differentiable straight through to W."""
+        """Q(W) as the checkpoint will store it. Its gradient goes straight through to W and, for a
+        trained codebook, to the levels (each gets the scale-weighted gradients of its weights)."""
         w = self.weight
         scales, offsets, u = normalise_blocks(w.detach().float(), self.config)
-        book = self.codebook.to(torch.float16).float()
-        levels = book[kmeans.assign(u, book.double())]
-        q = levels * scales.float().unsqueeze(-1)
+        book = self.levels()
+        q = book[kmeans.assign(u, book.detach().double())] * scales.float().unsqueeze(-1)
         if offsets is not None:
             q = q + offsets.float().unsqueeze(-1)
-        q = q.view_as(w).to(w.dtype)
-        return w + (q - w).detach()
+        return q.view_as(w).to(w.dtype) + (w - w.detach())
 
     def forward(self, x):
         return F.linear(x, self.quantized_weight() if self.quantizing else self.weight, self.bias)
@@ -108,10 +111,10 @@ def fake_quant_layers(model: nn.Module) -> dict[str, FakeQuantLinear]:
     return {path: m for path, m in model.named_modules() if isinstance(m, FakeQuantLinear)}
 
 
-def prepare_qat_(model: nn.Module, config: QuantConfig, filter_fn=None, fit_power: float = FIT_POWER) -> nn.Module:
+def prepare_qat_(model: nn.Module, config: QuantConfig, filter_fn=None, learn_codebook: bool = True) -> nn.Module:
     """Swap every eligible nn.Linear for a FakeQuantLinear, in place (the same layers that
     ``quantize_model_`` and ``hilt quantize`` would quantize, unless ``filter_fn(module, path)`` says).
-    ``fit_power``: the k-means codebook fit's weighting, |u| ** fit_power (see the module docstring)."""
+    ``learn_codebook``: k-means levels trained by the loss after their fit, or only refitted (module docstring)."""
     config.validate()
     swapped = 0
     for path, module in list(model.named_modules()):
@@ -122,11 +125,21 @@ def prepare_qat_(model: nn.Module, config: QuantConfig, filter_fn=None, fit_powe
         if ok:
             parent_path, _, attr = path.rpartition(".")
             setattr(model.get_submodule(parent_path) if parent_path else model, attr,
-                    FakeQuantLinear(module, config, path, fit_power))
+                    FakeQuantLinear(module, config, path, learn_codebook))
             swapped += 1
     if not swapped:
         raise HiltError(f"no Linear layer of {type(model).__name__} can take block size {config.block_size}")
     return model
+
+
+def qat_param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
+    """Optimizer parameter groups: trained codebooks are levels in block units, not weights, so
+    they get no weight decay (it would shrink every level towards zero for nothing)."""
+    books = {id(layer.codebook) for layer in fake_quant_layers(model).values()
+             if isinstance(layer.codebook, nn.Parameter)}
+    params = [p for p in model.parameters() if p.requires_grad]
+    return [{"params": [p for p in params if id(p) not in books], "weight_decay": weight_decay},
+            {"params": [p for p in params if id(p) in books], "weight_decay": 0.0}]
 
 
 def start_quantizing_(model: nn.Module) -> None:
@@ -143,7 +156,8 @@ def qat_step_(model: nn.Module, step: int, schedule: QATSchedule) -> str | None:
     if done >= schedule.warmup and not all(layer.quantizing for layer in fake_quant_layers(model).values()):
         start_quantizing_(model)  # the warm-up is over (warmup 0: right after the first step)
         return "start"
-    if done > schedule.warmup and schedule.refit_every and (done - schedule.warmup) % schedule.refit_every == 0:
+    room = schedule.steps is None or done + schedule.refit_every <= schedule.steps
+    if done > schedule.warmup and schedule.refit_every and (done - schedule.warmup) % schedule.refit_every == 0 and room:
         for layer in fake_quant_layers(model).values():
             layer.fit_codebook()
         return "refit"
@@ -164,7 +178,7 @@ def save_qat(model: nn.Module, dst, overwrite: bool = False) -> dict:
     config = configs.pop()
     tensors = {n: t.detach().contiguous() for n, t in model.state_dict().items()
                if not any(n == f"{p}.codebook" for p in layers)}
-    codebooks = {f"{p}.weight": layer.codebook.to(torch.float16) for p, layer in layers.items()}
+    codebooks = {f"{p}.weight": layer.levels().detach().to(torch.float16) for p, layer in layers.items()}
     only = "^(" + "|".join(re.escape(n) for n in codebooks) + ")$"
     dst = Path(dst)
     with tempfile.TemporaryDirectory(dir=dst.parent if dst.parent.exists() else None) as tmp:
