@@ -68,10 +68,12 @@ class FakeQuantLinear(nn.Module):
         self.weight, self.bias = linear.weight, linear.bias
         fixed = fixed_codebook(config)
         # in the state dict either way: a resumed QAT run continues with the codebook it had
+        book = torch.zeros(1 << config.bits) if fixed is None else fixed.float()  # zeros: fitted when quantizing starts
+        book = book.to(linear.weight.device)  # a model already on the GPU gets its codebooks there
         if fixed is None and learn_codebook:
-            self.codebook = nn.Parameter(torch.zeros(1 << config.bits))  # fitted when quantization starts
+            self.codebook = nn.Parameter(book)
         else:
-            self.register_buffer("codebook", torch.zeros(1 << config.bits) if fixed is None else fixed.float())
+            self.register_buffer("codebook", book)
         self.quantizing = False
 
     @torch.no_grad()

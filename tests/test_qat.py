@@ -93,7 +93,9 @@ def test_a_trained_codebook_gets_the_scale_weighted_gradient_of_its_weights():
     assert {id(p) for p in kept["params"]} == books and decayed["weight_decay"] == 0.1 and kept["weight_decay"] == 0
     assert len(decayed["params"]) + len(kept["params"]) == len(list(model.parameters()))
     fixed = FakeQuantLinear(torch.nn.Linear(64, 8), config, learn_codebook=False)
-    assert "codebook" in dict(fixed.named_buffers()) and not list(fixed.named_parameters(recurse=False))[2:]
+    assert "codebook" in dict(fixed.named_buffers()) and "codebook" not in dict(fixed.named_parameters())
+    for learn in (True, False):  # the codebook lives where the weights do (a model already on the GPU)
+        assert FakeQuantLinear(torch.nn.Linear(64, 8, device="meta"), config, learn_codebook=learn).codebook.is_meta
 
 
 @pytest.mark.parametrize("steps, refits", [(None, {6, 10}), (12, {6}), (15, {6, 10})])
