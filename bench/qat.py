@@ -54,9 +54,13 @@ def config_for(method: str, bits: int) -> QuantConfig:
 
 def weight_memory_bits(model, config: QuantConfig | None) -> tuple[float, float, int]:
     """(bits of weight memory in all, bits of the quantizable Linears, N = their weights)."""
-    quantized = {f"{p}.weight" for p in fake_quant_layers(model)}
+    layers = fake_quant_layers(model)
+    quantized = {f"{p}.weight" for p in layers}
+    books = {f"{p}.codebook" for p in layers}  # trained codebooks: counted in the bits per weight
     total, linear, n = 0.0, 0.0, 0
     for name, p in model.named_parameters():
+        if name in books:
+            continue
         bits = 16.0 * p.numel()
         if name in quantized:
             n += p.numel()

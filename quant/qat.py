@@ -44,7 +44,8 @@ from quant.quantize import QuantConfig, fixed_codebook, normalise_blocks
 @dataclass(frozen=True)
 class QATSchedule:
     warmup: int = 0  # full-precision steps before quantization starts (and the codebooks are fitted)
-    refit_every: int = 100  # k-means codebooks refitted every this many steps after that (0: never)
+    # k-means codebooks refitted every this many steps after that (0: never; trained codebooks need no refits)
+    refit_every: int = 0
     # total steps, if known: no refit with fewer than refit_every steps left to train against it. A refit
     # moves every level at once; just before the end it costs more than it fits (measured: +0.06 nats)
     steps: int | None = None

@@ -226,3 +226,17 @@ def test_study_compares_formats_on_the_seeds_mean_and_seed_by_seed():
     (v,) = qat._kmeans_vs_int(list(rows.values()))
     assert v["per_seed"] == pytest.approx([-0.1, 0.1, -0.05]) and v["seeds_won"] == 2
     assert v["kmeans_minus_int"] == pytest.approx(6.4 / 3 - 2.15) and v["kmeans_wins"]
+
+
+def test_study_counts_a_trained_codebook_once():
+    from bench import qat
+
+    config = QuantConfig(method="kmeans", bits=2, block_size=32)
+    memory = []
+    for learn in (True, False):
+        model, _, _ = _tiny()
+        prepare_qat_(model, config, learn_codebook=learn)
+        memory.append(qat.weight_memory_bits(model, config))
+    assert memory[0] == memory[1]
+    total, linear, n = memory[0]
+    assert linear == pytest.approx(n * (2 + 16 / 32) + 12 * 4 * 16)  # codes, bf16 scales, 12 fp16 codebooks
