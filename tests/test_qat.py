@@ -25,6 +25,15 @@ def _tiny(seed=0):
     return model, x, y
 
 
+def _quantized_weight_with_grad(fq, x):
+    """Backpropagate (fq(x)^2).sum() through the layer, and the same loss through a plain linear on
+    the detached Q(W); returns that Q(W), its .grad holding dL/dQ."""
+    (fq(x) ** 2).sum().backward()
+    q = fq.quantized_weight().detach().requires_grad_(True)
+    (torch.nn.functional.linear(x, q, fq.bias.detach()) ** 2).sum().backward()
+    return q
+
+
 @pytest.mark.parametrize("method, bits", [("kmeans", 2), ("int", 4), ("binary", 1), ("int-asym", 3)])
 def test_straight_through_gradient_is_the_gradient_at_the_quantized_weight(method, bits):
     torch.manual_seed(0)
@@ -32,10 +41,7 @@ def test_straight_through_gradient_is_the_gradient_at_the_quantized_weight(metho
     fq = FakeQuantLinear(linear, QuantConfig(method=method, bits=bits, block_size=32))
     fq.fit_codebook()
     fq.quantizing = True
-    x = torch.randn(5, 64)
-    (fq(x) ** 2).sum().backward()
-    q = fq.quantized_weight().detach().requires_grad_(True)
-    (torch.nn.functional.linear(x, q, linear.bias.detach()) ** 2).sum().backward()
+    q = _quantized_weight_with_grad(fq, torch.randn(5, 64))
     torch.testing.assert_close(linear.weight.grad, q.grad)
     assert not torch.equal(q, linear.weight.detach())  # it did quantize
     levels = fq.codebook.unique().numel()
@@ -74,10 +80,7 @@ def test_a_trained_codebook_gets_the_scale_weighted_gradient_of_its_weights():
     fq = FakeQuantLinear(linear, config)
     fq.fit_codebook()
     fq.quantizing = True
-    x = torch.randn(7, 96)
-    (fq(x) ** 2).sum().backward()
-    q = fq.quantized_weight().detach().requires_grad_(True)
-    (torch.nn.functional.linear(x, q, linear.bias.detach()) ** 2).sum().backward()
+    q = _quantized_weight_with_grad(fq, torch.randn(7, 96))
     torch.testing.assert_close(linear.weight.grad, q.grad)
     scales, _, u = normalise_blocks(linear.weight.detach().float(), config)
     codes = kmeans.assign(u, fq.levels().double()).flatten()
