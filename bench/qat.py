@@ -41,8 +41,12 @@ FULL = {"widths": (64, 96, 128), "steps": 600, "batch": 32, "block": 64, "layers
 QUICK = {"widths": (64, 128), "steps": 300, "batch": 32, "block": 64, "layers": 2, "heads": 4, "seeds": (0,)}
 BITS = (1, 2, 4)
 METHODS = ("kmeans", "int")
-# LR: the best of 3e-3, 6e-3, 1.2e-2 for the 16-bit models at widths 64 and 128 (README)
-BLOCK_SIZE, LR = 32, 6e-3
+BLOCK_SIZE = 32
+# Peak learning rate per width: each width's best 16-bit rate on a small grid (README): 3e-3
+# undertrains every width, 9e-3 beats 6e-3 at widths 64 and 96 and is unstable at 128, which
+# diverges at 1.2e-2. Other widths get DEFAULT_LR.
+LR_BY_WIDTH, DEFAULT_LR = {64: 9e-3, 96: 9e-3, 128: 6e-3}, 6e-3
+VAL_BATCHES = 100  # of 32 x 64 characters: 205k of the 506k held-out characters, the same windows for every run
 WARMUP_FRACTION, REFITS = 0.2, 4  # full-precision warm-up share of the steps; k-means refits after it (not learned)
 
 
@@ -70,15 +74,20 @@ def weight_memory_bits(model, config: QuantConfig | None) -> tuple[float, float,
     return total, linear, n
 
 
+def lr_for(width: int, lr: float | None = None) -> float:
+    """The peak learning rate of a width: ``lr`` when given (every width), else LR_BY_WIDTH's."""
+    return LR_BY_WIDTH.get(width, DEFAULT_LR) if lr is None else lr
+
+
 def _one(width: int, method: str | None, bits: int, plan: dict, seed: int, log, learn_codebook: bool = True,
-         lr: float = LR) -> dict:
+         lr: float | None = None) -> dict:
     from bench.gpt import GPT, GPTConfig, corpus, evaluate, train
 
     alphabet, _, val = corpus()
     torch.manual_seed(seed)
     model = GPT(GPTConfig(len(alphabet), block_size=plan["block"], n_layer=plan["layers"], n_head=plan["heads"],
                           n_embd=width))
-    steps = plan["steps"]
+    steps, lr = plan["steps"], lr_for(width, lr)
     config = None if method is None else config_for(method, bits)
     # 16-bit runs get the same FakeQuantLinear layers (to count N the same way) and never start quantizing
     prepare_qat_(model, config or QuantConfig(method="int", bits=8, block_size=BLOCK_SIZE),
@@ -98,11 +107,11 @@ def _one(width: int, method: str | None, bits: int, plan: dict, seed: int, log, 
     start = time.perf_counter()
     opt = torch.optim.AdamW(qat_param_groups(model, weight_decay=0.1), lr=lr, betas=(0.9, 0.95))  # as train()'s
     losses = train(model, steps, lr, plan["batch"], seed=seed, optimizer=opt, lr_at=lr_at, after_step=after_step)
-    val_loss = evaluate(model, val, batches=10, size=32)
+    val_loss = evaluate(model, val, batches=VAL_BATCHES, size=32)
     memory, linear_bits, n = weight_memory_bits(model, config)
     row = {"width": width, "method": method or "16-bit", "bits": bits, "seed": seed, "val_loss": val_loss,
            "train_loss_end": sum(losses[-10:]) / 10, "memory_kib": memory / 8 / 1024, "n_quantizable": n,
-           "bits_per_weight": linear_bits / n,
+           "bits_per_weight": linear_bits / n, "lr": lr,
            "qat_events": events, "seconds": time.perf_counter() - start}
     log(f"  seed {seed} width {width:>4} {row['method']:>7} {bits:>2} bits: validation loss {val_loss:.4f} nats/char, "
         f"weights {row['memory_kib']:.0f} KiB ({row['seconds']:.0f} s)")
@@ -150,7 +159,7 @@ def _mean_rows(runs: list[dict]) -> list[dict]:
     for run in runs:
         key = (run["width"], run["method"], run["bits"])
         rows.setdefault(key, {k: run[k] for k in ("width", "method", "bits", "memory_kib", "n_quantizable",
-                                                 "bits_per_weight")} | {"val_losses": []})
+                                                 "bits_per_weight", "lr")} | {"val_losses": []})
         rows[key]["val_losses"].append(run["val_loss"])
     for row in rows.values():
         losses = torch.tensor(row["val_losses"], dtype=torch.float64)
@@ -177,14 +186,15 @@ def _kmeans_vs_int(rows: list[dict]) -> list[dict]:
 
 
 def study(quick: bool = False, seeds=None, lr: float | None = None, learn_codebook: bool = True, log=print) -> dict:
-    lr = LR if lr is None else lr
     plan = QUICK if quick else FULL
+    rates = {w: lr_for(w, lr) for w in plan["widths"]}
     seeds = tuple(plan["seeds"] if seeds is None else seeds)
     if not seeds:
         raise HiltError("the QAT study needs at least one seed")
     codebook = "trained by the loss" if learn_codebook else f"refitted by k-means {REFITS} times"
     log(f"QAT study: widths {plan['widths']}, {plan['steps']} steps of {plan['batch']} x {plan['block']} characters "
-        f"each at peak lr {lr:g}, bits {BITS} x {METHODS} and 16-bit, seeds {seeds}; k-means codebooks {codebook}")
+        "each at peak lr " + ", ".join(f"{r:g} (width {w})" for w, r in rates.items())
+        + f", bits {BITS} x {METHODS} and 16-bit, seeds {seeds}; k-means codebooks {codebook}")
     runs = []
     for seed in seeds:
         for width in plan["widths"]:
@@ -215,8 +225,8 @@ def study(quick: bool = False, seeds=None, lr: float | None = None, learn_codebo
     for b in budgets:
         log(f"  within {b['memory_kib']:7.0f} KiB: best {b['winner']} (loss {b['val_loss']:.4f})")
     return {"quick": quick, "seeds": list(seeds), "learn_codebook": learn_codebook, "plan": plan,
-            "block_size": BLOCK_SIZE, "lr": lr, "rows": rows, "runs": runs, "scaling_fit": fit, "gamma": gammas,
-            "kmeans_vs_int": versus, "memory_matched": budgets}
+            "block_size": BLOCK_SIZE, "lr_by_width": rates, "val_batches": VAL_BATCHES, "rows": rows, "runs": runs,
+            "scaling_fit": fit, "gamma": gammas, "kmeans_vs_int": versus, "memory_matched": budgets}
 
 
 def plot(result: dict, path) -> None:

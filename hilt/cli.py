@@ -564,7 +564,8 @@ def build_parser() -> argparse.ArgumentParser:
     bqat.add_argument("--seeds", type=int, nargs="+", help="default: 0 1 2 (--quick: 0)")
     bqat.add_argument("--learn-codebook", action=argparse.BooleanOptionalAction, default=True,
                       help="k-means codebooks trained by the loss after their fit (default), or refitted by k-means")
-    bqat.add_argument("--lr", type=float, default=None, help="peak learning rate (default: bench/qat.py's LR, 6e-3)")
+    bqat.add_argument("--lr", type=float, default=None, help="peak learning rate for every width (default: per width, "
+                      "bench/qat.py's LR_BY_WIDTH: 9e-3 at widths 64 and 96, 6e-3 at 128)")
     bqat.add_argument("--json", metavar="FILE")
     bqat.add_argument("--plot", metavar="FILE", help="PNG: validation loss against weight memory")
     bqat.set_defaults(func=cmd_bench_qat)

@@ -221,7 +221,7 @@ def test_study_compares_formats_on_the_seeds_mean_and_seed_by_seed():
     from bench import qat
 
     runs = [{"width": 64, "method": m, "bits": 2, "seed": s, "memory_kib": 10.0, "n_quantizable": 100,
-             "bits_per_weight": 2.25, "val_loss": loss}
+             "bits_per_weight": 2.25, "lr": 9e-3, "val_loss": loss}
             for m, losses in (("kmeans", (2.0, 2.3, 2.1)), ("int", (2.1, 2.2, 2.15))) for s, loss in enumerate(losses)]
     rows = {r["method"]: r for r in qat._mean_rows(runs)}
     assert rows["kmeans"]["val_losses"] == [2.0, 2.3, 2.1] and rows["kmeans"]["val_loss"] == pytest.approx(6.4 / 3)
