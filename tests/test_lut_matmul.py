@@ -1,5 +1,7 @@
 """The Triton LUT matmul kernel itself (interpreter on the CPU) against its PyTorch reference."""
 
+import json
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -116,6 +118,28 @@ def test_bench_kernels_check_passes_on_cpu(tmp_path):
     if not torch.cuda.is_available():
         r = run_hilt("bench", "kernels", "--quick")
         assert r.returncode == 0 and "need a CUDA GPU" in r.stderr
+
+
+def test_bench_kernels_keeps_the_timings_when_decode_cannot_run(tmp_path, monkeypatch):
+    """On a bare GPU machine without gguf or the SmolLM2 file: minutes of timings are saved, the
+    decode check is named as not run, and the exit status is 1."""
+    import sys
+
+    import bench
+    from bench import kernels
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(kernels, "_gpu_info", lambda: {"device": "fake GPU"})
+    monkeypatch.setattr(kernels, "check", lambda device: {"cases": 1, "failures": []})
+    monkeypatch.setattr(kernels, "timings", lambda quick: {"rows": [{"speedup": 4.0}]})
+    monkeypatch.delattr(bench, "llama", raising=False)
+    monkeypatch.delitem(sys.modules, "bench.llama", raising=False)
+    monkeypatch.setitem(sys.modules, "gguf", None)  # the GPU machine's python3 has no gguf
+    with pytest.raises(HiltError, match="needs the package 'gguf'"):
+        kernels.decode()
+    assert kernels.main(["--all", "--json", str(tmp_path / "k.json")]) == 1
+    result = json.loads((tmp_path / "k.json").read_text())
+    assert result["timings"] == {"rows": [{"speedup": 4.0}]} and "gguf" in result["decode_error"]
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
