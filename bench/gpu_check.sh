@@ -1,36 +1,63 @@
 #!/usr/bin/env bash
 # The whole GPU check (about 5 minutes on an H200): LUT matmul kernels (correctness, timings
 # against cuBLAS bf16, SmolLM2 decode) and FP8 attention against bf16 flash SDPA. Results, with
-# the GPU's name, clocks and versions, go to bench/results/ (or $OUT when set).
+# the GPU's name, clocks and versions, go to bench/results/ (or $OUT when set). Exit 1 if any
+# check fails or cannot run.
 #
-# On a machine with this project's .venv it runs as is. On the lent GPU machine (bare; its
-# python3 has torch and triton) first run `bash bench/gpu_pack.sh` here, then two device calls
-# back to back (the machine goes back after 30 s idle; the first call's half stays on it):
-#   1. carry [".gpu/wheels", ".gpu/smollm2.gguf.part-aa"]:  bash bench/gpu_check.sh --check
-#   2. carry [".gpu/wheels", ".gpu/smollm2.gguf.part-ab"]:  bash bench/gpu_check.sh
-# The first checks the kernels only; the second joins the GGUF halves and does everything.
-# Without both halves the decode check is reported as not run and the script exits 1, after
-# saving everything else.
+# With this project's .venv (scripts/setup.sh) it does everything in one run. A bare machine
+# (python3 with torch and triton, nothing else of ours) that receives at most 64 MiB per call:
+# run `bash bench/gpu_pack.sh` here, then send .gpu/common with one half of the SmolLM2 GGUF
+# per call, on the same machine (files from the first call stay while it is held):
+#   1. .gpu/common + .gpu/smollm2.gguf.part-aa:  bash bench/gpu_check.sh           (check, timings, attention)
+#   2. .gpu/common + .gpu/smollm2.gguf.part-ab:  bash bench/gpu_check.sh --decode  (joins the halves: decode)
+# If the machine was replaced between the two, call 2 says so; send part-aa again (any
+# command), then repeat call 2.
 set -uo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/.." || exit 1
+case "${1:-}" in
+    "" | --decode) ;;
+    *) echo "usage: bash bench/gpu_check.sh [--decode]" >&2; exit 2 ;;
+esac
 out="${OUT:-bench/results}"
-mkdir -p "$out"
+mkdir -p "$out" || exit 1
 py=.venv/bin/python
 [ -x "$py" ] || py=python3
-if compgen -G ".gpu/wheels/*.whl" >/dev/null; then
-    "$py" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/hilt-site \
-        .gpu/wheels/*.whl || exit 1
-    export PYTHONPATH=/tmp/hilt-site${PYTHONPATH:+:$PYTHONPATH}
+if compgen -G ".gpu/common/*.whl" >/dev/null; then
+    if "$py" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/hilt-site \
+        .gpu/common/*.whl; then
+        export PYTHONPATH=/tmp/hilt-site${PYTHONPATH:+:$PYTHONPATH}
+    else
+        echo "gpu_check: could not install .gpu/common/*.whl; the decode check will fail" >&2
+    fi
 fi
 export TRITON_INTERPRET=0 PYTHONUNBUFFERED=1
-if [ "${1:-}" = "--check" ]; then
-    exec "$py" -m hilt.cli bench kernels --check --json "$out/kernels-check-gpu.json"
-fi
+
+# The decode check's model: the packaged GGUF (.venv), or bench/gpu_pack.sh's two halves joined.
 smollm2=()
+decode_ready=1
 if [ -f .gpu/smollm2.gguf.part-aa ] && [ -f .gpu/smollm2.gguf.part-ab ]; then
-    cat .gpu/smollm2.gguf.part-aa .gpu/smollm2.gguf.part-ab >/tmp/smollm2.gguf && smollm2=(--smollm2 /tmp/smollm2.gguf)
+    cat .gpu/smollm2.gguf.part-aa .gpu/smollm2.gguf.part-ab >/tmp/smollm2.gguf
+    if [ "$(sha256sum </tmp/smollm2.gguf | cut -d' ' -f1)" = "$(cat .gpu/common/smollm2.gguf.sha256 2>/dev/null)" ]; then
+        smollm2=(--smollm2 /tmp/smollm2.gguf)
+    else
+        echo "gpu_check: the joined .gpu/smollm2.gguf.part-* do not match .gpu/common/smollm2.gguf.sha256" >&2
+        decode_ready=0
+    fi
+elif compgen -G ".gpu/smollm2.gguf.part-*" >/dev/null; then
+    echo "gpu_check: only $(basename .gpu/smollm2.gguf.part-*) is here; the decode check needs both halves" \
+        "on this machine (the two calls: this script's header)" >&2
+    decode_ready=0
+fi
+
+if [ "${1:-}" = "--decode" ]; then
+    [ "$decode_ready" = 1 ] || exit 1
+    exec "$py" -m hilt.cli bench kernels --decode ${smollm2[@]+"${smollm2[@]}"} --json "$out/kernels-decode-gpu.json"
 fi
 status=0
-"$py" -m hilt.cli bench kernels --all "${smollm2[@]}" --json "$out/kernels-gpu.json" || status=1
+if [ "$decode_ready" = 1 ]; then
+    "$py" -m hilt.cli bench kernels --all ${smollm2[@]+"${smollm2[@]}"} --json "$out/kernels-gpu.json" || status=1
+else  # check and timings now, the decode check in the call that brings the other half
+    "$py" -m hilt.cli bench kernels --json "$out/kernels-gpu.json" || status=1
+fi
 "$py" -m hilt.cli bench attention --json "$out/attention-gpu.json" || status=1
 exit $status

@@ -1,14 +1,16 @@
 #!/usr/bin/env bash
-# Run here, before bench/gpu_check.sh goes to a lent GPU machine: fills the ignored .gpu/ with
-# what that machine's python3 lacks (it has torch, triton, numpy, tokenizers, not gguf or the
-# SmolLM2 package): the gguf wheel, and the SmolLM2 GGUF split in two halves, since one device
-# call carries at most 64 MiB and the file is 98 MB. Idempotent.
+# Run here, before bench/gpu_check.sh goes to a bare GPU machine whose python3 has torch,
+# triton, numpy, tokenizers and gguf's own dependencies (pyyaml, tqdm, requests), but not gguf
+# or the SmolLM2 package. Fills the ignored .gpu/: common/ (the gguf wheel and the GGUF's
+# sha256) and the SmolLM2 GGUF in two halves, for machines that receive at most 64 MiB per
+# call (the file is 98 MB). Idempotent.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 [ -x .venv/bin/python ] || bash scripts/setup.sh
-rm -rf .gpu && mkdir -p .gpu/wheels
+rm -rf .gpu && mkdir -p .gpu/common
 version=$(.venv/bin/python -c "import importlib.metadata as m; print(m.version('gguf'))")
-.venv/bin/python -m pip download -q --no-deps --only-binary=:all: -d .gpu/wheels "gguf==$version"
+.venv/bin/python -m pip download -q --no-deps --only-binary=:all: -d .gpu/common "gguf==$version"
 gguf_file=$(.venv/bin/python -c "from bench.llama import smollm2_path; print(smollm2_path())")
-split -b 50000000 "$gguf_file" .gpu/smollm2.gguf.part-
-ls -l .gpu/wheels .gpu/smollm2.gguf.part-*
+sha256sum <"$gguf_file" | cut -d' ' -f1 >.gpu/common/smollm2.gguf.sha256
+split -n 2 "$gguf_file" .gpu/smollm2.gguf.part-
+ls -l .gpu/common .gpu/smollm2.gguf.part-*

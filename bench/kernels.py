@@ -12,7 +12,9 @@
   weights through the kernel gives the same tokens as the dequantized model.
 
 ``python -m bench.kernels --all --json bench/results/kernels-gpu.json`` is the
-whole GPU check in one call (correctness, timings, decode; minutes).
+whole GPU check in one call (correctness, timings, decode; minutes); ``--decode``
+runs the decode check alone (bench/gpu_check.sh splits it off on a machine that
+receives the SmolLM2 file in two calls).
 """
 
 from __future__ import annotations
@@ -135,7 +137,7 @@ def decode(gguf_path=None, log=print) -> dict:
     try:
         from bench import llama
     except ImportError as e:  # the GPU machine may lack gguf (bench/gpu_check.sh carries it)
-        raise HiltError(f"the decode check needs the package {e.name!r}") from e
+        raise HiltError(f"the decode check cannot import {e.name!r}: {e}") from e
     from quant import QuantLinear, quantize_model_
 
     out = {}
@@ -164,27 +166,35 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--check", action="store_true", help="correctness only (CPU: Triton interpreter)")
     p.add_argument("--all", action="store_true", help="GPU: check, timings and decode in one run")
+    p.add_argument("--decode", action="store_true", help="GPU: the SmolLM2 decode check alone")
     p.add_argument("--quick", action="store_true", help="two layer shapes only")
     p.add_argument("--smollm2", metavar="GGUF", help="SmolLM2 GGUF for the decode check (default: the packaged one)")
     p.add_argument("--json", help="write results here")
     args = p.parse_args(argv)
+    if args.smollm2 and not (args.all or args.decode):
+        p.error("--smollm2 is the decode check's model: add --all or --decode")
     gpu = torch.cuda.is_available()
     result = {"machine": _gpu_info() if gpu else {"device": "cpu", "platform": platform.platform()}}
-    result["check"] = check("cuda" if gpu else "cpu")
-    if not args.check:
-        if not gpu:
+
+    def save():  # after the timings too: they take minutes, and the decode check can still fail
+        if args.json:
+            Path(args.json).write_text(json.dumps(result, indent=1) + "\n")
+
+    if not args.decode:
+        result["check"] = check("cuda" if gpu else "cpu")
+        if not args.check and not gpu:
             print("hilt: kernel timings need a CUDA GPU; none here. Ran the correctness check only.", file=sys.stderr)
-        else:
+        elif not args.check:
             result["timings"] = timings(args.quick)
-            if args.all:
-                try:
-                    result["decode"] = decode(args.smollm2)
-                except HiltError as e:  # the timings took minutes: save them, and fail
-                    result["decode_error"] = str(e)
-                    print(f"hilt: SmolLM2 decode check not run: {e}", file=sys.stderr)
-    if args.json:
-        Path(args.json).write_text(json.dumps(result, indent=1) + "\n")
-    failed = (bool(result["check"]["failures"]) or "decode_error" in result
+            save()
+    if args.decode or (args.all and gpu):
+        try:
+            result["decode"] = decode(args.smollm2)
+        except HiltError as e:
+            result["decode_error"] = str(e)
+            print(f"hilt: SmolLM2 decode check not run: {e}", file=sys.stderr)
+    save()
+    failed = (bool(result.get("check", {}).get("failures")) or "decode_error" in result
               or any(not d["same"] for d in result.get("decode", {}).values()))
     return 1 if failed else 0
 

@@ -42,11 +42,11 @@ QUICK = {"widths": (64, 128), "steps": 300, "batch": 32, "block": 64, "layers": 
 BITS = (1, 2, 4)
 METHODS = ("kmeans", "int")
 BLOCK_SIZE = 32
-# Peak learning rate per width: each width's best 16-bit rate on a small grid (README): 3e-3
-# undertrains every width, 9e-3 beats 6e-3 at widths 64 and 96 and is unstable at 128, which
-# diverges at 1.2e-2. Other widths get DEFAULT_LR.
+# Peak learning rate per width: each width's best 16-bit rate of those tried (README): 3e-3
+# undertrains every width, 9e-3 beats 6e-3 at widths 64 and 96 (the highest tried at 96) and is
+# unstable at 128, which diverges at 1.2e-2. Other widths get DEFAULT_LR.
 LR_BY_WIDTH, DEFAULT_LR = {64: 9e-3, 96: 9e-3, 128: 6e-3}, 6e-3
-VAL_BATCHES = 100  # of 32 x 64 characters: 205k of the 506k held-out characters, the same windows for every run
+VAL_BATCHES = 100  # of 32 random 64-character windows of the 506k held-out characters, the same for every run
 WARMUP_FRACTION, REFITS = 0.2, 4  # full-precision warm-up share of the steps; k-means refits after it (not learned)
 
 
@@ -279,7 +279,9 @@ def render(result: dict) -> str:
             spread = f" ± {r['val_loss_std']:.3f}" if len(r["val_losses"]) > 1 else ""
             cells.append(f"{'**' if best else ''}{r['val_loss']:.4f}{'**' if best else ''}{spread} "
                          f"({r['memory_kib']:.0f} KiB)")
-        lines.append(f"| {name} | {rows[widths[0]]['bits_per_weight']:.2f} | " + " | ".join(cells) + " |")
+        bpw = sorted({f"{r['bits_per_weight']:.2f}" for r in rows.values()})  # block scales: a little by width
+        bits_text = bpw[0] if len(bpw) == 1 else f"{bpw[0]}-{bpw[-1]}"
+        lines.append(f"| {name} | {bits_text} | " + " | ".join(cells) + " |")
     fit, g = result["scaling_fit"], result["gamma"]
     lines += ["", "No scaling fit: the 16-bit losses do not fall with model size." if fit is None else
               f"16-bit fit L = {fit['E']:.3f} + {fit['A']:.3g} N^-{fit['alpha']:.3f}; "

@@ -343,7 +343,8 @@ def cmd_bench_quantize(args) -> int:
 def cmd_bench_kernels(args) -> int:
     from bench import kernels
 
-    argv = [flag for flag, on in (("--check", args.check), ("--all", args.all), ("--quick", args.quick)) if on]
+    flags = (("--check", args.check), ("--all", args.all), ("--decode", args.decode), ("--quick", args.quick))
+    argv = [flag for flag, on in flags if on]
     argv += ["--smollm2", args.smollm2] if args.smollm2 else []
     return kernels.main(argv + (["--json", args.json] if args.json else []))
 
@@ -536,8 +537,10 @@ def build_parser() -> argparse.ArgumentParser:
                               "hilt bench kernels --check")
     bk.add_argument("--check", action="store_true", help="correctness only (on the CPU through Triton's interpreter)")
     bk.add_argument("--all", action="store_true", help="GPU: check, timings and SmolLM2 decode in one run")
+    bk.add_argument("--decode", action="store_true", help="GPU: the SmolLM2 decode check alone")
     bk.add_argument("--quick", action="store_true", help="fewer layer shapes")
-    bk.add_argument("--smollm2", metavar="GGUF", help="SmolLM2 GGUF for --all's decode check (default: the packaged one)")
+    bk.add_argument("--smollm2", metavar="GGUF", help="SmolLM2 GGUF for the decode check of --all or --decode "
+                    "(default: the packaged one)")
     bk.add_argument("--json", metavar="FILE")
     bk.set_defaults(func=cmd_bench_kernels)
 

@@ -135,11 +135,24 @@ def test_bench_kernels_keeps_the_timings_when_decode_cannot_run(tmp_path, monkey
     monkeypatch.delattr(bench, "llama", raising=False)
     monkeypatch.delitem(sys.modules, "bench.llama", raising=False)
     monkeypatch.setitem(sys.modules, "gguf", None)  # the GPU machine's python3 has no gguf
-    with pytest.raises(HiltError, match="needs the package 'gguf'"):
+    with pytest.raises(HiltError, match="cannot import 'gguf'"):
         kernels.decode()
     assert kernels.main(["--all", "--json", str(tmp_path / "k.json")]) == 1
     result = json.loads((tmp_path / "k.json").read_text())
     assert result["timings"] == {"rows": [{"speedup": 4.0}]} and "gguf" in result["decode_error"]
+
+
+def test_bench_kernels_decode_alone_takes_the_given_gguf(tmp_path, monkeypatch, capsys):
+    from bench import kernels
+    from hilt.cli import main
+
+    seen = []
+    monkeypatch.setattr(kernels, "decode", lambda path: seen.append(path) or {"4bit": {"same": True}})
+    assert main(["bench", "kernels", "--decode", "--smollm2", "joined.gguf", "--json", str(tmp_path / "d.json")]) == 0
+    assert seen == ["joined.gguf"] and json.loads((tmp_path / "d.json").read_text())["decode"]["4bit"]["same"]
+    with pytest.raises(SystemExit):  # the model of a check that does not run
+        main(["bench", "kernels", "--check", "--smollm2", "joined.gguf"])
+    assert "add --all or --decode" in capsys.readouterr().err
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")

@@ -231,6 +231,13 @@ def test_study_compares_formats_on_the_seeds_mean_and_seed_by_seed():
     assert v["kmeans_minus_int"] == pytest.approx(6.4 / 3 - 2.15) and v["kmeans_wins"]
 
 
+def test_study_learning_rate_per_width():
+    from bench import qat
+
+    assert qat.lr_for(64) == qat.LR_BY_WIDTH[64] and qat.lr_for(128) == qat.LR_BY_WIDTH[128]
+    assert qat.lr_for(200) == qat.DEFAULT_LR and qat.lr_for(128, lr=1e-3) == 1e-3  # --lr: every width
+
+
 def test_study_counts_a_trained_codebook_once():
     from bench import qat
 
