@@ -52,7 +52,7 @@ def run(seqs=(1024, 2048, 4096, 8192, 16384), head_dim=128, heads=16, batch=None
                       "fp8": "fp8_attention on the same bf16 inputs: checks, Q/K/V to FP8, attention kernel",
                       "fp8_kernel": "the attention kernel alone on Q/K/V already in FP8",
                       "fp8_split": "fp8_attention with split_qk (Q and K as two E4M3 terms: 3 FP8 products for Q K^T)"},
-            "timing": "triton.testing.do_bench, median ms", "rows": []}
+            "timing": "triton.testing.do_bench, median ms", "rows": [], "mismatches": []}
     log(f"{info['gpu']} ({info['capability']}), torch {info['torch']}, triton {info['triton']}; "
         f"{heads} heads x {head_dim}")
     gen = torch.Generator(device="cuda").manual_seed(0)
@@ -78,9 +78,11 @@ def run(seqs=(1024, 2048, 4096, 8192, 16384), head_dim=128, heads=16, batch=None
                 return attention_from_fp8(q8, k8, v8, qs, ks, vs, is_causal, sm_scale, out)
 
             cosine = _cosine(fp8(), sdpa())  # also compiles and autotunes before the timing
-            if not cosine >= MIN_COSINE:
-                raise HiltError(f"FP8 attention differs from bf16 SDPA at T={seq} causal={is_causal}: "
-                                f"cosine {cosine:.5f} < {MIN_COSINE}")
+            if not cosine >= MIN_COSINE:  # not timed; the other lengths still are, and the command fails
+                info["mismatches"].append({"seq": seq, "causal": is_causal, "cosine_vs_bf16": cosine})
+                log(f"T={seq:6d} {'causal' if is_causal else 'full  '}  FP8 attention differs from bf16 SDPA: "
+                    f"cosine {cosine:.5f} < {MIN_COSINE}")
+                continue
             def fp8_split(is_causal=is_causal, q=q, k=k, v=v, qs=q_scale, ks=k_scale, vs=v_scale):
                 return fp8_attention(q, k, v, qs, ks, vs, causal=is_causal, split_qk=True)
 

@@ -288,6 +288,10 @@ def cmd_bench_attention(args) -> int:
 
     result = attention_speed.run()
     _write_outputs(args, result)
+    if result["mismatches"]:  # saved above with the timings of the other configurations
+        bad = ", ".join(f"T={m['seq']}{' causal' if m['causal'] else ''} (cosine {m['cosine_vs_bf16']:.4f})"
+                        for m in result["mismatches"])
+        raise HiltError(f"FP8 attention differs from bf16 SDPA (cosine < {attention_speed.MIN_COSINE}) at {bad}")
     return 0
 
 

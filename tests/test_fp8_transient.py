@@ -36,3 +36,19 @@ def test_bench_attention_says_it_needs_a_gpu():
         return
     r = run_hilt("bench", "attention")
     assert r.returncode == 1 and "need a CUDA GPU" in r.stderr
+
+
+def test_bench_attention_saves_its_timings_then_fails_on_a_mismatch(tmp_path, monkeypatch, capsys):
+    import json
+
+    from bench import attention_speed
+    from hilt.cli import main
+
+    result = {"rows": [{"seq": 1024, "causal": False, "speedup": 1.6}],
+              "mismatches": [{"seq": 2048, "causal": True, "cosine_vs_bf16": 0.42}]}
+    monkeypatch.setattr(attention_speed, "run", lambda: result)
+    assert main(["bench", "attention", "--json", str(tmp_path / "a.json")]) == 1
+    assert json.loads((tmp_path / "a.json").read_text()) == result
+    assert "differs from bf16 SDPA (cosine < 0.99) at T=2048 causal (cosine 0.4200)" in capsys.readouterr().err
+    monkeypatch.setattr(attention_speed, "run", lambda: {**result, "mismatches": []})
+    assert main(["bench", "attention"]) == 0
