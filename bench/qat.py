@@ -274,7 +274,7 @@ def render(result: dict) -> str:
         for w in widths:
             r = rows[w]
             other = "int" if method == "kmeans" else "kmeans" if method == "int" else None
-            rival = next((x for x in result["rows"] if x["width"] == w and x["method"] == other and x["bits"] == bits), None)
+            rival = _row(result["rows"], w, other, bits) if other else None
             best = rival is not None and r["val_loss"] < rival["val_loss"]
             spread = f" ± {r['val_loss_std']:.3f}" if len(r["val_losses"]) > 1 else ""
             cells.append(f"{'**' if best else ''}{r['val_loss']:.4f}{'**' if best else ''}{spread} "

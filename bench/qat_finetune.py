@@ -94,8 +94,7 @@ def finetune(dst, method: str = "kmeans", bits: int = 2, block_size: int = 64, s
         raise HiltError("QAT needs steps, batch and save-every >= 1 and a context >= 2")
     config = QuantConfig(method=method, bits=bits, block_size=block_size).validate()
     settings = {"config": asdict(config), "steps": steps, "lr": lr, "batch": batch, "context": context,
-                "refit_every": refit_every, "seed": seed, "only": only,
-                "learn_codebook": learn_codebook}
+                "refit_every": refit_every, "seed": seed, "only": only, "learn_codebook": learn_codebook}
     try:
         only_re = re.compile(only) if only else None
     except re.error as e:
