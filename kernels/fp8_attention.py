@@ -37,7 +37,7 @@ Triton's interpreter (TRITON_INTERPRET=1) loads and stores FP8 and runs fp8 x fp
 exactly, but its float32 -> E4M3 cast is wrong (ties round up, a mantissa carry is lost so
 126.4 becomes 64, subnormals truncate, no saturation) and float32 -> bfloat16 truncates.
 So under the interpreter those roundings are done in exact integer arithmetic
-(:func:`_round_e4m3`, :func:`_to_dtype`) before the cast, which is then exact; a GPU uses its
+(:func:`_round_e4m3`, :func:`kernels.triton_util.to_dtype`) before the cast, which is then exact; a GPU uses its
 conversion instructions (``cvt.rn.satfinite.e4m3x2.f32``: nearest-even, saturating). The
 interpreter also gets bfloat16 ``tl.dot`` wrong, so there a bfloat16 P V runs in float32
 (exact for bfloat16 inputs).
@@ -49,13 +49,13 @@ is how the tests check it.
 """
 
 import math
-import os
 
 import torch
 import triton
 import triton.language as tl
 
 from kernels.errors import HiltError
+from kernels.triton_util import autotune, interpreting, to_dtype
 
 E4M3_MAX = 448.0
 P_SCALE = 448.0  # p in [0, 1] times this spans E4M3's range; the row max maps to 448 exactly
@@ -262,15 +262,6 @@ def _to_e4m3(x, EMULATE: tl.constexpr):
 
 
 @triton.jit
-def _to_dtype(x, dtype: tl.constexpr, EMULATE: tl.constexpr):
-    """float32 x to ``dtype``, nearest-even (the interpreter truncates float32 -> bfloat16)."""
-    if EMULATE and dtype == tl.bfloat16:  # constexprs: decided at compile time
-        bits = x.to(tl.int32, bitcast=True)
-        x = ((bits + 0x7FFF + ((bits >> 16) & 1)) & -65536).to(tl.float32, bitcast=True)  # -65536 == ~0xFFFF
-    return x.to(dtype)
-
-
-@triton.jit
 def _quantize_kernel(
     x_ptr, s_ptr, y_ptr, lo_ptr, T, HX,
     stride_xb, stride_xh, stride_xt, stride_xd,
@@ -338,9 +329,9 @@ def _attn_tile(
         if V_FP8:
             acc += tl.dot(_to_e4m3(p * 448.0, EMULATE), v)
         elif PV_FP32:
-            acc += tl.dot(_to_dtype(p, v.dtype, EMULATE).to(tl.float32), v.to(tl.float32), input_precision="ieee")
+            acc += tl.dot(to_dtype(p, v.dtype, EMULATE).to(tl.float32), v.to(tl.float32), input_precision="ieee")
         else:
-            acc += tl.dot(_to_dtype(p, v.dtype, EMULATE), v)
+            acc += tl.dot(to_dtype(p, v.dtype, EMULATE), v)
         m_i = m_new
     return acc, l_i, m_i
 
@@ -396,7 +387,7 @@ def _attn_fwd_kernel(
     if V_FP8:
         out = out / (tl.load(vs_ptr + g * HEAD_DIM + offs_d) * 448.0)[None, :]
     tl.store(o_ptr + b * stride_ob + h.to(tl.int64) * stride_oh + offs_m[:, None] * stride_om
-             + offs_d[None, :] * stride_od, _to_dtype(out, o_ptr.dtype.element_ty, EMULATE), mask=(offs_m < Tq)[:, None])
+             + offs_d[None, :] * stride_od, to_dtype(out, o_ptr.dtype.element_ty, EMULATE), mask=(offs_m < Tq)[:, None])
 
 
 _CUDA_CONFIGS = [
@@ -406,12 +397,8 @@ _CUDA_CONFIGS = [
     triton.Config({"BLOCK_M": 64, "BLOCK_N": 64}, num_warps=4, num_stages=3),
 ]
 # Keyed on the power-of-two bucket of Tk, not Tk itself, so a model's many lengths share a tuning.
-_attn_fwd_tuned = triton.autotune(_CUDA_CONFIGS, key=["tk_bucket", "HEAD_DIM", "CAUSAL", "V_FP8", "SPLIT"])(_attn_fwd_kernel)
+_attn_fwd_tuned = autotune(_CUDA_CONFIGS, key=["tk_bucket", "HEAD_DIM", "CAUSAL", "V_FP8", "SPLIT"])(_attn_fwd_kernel)
 INTERPRETER_BLOCKS = (64, 64)  # (BLOCK_M, BLOCK_N): one fixed small config keeps the interpreter fast
-
-
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET") == "1"
 
 
 def _quantize(x, scale, out, emulate, lo=None):
@@ -432,7 +419,7 @@ def quantize_inputs(q, k, v, q_scale, k_scale, v_scale, split_qk=False):
 
     v8 is stored with Tk contiguous (padded to 16 elements) and returned as a (B, G, Tk, D) view.
     head_dim must be 64 or 128; inputs are not validated here (see :func:`fp8_attention_triton`)."""
-    emulate = _interpreting()
+    emulate = interpreting()
     f8 = torch.float8_e4m3fn
     q8, k8 = (torch.empty(x.shape, dtype=f8, device=x.device) for x in (q, k))
     lows = tuple(torch.empty_like(x8) for x8 in (q8, k8)) if split_qk else (None, None)
@@ -454,15 +441,15 @@ def attention_from_fp8(q8, k8, v8, q_scale, k_scale, v_scale, causal, sm_scale, 
     b, h, tq, d = q8.shape
     g, tk = k8.shape[1], k8.shape[2]
     v_fp8 = v_scale is not None
-    interpreting = _interpreting()
-    pv_fp32 = not v_fp8 and (v8.dtype == torch.float32 or (interpreting and v8.dtype == torch.bfloat16))
+    emulate = interpreting()
+    pv_fp32 = not v_fp8 and (v8.dtype == torch.float32 or (emulate and v8.dtype == torch.bfloat16))
     split = q_lo is not None
     if split != (k_lo is not None):
         raise HiltError("split_qk needs the second terms of both Q and K (q_lo and k_lo)")
     args = (q8, k8, v8, q_scale, k_scale, v_scale if v_fp8 else q_scale, out,
             q_lo if split else q8, k_lo if split else k8, *q8.stride(), *k8.stride(), *v8.stride(), *out.stride(),
             h, h // g, tq, tk, sm_scale * math.log2(math.e), triton.next_power_of_2(tk))
-    flags = {"HEAD_DIM": d, "CAUSAL": bool(causal), "V_FP8": v_fp8, "EMULATE": interpreting, "PV_FP32": pv_fp32,
+    flags = {"HEAD_DIM": d, "CAUSAL": bool(causal), "V_FP8": v_fp8, "EMULATE": emulate, "PV_FP32": pv_fp32,
              "SPLIT": split}
     if q8.is_cuda and block_m is None and block_n is None:
         def grid(meta):
@@ -470,8 +457,8 @@ def attention_from_fp8(q8, k8, v8, q_scale, k_scale, v_scale, causal, sm_scale, 
 
         _attn_fwd_tuned[grid](*args, **flags)
     else:
-        bm = block_m or (INTERPRETER_BLOCKS[0] if interpreting else 128)
-        bn = block_n or (INTERPRETER_BLOCKS[1] if interpreting else 64)
+        bm = block_m or (INTERPRETER_BLOCKS[0] if emulate else 128)
+        bn = block_n or (INTERPRETER_BLOCKS[1] if emulate else 64)
         _attn_fwd_kernel[(triton.cdiv(tq, bm), b * h)](*args, BLOCK_M=bm, BLOCK_N=bn, **flags)
     return out
 

@@ -15,11 +15,19 @@ codebook, applies the block scale and multiplies, accumulating in float32; the
 16-bit weight matrix is never built in memory. Two paths, chosen by M (the
 rows of x) and overridable with ``path=``:
 
-* ``gemv`` (M <= 16, decode): a multiply-and-reduce on CUDA cores, with the
-  K dimension split across programs (split-K) so a single row of x still fills
-  the GPU; partial sums are added in a fixed order (deterministic).
+* ``gemv`` (M <= 16, decode): the K dimension split across programs (split-K,
+  :func:`split_count`) so a single row of x still fills the GPU; each tile is a
+  multiply-and-reduce on CUDA cores or, from M = 3 on, a tensor-core product on 16
+  padded rows, whichever the tuning finds faster. Partial sums are added in a fixed
+  order (deterministic); with one split the kernel writes the result directly.
 * ``gemm`` (prefill): dequantized tiles in x's dtype fed to ``tl.dot`` (tensor
-  cores), float32 accumulation.
+  cores), float32 accumulation, the result (bias added, rounded to x's dtype)
+  written by the kernel.
+
+On a GPU the tile sizes, warps and stages are autotuned per shape (M to its power of
+two, N, K, bits, format) from ``SPLIT_K_CONFIGS`` / ``GEMM_CONFIGS`` at the first
+call and cached on disk per GPU target (see kernels.triton_util); ``config=`` fixes
+one. The weights are read in their on-disk layout (no repacking).
 
 Dispatch: :func:`lut_matmul` runs CUDA tensors through Triton and CPU tensors
 through the reference. On the CPU the Triton code itself runs under
@@ -27,14 +35,13 @@ through the reference. On the CPU the Triton code itself runs under
 the tests check it.
 """
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
 from kernels.errors import HiltError
 from kernels.packing import packed_row_bytes, unpack_codes
+from kernels.triton_util import autotune, interpreting, to_dtype
 
 
 def dequantize_lut(
@@ -84,13 +91,16 @@ def choose_path(m: int) -> str:
 
 @triton.jit
 def _lut_matmul_kernel(
-    x_ptr, codes_ptr, book_ptr, scales_ptr, offsets_ptr, out_ptr,
-    M, N, K, row_bytes, n_blocks, k_per_split,
+    x_ptr, codes_ptr, book_ptr, scales_ptr, offsets_ptr, bias_ptr, out_ptr,
+    M, N, K, row_bytes, n_blocks, SPLIT, m_bucket,
     stride_xm, stride_om, stride_os,
     BITS: tl.constexpr, BLOCK: tl.constexpr, PER_BLOCK_BOOK: tl.constexpr, HAS_OFFSETS: tl.constexpr,
+    HAS_BIAS: tl.constexpr, DOT_FP32: tl.constexpr, EMULATE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_DOT: tl.constexpr,
-    DOT_FP32: tl.constexpr,
 ):
+    """One (BLOCK_M, BLOCK_N) tile of out over the K range of split ``pid_s``. With SPLIT == 1,
+    out is the result in its own dtype (bias added, rounded here); otherwise out is the float32
+    (SPLIT, M, N) buffer of partial sums, the bias in split 0's. ``m_bucket`` only keys tuning."""
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     pid_s = tl.program_id(2)
@@ -99,6 +109,7 @@ def _lut_matmul_kernel(
     mask_m = offs_m < M
     mask_n = offs_n < N
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    k_per_split = tl.cdiv(tl.cdiv(K, SPLIT), BLOCK_K) * BLOCK_K  # a split past K adds nothing
     k_begin = pid_s * k_per_split
     for k0 in range(0, k_per_split, BLOCK_K):
         offs_k = k_begin + k0 + tl.arange(0, BLOCK_K)
@@ -131,8 +142,72 @@ def _lut_matmul_kernel(
                 acc += tl.dot(x, tl.trans(w.to(x.dtype)))
         else:
             acc += tl.sum(x.to(tl.float32)[:, None, :] * w[None, :, :], axis=2)
+    if HAS_BIAS:  # once: in split 0's sum
+        b = tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)
+        acc += tl.where(pid_s == 0, b, 0.0)[None, :]
     out = out_ptr + pid_s * stride_os + offs_m[:, None] * stride_om + offs_n[None, :]
-    tl.store(out, acc, mask=mask_m[:, None] & mask_n[None, :])
+    tl.store(out, to_dtype(acc, out_ptr.dtype.element_ty, EMULATE), mask=mask_m[:, None] & mask_n[None, :])
+
+
+def _split_k_configs():
+    """Tiles the split-K path may take: a multiply-and-reduce on CUDA cores with BLOCK_M the
+    power of two >= M (at most 128 products per thread, beyond that registers spill), or
+    tensor cores on 16 padded rows."""
+    configs = []
+    for bm in (1, 2, 4, 8, 16):
+        for bn, bk, warps in ((16, 64, 4), (16, 128, 4), (16, 256, 4), (32, 128, 4), (32, 256, 4), (64, 128, 4), (64, 256, 8), (128, 128, 8)):
+            if bm * bn * bk <= 128 * 32 * warps:
+                configs.append(triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "USE_DOT": False},
+                                             num_warps=warps, num_stages=3))
+    for bn, bk, warps in ((32, 128, 4), (64, 64, 4), (64, 128, 4), (128, 64, 8)):
+        configs.append(triton.Config({"BLOCK_M": 16, "BLOCK_N": bn, "BLOCK_K": bk, "USE_DOT": True},
+                                     num_warps=warps, num_stages=3))
+    return configs
+
+
+SPLIT_K_CONFIGS = _split_k_configs()
+GEMM_CONFIGS = [
+    triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "USE_DOT": True}, num_warps=warps, num_stages=stages)
+    for bm, bn, bk, warps, stages in ((64, 64, 64, 4, 3), (64, 128, 64, 4, 3), (128, 64, 64, 4, 3),
+                                      (128, 128, 64, 8, 3), (128, 128, 32, 8, 4), (64, 64, 128, 4, 3))
+]
+def split_k_fits(config: triton.Config, m: int) -> bool:
+    """Whether a split-K configuration serves M rows: the multiply-and-reduce ones with BLOCK_M
+    the power of two >= M (16 from M = 16 on: more rows take more programs), the tensor-core
+    ones (16 rows) from M = 3 on."""
+    kw = config.kwargs
+    if kw["USE_DOT"]:
+        return m >= 3
+    return kw["BLOCK_M"] == triton.next_power_of_2(min(m, 16))
+
+
+def default_config(path: str, m: int) -> triton.Config:
+    """The configuration used without tuning (under the interpreter, where there is no GPU to
+    time, and by the correctness check): 32 x 128 tiles on the split-K path, CUDA cores while
+    BLOCK_M x 32 x 128 fits the registers, tensor cores beyond; 64 x 64 x 64 on the GEMM path."""
+    if path == "gemm":
+        return GEMM_CONFIGS[0]
+    return next(c for c in SPLIT_K_CONFIGS if split_k_fits(c, m) and (c.kwargs["BLOCK_N"], c.kwargs["BLOCK_K"]) == (32, 128))
+
+
+def _prune_split_k(configs, named_args, **kwargs):
+    return [c for c in configs if split_k_fits(c, named_args["M"])]
+
+
+_TUNING_KEY = ["m_bucket", "N", "K", "SPLIT", "BITS", "BLOCK", "PER_BLOCK_BOOK", "HAS_OFFSETS", "HAS_BIAS"]
+# Tuned on the GPU at the first call of each key; the winners are cached on disk per GPU target
+# (kernels.triton_util), so a second run does not re-tune.
+TUNED_KERNELS = {
+    "gemv": autotune(SPLIT_K_CONFIGS, _TUNING_KEY, prune_configs_by={"early_config_prune": _prune_split_k})(
+        _lut_matmul_kernel),
+    "gemm": autotune(GEMM_CONFIGS, _TUNING_KEY)(_lut_matmul_kernel),
+}
+
+
+def split_count(m: int, n: int, k: int) -> int:
+    """Programs along K for the split-K path: enough that one row of x still fills the GPU
+    (about 256 programs with 32-row tiles), none shorter than 256 of K."""
+    return max(1, min(triton.cdiv(k, 256), 256 // triton.cdiv(n, 32)))
 
 
 def _check(x, codes, codebook, scales, offsets, bits, block_size, in_features):
@@ -155,56 +230,72 @@ def _check(x, codes, codebook, scales, offsets, bits, block_size, in_features):
 
 
 def lut_matmul_triton(x, codes, codebook, scales, offsets, bits, block_size, in_features, bias=None,
-                      path=None, split_k=None, partial=None):
+                      path=None, split_k=None, config=None, out=None, partial=None):
     """The Triton kernel (any device Triton runs on, including the CPU interpreter).
 
-    ``path``: "gemv" or "gemm" (default: :func:`choose_path`). ``split_k``:
-    programs along K for the GEMV path (default: enough to fill the GPU).
-    ``partial``: optional float32 (split_k, M, N) buffer for the per-split sums
-    (tests pass one filled with NaN to catch unwritten elements).
+    ``path``: "gemv" (split-K, M <= 16) or "gemm" (default: :func:`choose_path`).
+    ``split_k``: programs along K on the split-K path (default: :func:`split_count`; the
+    GEMM path runs one). ``config``: a ``triton.Config`` of BLOCK_M, BLOCK_N, BLOCK_K,
+    USE_DOT (default: autotuned on a GPU, :func:`default_config` under the interpreter).
+    ``out``: optional (M, N) tensor in x's dtype for the result (M: x's rows); ``partial``:
+    optional float32 (split_k, M, N) buffer for the per-split sums. Tests fill both with NaN
+    to catch unwritten elements.
     """
     _check(x, codes, codebook, scales, offsets, bits, block_size, in_features)
     if x.dtype not in (torch.float16, torch.bfloat16, torch.float32):
         raise HiltError(f"input dtype {x.dtype} is not supported (float16, bfloat16, float32)")
+    if bias is not None and tuple(bias.shape) != (codes.shape[0],):
+        raise HiltError(f"bias has shape {tuple(bias.shape)}, expected ({codes.shape[0]},)")
     lead = x.shape[:-1]
     x2 = x.reshape(-1, in_features).contiguous()
     m, n, k = x2.shape[0], codes.shape[0], in_features
     path = path or choose_path(m)
     if path not in ("gemv", "gemm"):
         raise HiltError(f"unknown kernel path {path!r}; choose gemv or gemm")
-    if path == "gemv":
-        block_m, block_n, block_k = max(1, triton.next_power_of_2(min(m, 16))), 32, 128
-        if split_k is None:  # aim for a few hundred programs: one row of x must still fill the GPU
-            split_k = max(1, min(triton.cdiv(k, block_k), 256 // max(1, triton.cdiv(n, block_n))))
-        use_dot = False
-    else:
-        block_m, block_n, block_k = 64, 64, 64
-        split_k, use_dot = split_k or 1, True
-    k_per_split = triton.cdiv(triton.cdiv(k, split_k), block_k) * block_k
-    split_k = triton.cdiv(k, k_per_split)
-    if partial is None:
-        partial = torch.empty(split_k, m, n, dtype=torch.float32, device=x.device)
-    elif tuple(partial.shape) != (split_k, m, n):
-        raise HiltError(f"partial buffer must be {(split_k, m, n)}, got {tuple(partial.shape)}")
-    book = codebook.contiguous()
-    grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n), split_k)
+    if path == "gemm":
+        split_k = 1
+    elif split_k is None:
+        split_k = split_count(m, n, k)
+    elif split_k < 1:
+        raise HiltError(f"split_k must be at least 1, got {split_k}")
+    if out is None:
+        out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    elif tuple(out.shape) != (m, n) or out.dtype != x.dtype:
+        raise HiltError(f"out must be {x.dtype} {(m, n)}, got {out.dtype} {tuple(out.shape)}")
+    if split_k > 1:
+        if partial is None:
+            partial = torch.empty(split_k, m, n, dtype=torch.float32, device=x.device)
+        elif tuple(partial.shape) != (split_k, m, n) or partial.dtype != torch.float32:
+            raise HiltError(f"partial buffer must be float32 {(split_k, m, n)}, got {partial.dtype} "
+                            f"{tuple(partial.shape)}")
+    target = out if split_k == 1 else partial
+    emulate = interpreting()
     if m and n:
-        _lut_matmul_kernel[grid](
-            x2, codes.contiguous(), book, scales.contiguous(),
-            scales if offsets is None else offsets.contiguous(), partial,
-            m, n, k, codes.shape[1], k // block_size, k_per_split,
-            x2.stride(0), partial.stride(1), partial.stride(0),
-            BITS=bits, BLOCK=block_size, PER_BLOCK_BOOK=book.ndim > 1, HAS_OFFSETS=offsets is not None,
-            BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, USE_DOT=use_dot,
-            # Triton's interpreter computes tl.dot on bfloat16 wrongly (checked: values of 1e10
-            # for unit inputs), so there the dot runs in float32; GPUs use bf16 tensor cores.
-            DOT_FP32=x.dtype == torch.float32
-            or (x.dtype == torch.bfloat16 and os.environ.get("TRITON_INTERPRET") == "1"),
-        )
-    y = partial.sum(0) if split_k > 1 else partial[0]
-    if bias is not None:
-        y = y + bias.float()
-    return y.to(x.dtype).reshape(*lead, n)
+        if config is None and emulate:
+            config = default_config(path, m)
+        elif config is not None and path == "gemv" and not split_k_fits(config, m):
+            raise HiltError(f"configuration {config} does not serve {m} rows on the split-K path")
+        args = (x2, codes.contiguous(), codebook.contiguous(), scales.contiguous(),
+                scales if offsets is None else offsets.contiguous(), scales if bias is None else bias, target,
+                m, n, k, codes.shape[1], k // block_size, split_k, triton.next_power_of_2(m),
+                x2.stride(0), target.stride(-2), target.stride(0) if split_k > 1 else 0)
+        flags = {"BITS": bits, "BLOCK": block_size, "PER_BLOCK_BOOK": codebook.ndim > 1,
+                 "HAS_OFFSETS": offsets is not None, "HAS_BIAS": bias is not None,
+                 # Triton's interpreter computes tl.dot on bfloat16 wrongly (checked: values of 1e10
+                 # for unit inputs), so there the dot runs in float32; GPUs use bf16 tensor cores.
+                 "DOT_FP32": x.dtype == torch.float32 or (x.dtype == torch.bfloat16 and emulate),
+                 "EMULATE": emulate}
+
+        def grid(meta):
+            return (triton.cdiv(m, meta["BLOCK_M"]), triton.cdiv(n, meta["BLOCK_N"]), split_k)
+
+        if config is None:
+            TUNED_KERNELS[path][grid](*args, **flags)
+        else:
+            _lut_matmul_kernel[grid](*args, **flags, **config.all_kwargs())
+    if split_k > 1:
+        out.copy_(partial.sum(0))  # fixed order: deterministic
+    return out.reshape(*lead, n)
 
 
 def lut_matmul(x, codes, codebook, scales, offsets, bits, block_size, in_features, bias=None, path=None):

@@ -8,7 +8,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kernels import HiltError
-from kernels.lut_matmul import choose_path, lut_matmul, lut_matmul_reference, lut_matmul_triton
+from kernels.lut_matmul import (
+    GEMM_CONFIGS, SPLIT_K_CONFIGS, choose_path, lut_matmul, lut_matmul_reference, lut_matmul_triton, split_k_fits,
+)
 from quant import QuantConfig, quantize_tensor
 
 EPS = {torch.float16: 2.0**-10, torch.bfloat16: 2.0**-7, torch.float32: 2.0**-10}
@@ -66,12 +68,48 @@ def test_poisoned_output_is_fully_written(split_k):
     q = _weights(70, 320, "kmeans", 3, 64, "layer", 0)
     x = torch.randn(3, 320).half()
     args = (q.codes, q.codebook, q.scales, q.offsets, q.bits, q.block_size, 320)
-    from triton import cdiv
+    out = torch.full((3, 70), float("nan")).half()
+    partial = torch.full((split_k, 3, 70), float("nan")) if split_k > 1 else None
+    y = lut_matmul_triton(x, *args, path="gemv", split_k=split_k, out=out, partial=partial)
+    assert y.data_ptr() == out.data_ptr() and torch.isfinite(out).all()
+    assert partial is None or torch.isfinite(partial).all()
 
-    k_per_split = cdiv(cdiv(320, split_k), 128) * 128
-    partial = torch.full((cdiv(320, k_per_split), 3, 70), float("nan"))
-    y = lut_matmul_triton(x, *args, path="gemv", split_k=split_k, partial=partial)
-    assert torch.isfinite(partial).all() and torch.isfinite(y).all()
+
+def _rows_served(config):
+    """An awkward M the split-K configuration serves (not a power of two where it can be)."""
+    bm = config.kwargs["BLOCK_M"]
+    return 5 if config.kwargs["USE_DOT"] else bm // 2 + 1
+
+
+@pytest.mark.parametrize("config", SPLIT_K_CONFIGS + GEMM_CONFIGS, ids=str)
+def test_every_tuning_config_is_correct(config):
+    """The GPU may pick any of these: each one, on awkward shapes, poisoned output, with a bias."""
+    index = (SPLIT_K_CONFIGS + GEMM_CONFIGS).index(config)
+    bits = 1 + index % 4
+    path = "gemv" if config in SPLIT_K_CONFIGS else "gemm"
+    q = _weights(70, 320, "kmeans", bits, 64, "block" if index % 2 else "layer", index)
+    m = _rows_served(config) if path == "gemv" else 37
+    x = torch.randn(m, 320, generator=torch.Generator().manual_seed(index)).half()
+    bias = torch.randn(70)
+    args = (q.codes, q.codebook, q.scales, q.offsets, q.bits, q.block_size, 320)
+    for split_k in ((1, 2) if path == "gemv" else (None,)):
+        out = torch.full((m, 70), float("nan")).half()
+        y = lut_matmul_triton(x, *args, bias=bias, path=path, split_k=split_k, config=config, out=out)
+        assert torch.isfinite(y).all()
+        ref = lut_matmul_reference(x.float(), *args, bias=bias).double()
+        bound = EPS[torch.float16] * (x.double().abs() @ q.dequantize().double().abs().T + ref.abs()) + 1e-6
+        assert torch.all((y.double() - ref).abs() <= bound), (split_k, float(((y.double() - ref).abs() / bound).max()))
+
+
+def test_split_k_configs_cover_every_decode_batch():
+    for m in range(1, 17):
+        fitting = [c for c in SPLIT_K_CONFIGS if split_k_fits(c, m)]
+        assert any(not c.kwargs["USE_DOT"] for c in fitting), m  # CUDA-core tiles for every M
+    assert not split_k_fits(SPLIT_K_CONFIGS[0], 2) and SPLIT_K_CONFIGS[0].kwargs["BLOCK_M"] == 1
+    with pytest.raises(HiltError, match="does not serve 2 rows"):
+        q = _weights(8, 128, "kmeans", 2, 64, "layer", 0)
+        lut_matmul_triton(torch.randn(2, 128).half(), q.codes, q.codebook, q.scales, None, 2, 64, 128,
+                          path="gemv", config=SPLIT_K_CONFIGS[0])
 
 
 def test_batched_input_and_bias():
@@ -83,6 +121,15 @@ def test_batched_input_and_bias():
     ref = lut_matmul_reference(x.float(), *args, bias=bias)
     assert y.shape == (2, 3, 24)
     assert torch.allclose(y.float(), ref, atol=0.05, rtol=0.01)
+
+
+def test_empty_input_and_bias_shape():
+    q = _weights(24, 128, "kmeans", 2, 64, "layer", 4)
+    args = (q.codes, q.codebook, q.scales, q.offsets, q.bits, q.block_size, 128)
+    for path in ("gemv", "gemm"):
+        assert lut_matmul_triton(torch.randn(0, 128).half(), *args, path=path).shape == (0, 24)
+    with pytest.raises(HiltError, match=r"bias has shape \(23,\), expected \(24,\)"):
+        lut_matmul_triton(torch.randn(1, 128).half(), *args, bias=torch.zeros(23))
 
 
 def test_path_choice_and_refusals():
