@@ -1,22 +1,27 @@
 #!/usr/bin/env bash
-# The whole GPU check (about 5 minutes on an H200): LUT matmul kernels (correctness, timings
-# against cuBLAS bf16, SmolLM2 decode) and FP8 attention against bf16 flash SDPA. Results, with
-# the GPU's name, clocks and versions, go to bench/results/ (or $OUT when set). Exit 1 if any
-# check fails or cannot run.
+# The whole GPU check (minutes on an H200): LUT matmul kernels (correctness, autotuned timings
+# against cuBLAS bf16 with and without CUDA graphs, SmolLM2 decode) and FP8 attention against
+# bf16 flash SDPA. Results, with the GPU's name, clocks and versions, go to bench/results/ (or
+# $OUT when set). Exit 1 if any check fails or cannot run.
 #
 # With this project's .venv (scripts/setup.sh) it does everything in one run. A bare machine
-# (python3 with torch and triton, nothing else of ours) that receives at most 64 MiB per call:
-# run `bash bench/gpu_pack.sh` here, then send .gpu/common with one half of the SmolLM2 GGUF
-# per call, on the same machine (files from the first call stay while it is held):
-#   1. .gpu/common + .gpu/smollm2.gguf.part-aa:  bash bench/gpu_check.sh           (check, timings, attention)
-#   2. .gpu/common + .gpu/smollm2.gguf.part-ab:  bash bench/gpu_check.sh --decode  (joins the halves: decode)
-# If the machine was replaced between the two, call 2 says so; send part-aa again (any
-# command), then repeat call 2.
+# (python3 with torch and triton, nothing else of ours) that receives at most 64 MiB and runs
+# at most 10 minutes per call: run `bash bench/gpu_pack.sh` here, then two calls on the same
+# machine (files from the first stay while it is held), each with .gpu/common and one half of
+# the SmolLM2 GGUF:
+#   1. .gpu/common + .gpu/smollm2.gguf.part-aa:  bash bench/gpu_check.sh kernels
+#        kernel check, tuning and timings (kernels-gpu.json, kernels-gpu.png)
+#   2. .gpu/common + .gpu/smollm2.gguf.part-ab:  bash bench/gpu_check.sh rest
+#        joins the halves: decode check (kernels-decode-gpu.json), then FP8 attention
+#        (attention-gpu.json); the kernel tuning of call 1 is cached on disk, not redone.
+# If the machine was replaced between the two, call 2 says so (the decode check needs both
+# halves) and still runs the attention timings; send part-aa again, then repeat call 2.
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 1
-case "${1:-}" in
-    "" | --decode) ;;
-    *) echo "usage: bash bench/gpu_check.sh [--decode]" >&2; exit 2 ;;
+stage="${1:-all}"
+case "$stage" in
+    all | kernels | rest) ;;
+    *) echo "usage: bash bench/gpu_check.sh [all|kernels|rest]" >&2; exit 2 ;;
 esac
 out="${OUT:-bench/results}"
 mkdir -p "$out" || exit 1
@@ -43,21 +48,31 @@ if [ -f .gpu/smollm2.gguf.part-aa ] && [ -f .gpu/smollm2.gguf.part-ab ]; then
         echo "gpu_check: the joined .gpu/smollm2.gguf.part-* do not match .gpu/common/smollm2.gguf.sha256" >&2
         decode_ready=0
     fi
-elif compgen -G ".gpu/smollm2.gguf.part-*" >/dev/null; then
+elif [ "$stage" != kernels ] && compgen -G ".gpu/smollm2.gguf.part-*" >/dev/null; then
     echo "gpu_check: only $(basename .gpu/smollm2.gguf.part-*) is here; the decode check needs both halves" \
         "on this machine (the two calls: this script's header)" >&2
     decode_ready=0
 fi
 
-if [ "${1:-}" = "--decode" ]; then
-    [ "$decode_ready" = 1 ] || exit 1
-    exec "$py" -m hilt.cli bench kernels --decode ${smollm2[@]+"${smollm2[@]}"} --json "$out/kernels-decode-gpu.json"
-fi
 status=0
-if [ "$decode_ready" = 1 ]; then
-    "$py" -m hilt.cli bench kernels --all ${smollm2[@]+"${smollm2[@]}"} --json "$out/kernels-gpu.json" || status=1
-else  # check and timings now, the decode check in the call that brings the other half
-    "$py" -m hilt.cli bench kernels --json "$out/kernels-gpu.json" || status=1
+if [ "$stage" != rest ]; then
+    what=(--cuda-graphs --plot "$out/kernels-gpu.png" --json "$out/kernels-gpu.json")
+    if [ "$stage" = all ] && [ "$decode_ready" = 1 ]; then
+        "$py" -m hilt.cli bench kernels --all ${smollm2[@]+"${smollm2[@]}"} "${what[@]}" || status=1
+    else
+        "$py" -m hilt.cli bench kernels "${what[@]}" || status=1
+        [ "$stage" = all ] && status=1  # the decode check could not run (message above)
+    fi
 fi
-"$py" -m hilt.cli bench attention --json "$out/attention-gpu.json" || status=1
+if [ "$stage" = rest ]; then
+    if [ "$decode_ready" = 1 ]; then
+        "$py" -m hilt.cli bench kernels --decode ${smollm2[@]+"${smollm2[@]}"} --json "$out/kernels-decode-gpu.json" \
+            || status=1
+    else
+        status=1
+    fi
+fi
+if [ "$stage" != kernels ]; then
+    "$py" -m hilt.cli bench attention --json "$out/attention-gpu.json" || status=1
+fi
 exit $status

@@ -347,10 +347,13 @@ def cmd_bench_quantize(args) -> int:
 def cmd_bench_kernels(args) -> int:
     from bench import kernels
 
-    flags = (("--check", args.check), ("--all", args.all), ("--decode", args.decode), ("--quick", args.quick))
+    flags = (("--check", args.check), ("--all", args.all), ("--decode", args.decode), ("--quick", args.quick),
+             ("--cuda-graphs", args.cuda_graphs))
     argv = [flag for flag, on in flags if on]
-    argv += ["--smollm2", args.smollm2] if args.smollm2 else []
-    return kernels.main(argv + (["--json", args.json] if args.json else []))
+    for option, value in (("--smollm2", args.smollm2), ("--json", args.json), ("--plot", args.plot),
+                          ("--table", args.table)):
+        argv += [option, value] if value else []
+    return kernels.main(argv)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -543,9 +546,14 @@ def build_parser() -> argparse.ArgumentParser:
     bk.add_argument("--all", action="store_true", help="GPU: check, timings and SmolLM2 decode in one run")
     bk.add_argument("--decode", action="store_true", help="GPU: the SmolLM2 decode check alone")
     bk.add_argument("--quick", action="store_true", help="fewer layer shapes")
+    bk.add_argument("--cuda-graphs", action="store_true", help="GPU: also time both sides inside CUDA graphs "
+                    "(no launch overhead; weights cycled so they come from memory, not L2)")
     bk.add_argument("--smollm2", metavar="GGUF", help="SmolLM2 GGUF for the decode check of --all or --decode "
                     "(default: the packaged one)")
     bk.add_argument("--json", metavar="FILE")
+    bk.add_argument("--plot", metavar="PNG", help="speedup against M per layer shape and bit width (of the timings, "
+                    "or of --table's file)")
+    bk.add_argument("--table", metavar="JSON", help="print the markdown table of a results file (no new run)")
     bk.set_defaults(func=cmd_bench_kernels)
 
     ba = _parser_with_example(bsub, "attention", "FP8 attention kernel against bf16 flash SDPA (GPU only), "

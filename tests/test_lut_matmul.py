@@ -9,7 +9,13 @@ from hypothesis import strategies as st
 
 from kernels import HiltError
 from kernels.lut_matmul import (
-    GEMM_CONFIGS, SPLIT_K_CONFIGS, choose_path, lut_matmul, lut_matmul_reference, lut_matmul_triton, split_k_fits,
+    GEMM_CONFIGS,
+    SPLIT_K_CONFIGS,
+    choose_path,
+    lut_matmul,
+    lut_matmul_reference,
+    lut_matmul_triton,
+    split_k_fits,
 )
 from quant import QuantConfig, quantize_tensor
 
@@ -75,32 +81,6 @@ def test_poisoned_output_is_fully_written(split_k):
     assert partial is None or torch.isfinite(partial).all()
 
 
-def _rows_served(config):
-    """An awkward M the split-K configuration serves (not a power of two where it can be)."""
-    bm = config.kwargs["BLOCK_M"]
-    return 5 if config.kwargs["USE_DOT"] else bm // 2 + 1
-
-
-@pytest.mark.parametrize("config", SPLIT_K_CONFIGS + GEMM_CONFIGS, ids=str)
-def test_every_tuning_config_is_correct(config):
-    """The GPU may pick any of these: each one, on awkward shapes, poisoned output, with a bias."""
-    index = (SPLIT_K_CONFIGS + GEMM_CONFIGS).index(config)
-    bits = 1 + index % 4
-    path = "gemv" if config in SPLIT_K_CONFIGS else "gemm"
-    q = _weights(70, 320, "kmeans", bits, 64, "block" if index % 2 else "layer", index)
-    m = _rows_served(config) if path == "gemv" else 37
-    x = torch.randn(m, 320, generator=torch.Generator().manual_seed(index)).half()
-    bias = torch.randn(70)
-    args = (q.codes, q.codebook, q.scales, q.offsets, q.bits, q.block_size, 320)
-    for split_k in ((1, 2) if path == "gemv" else (None,)):
-        out = torch.full((m, 70), float("nan")).half()
-        y = lut_matmul_triton(x, *args, bias=bias, path=path, split_k=split_k, config=config, out=out)
-        assert torch.isfinite(y).all()
-        ref = lut_matmul_reference(x.float(), *args, bias=bias).double()
-        bound = EPS[torch.float16] * (x.double().abs() @ q.dequantize().double().abs().T + ref.abs()) + 1e-6
-        assert torch.all((y.double() - ref).abs() <= bound), (split_k, float(((y.double() - ref).abs() / bound).max()))
-
-
 def test_split_k_configs_cover_every_decode_batch():
     for m in range(1, 17):
         fitting = [c for c in SPLIT_K_CONFIGS if split_k_fits(c, m)]
@@ -161,7 +141,9 @@ def test_bench_kernels_check_passes_on_cpu(tmp_path):
     r = run_hilt("bench", "kernels", "--check", "--json", tmp_path / "k.json")
     assert r.returncode == 0, r.stderr
     result = read_json(tmp_path / "k.json")
-    assert result["check"]["cases"] == 240 and result["check"]["failures"] == []
+    configs = len(SPLIT_K_CONFIGS) + len(GEMM_CONFIGS)
+    assert result["check"]["configs_checked"] == configs and result["check"]["failures"] == []
+    assert result["check"]["cases"] == 240 + 2 * len(SPLIT_K_CONFIGS) + len(GEMM_CONFIGS)
     if not torch.cuda.is_available():
         r = run_hilt("bench", "kernels", "--quick")
         assert r.returncode == 0 and "need a CUDA GPU" in r.stderr
@@ -178,7 +160,7 @@ def test_bench_kernels_keeps_the_timings_when_decode_cannot_run(tmp_path, monkey
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(kernels, "_gpu_info", lambda: {"device": "fake GPU"})
     monkeypatch.setattr(kernels, "check", lambda device: {"cases": 1, "failures": []})
-    monkeypatch.setattr(kernels, "timings", lambda quick: {"rows": [{"speedup": 4.0}]})
+    monkeypatch.setattr(kernels, "timings", lambda quick, graphs: {"rows": [{"speedup": 4.0}]})
     monkeypatch.delattr(bench, "llama", raising=False)
     monkeypatch.delitem(sys.modules, "bench.llama", raising=False)
     monkeypatch.setitem(sys.modules, "gguf", None)  # the GPU machine's python3 has no gguf
@@ -200,6 +182,48 @@ def test_bench_kernels_decode_alone_takes_the_given_gguf(tmp_path, monkeypatch, 
     with pytest.raises(SystemExit):  # the model of a check that does not run
         main(["bench", "kernels", "--check", "--smollm2", "joined.gguf"])
     assert "add --all or --decode" in capsys.readouterr().err
+
+
+def _fake_timings(graphs=True):
+    """A results file as a GPU run writes it (numbers invented, shapes real)."""
+    from bench import kernels
+
+    rows = []
+    for layer in ("llama7b.q_proj", "llama70b.q_proj"):
+        n, k = kernels.LAYER_SHAPES[layer]
+        for bits in (1, 2, 3, 4):
+            for m in kernels.BATCHES:
+                speed = (16 / (bits + 0.25)) * 0.8 / (1 + m / 64)
+                row = {"layer": layer, "n": n, "k": k, "m": m, "bits": bits, "bits_per_weight": bits + 0.25,
+                       "bf16_us": 30.0, "lut_us": 30.0 / speed, "speedup": speed, "lut_gb_s": 3000.0,
+                       "share_of_copy_bw": 0.75}
+                if graphs:
+                    row["graph_speedup"] = speed * 1.1
+                rows.append(row)
+    return {"machine": {"gpu": "NVIDIA H200", "torch": "2.11", "triton": "3.6"},
+            "timings": {"copy_gb_s": 4000.0, "rows": rows, "failures": []}}
+
+
+def test_targets_table_and_plot_of_a_results_file(tmp_path, capsys):
+    from bench import kernels
+    from hilt.cli import main
+
+    result = _fake_timings()
+    met = {(t["m"], t["bits"]): t["met"] for t in kernels.targets(result["timings"]["rows"])}
+    # M=1: 4 bit 3.01x (graphs 3.31x) < 3.8; 1 bit 10.24x (graphs) >= 10; M=256: 0.12x (graphs 0.13x) < 0.9
+    assert met[(1, 1)] and not met[(1, 4)] and not met[(256, 4)] and len(met) == 7
+    table = kernels.render_table(result)
+    assert "NVIDIA H200" in table and table.count("\n| llama") == 32 and "CUDA graphs" in table
+    assert "| llama70b.q_proj (8192 x 8192) | 1 | 1 | 1.25 |" in table
+    (tmp_path / "k.json").write_text(json.dumps(result))
+    assert main(["bench", "kernels", "--table", str(tmp_path / "k.json")]) == 0
+    assert capsys.readouterr().out == table
+    assert "graph" not in kernels.render_table(_fake_timings(graphs=False))
+    assert main(["bench", "kernels", "--table", str(tmp_path / "k.json"), "--plot", str(tmp_path / "k.png")]) == 0
+    assert (tmp_path / "k.png").read_bytes()[:4] == b"\x89PNG"
+    (tmp_path / "cpu.json").write_text(json.dumps({"machine": {"device": "cpu"}, "check": {}}))
+    assert main(["bench", "kernels", "--table", str(tmp_path / "cpu.json")]) != 0
+    assert "cpu.json: no timings in this results file" in capsys.readouterr().err
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
