@@ -90,12 +90,153 @@ def choose_path(m: int) -> str:
 
 
 @triton.jit
+def _codes_tile(codes_ptr, offs_n, mask_n, offs_k, mask_k, k_start, row_bytes,
+                BITS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """(BLOCK_N, BLOCK_K) int32 codes of columns offs_k (= k_start + arange). Code k of a row sits
+    at bits [k*BITS, (k+1)*BITS) of the row's little-endian bit stream."""
+    if (8 % BITS == 0) and (BITS < 8):
+        # 1, 2, 4 bits: one contiguous (vectorisable) load of the tile's bytes, codes split off in registers
+        offs_b = k_start // (8 // BITS) + tl.arange(0, BLOCK_K // (8 // BITS))
+        packed = tl.load(codes_ptr + offs_n[:, None] * row_bytes + offs_b[None, :],
+                         mask=mask_n[:, None] & (offs_b < row_bytes)[None, :], other=0).to(tl.int32)
+        shifts = tl.arange(0, 8 // BITS) * BITS
+        code = tl.reshape((packed[:, :, None] >> shifts[None, None, :]) & ((1 << BITS) - 1), (BLOCK_N, BLOCK_K))
+    else:  # 3, 5, 6, 7, 8 bits: per code, from its byte and, if it straddles, the next
+        bit = offs_k * BITS
+        byte = bit // 8
+        row = codes_ptr + offs_n[:, None] * row_bytes + byte[None, :]
+        mask_w = mask_n[:, None] & mask_k[None, :]
+        word = tl.load(row, mask=mask_w, other=0).to(tl.int32)
+        if (8 % BITS) != 0:
+            nxt = tl.load(row + 1, mask=mask_w & (byte[None, :] + 1 < row_bytes), other=0).to(tl.int32)
+            word = word | (nxt << 8)
+        code = (word >> (bit % 8)[None, :]) & ((1 << BITS) - 1)
+    return code
+
+
+@triton.jit
+def _weights_tile(code, book_ptr, scales_ptr, offsets_ptr, offs_n, mask_n, offs_k, mask_k, k_start, n_blocks,
+                  BITS: tl.constexpr, BLOCK: tl.constexpr, PER_BLOCK_BOOK: tl.constexpr, HAS_OFFSETS: tl.constexpr,
+                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """float32 (BLOCK_N, BLOCK_K) weights: codebook level times block scale (plus offset); zero past K."""
+    mask_w = mask_n[:, None] & mask_k[None, :]
+    if PER_BLOCK_BOOK:
+        block_idx = offs_n[:, None] * n_blocks + (offs_k // BLOCK)[None, :]
+        level = tl.load(book_ptr + block_idx * (1 << BITS) + code, mask=mask_w, other=0.0).to(tl.float32)
+    elif BITS == 1:  # two levels: arithmetic, no lookup
+        low = tl.load(book_ptr).to(tl.float32)
+        level = low + code.to(tl.float32) * (tl.load(book_ptr + 1).to(tl.float32) - low)
+    else:
+        level = tl.load(book_ptr + code).to(tl.float32)  # a code is always a valid index: L1-resident table
+    if ((BLOCK & (BLOCK - 1)) == 0) and (BLOCK_K % BLOCK == 0):
+        # whole blocks in the tile: one scale per (row, block), applied to the block's columns
+        offs_blk = k_start // BLOCK + tl.arange(0, BLOCK_K // BLOCK)
+        idx = offs_n[:, None] * n_blocks + offs_blk[None, :]
+        mask_s = mask_n[:, None] & (offs_blk < n_blocks)[None, :]
+        scale = tl.load(scales_ptr + idx, mask=mask_s, other=0.0).to(tl.float32)
+        w = tl.reshape(level, (BLOCK_N, BLOCK_K // BLOCK, BLOCK)) * scale[:, :, None]
+        if HAS_OFFSETS:
+            w += tl.load(offsets_ptr + idx, mask=mask_s, other=0.0).to(tl.float32)[:, :, None]
+        w = tl.reshape(w, (BLOCK_N, BLOCK_K))
+    else:  # blocks that do not tile BLOCK_K: a scale per element
+        block_idx = offs_n[:, None] * n_blocks + (offs_k // BLOCK)[None, :]
+        w = level * tl.load(scales_ptr + block_idx, mask=mask_w, other=0.0).to(tl.float32)
+        if HAS_OFFSETS:
+            w += tl.load(offsets_ptr + block_idx, mask=mask_w, other=0.0).to(tl.float32)
+    return w
+
+
+@triton.jit
+def _tile_by_codes(x_ptr, codes_ptr, book_ptr, scales_ptr, offsets_ptr, offs_m, mask_m, offs_n, mask_n,
+                   k_begin, k_per_split, K, row_bytes, n_blocks, stride_xm,
+                   BITS: tl.constexpr, BLOCK: tl.constexpr, PER_BLOCK_BOOK: tl.constexpr, HAS_OFFSETS: tl.constexpr,
+                   DOT_FP32: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                   USE_DOT: tl.constexpr):
+    """float32 (BLOCK_M, BLOCK_N) sums over this split's K range, any format: (BLOCK_N, BLOCK_K)
+    weight tiles from the codes, then tensor cores or a multiply-and-add on CUDA cores."""
+    if USE_DOT:
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    else:  # products summed per column position; across K once, after the loop (no shuffles per tile)
+        acc = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_K), dtype=tl.float32)
+    for k0 in range(0, k_per_split, BLOCK_K):
+        offs_k = k_begin + k0 + tl.arange(0, BLOCK_K)
+        mask_k = offs_k < K
+        x = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :],
+                    mask=mask_m[:, None] & mask_k[None, :], other=0.0)
+        code = _codes_tile(codes_ptr, offs_n, mask_n, offs_k, mask_k, k_begin + k0, row_bytes,
+                           BITS, BLOCK_N, BLOCK_K)
+        w = _weights_tile(code, book_ptr, scales_ptr, offsets_ptr, offs_n, mask_n, offs_k, mask_k, k_begin + k0,
+                          n_blocks, BITS, BLOCK, PER_BLOCK_BOOK, HAS_OFFSETS, BLOCK_N, BLOCK_K)
+        if USE_DOT:
+            if DOT_FP32:  # float32 inputs keep full precision (no TF32)
+                acc += tl.dot(x.to(tl.float32), tl.trans(w), input_precision="ieee")
+            else:
+                acc += tl.dot(x, tl.trans(w.to(x.dtype)))
+        else:
+            acc += x.to(tl.float32)[:, None, :] * w[None, :, :]
+    if not USE_DOT:
+        acc = tl.sum(acc, axis=2)
+    return acc
+
+
+@triton.jit
+def _row_by_bytes(x_row, codes_ptr, table_ptr, scales_ptr, offsets_ptr, offs_n, mask_n,
+                  k_begin, k_per_split, row_bytes, n_blocks,
+                  BITS: tl.constexpr, BLOCK: tl.constexpr, HAS_OFFSETS: tl.constexpr,
+                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """float32 (1, BLOCK_N) sums for one row of x, 1/2/4-bit codes with one codebook: each code
+    byte indexes the byte table (:func:`byte_table`), which holds the levels of all its codes, so
+    one lookup yields 8 // BITS weights and no code is shifted out. Tiles are (BLOCK_N, blocks,
+    bytes per block, codes per byte): the block scale applies along the second axis."""
+    blocks = tl.arange(0, BLOCK_K // BLOCK)
+    in_block = tl.arange(0, BLOCK // (8 // BITS))
+    per_byte = tl.arange(0, 8 // BITS)
+    acc = tl.zeros((BLOCK_N, BLOCK_K // BLOCK, BLOCK // (8 // BITS), 8 // BITS), dtype=tl.float32)
+    for k0 in range(0, k_per_split, BLOCK_K):
+        blk = (k_begin + k0) // BLOCK + blocks
+        mask_blk = blk < n_blocks  # K is whole blocks
+        byte = (blk * (BLOCK // (8 // BITS)))[:, None] + in_block[None, :]
+        mask_nb = mask_n[:, None] & mask_blk[None, :]
+        packed = tl.load(codes_ptr + offs_n[:, None, None] * row_bytes + byte[None, :, :],
+                         mask=mask_nb[:, :, None], other=0).to(tl.int32)
+        level = tl.load(table_ptr + packed[:, :, :, None] * (8 // BITS) + per_byte[None, None, None, :])
+        col = (blk * BLOCK)[:, None, None] + (in_block * (8 // BITS))[None, :, None] + per_byte[None, None, :]
+        x = tl.load(x_row + col, mask=mask_blk[:, None, None], other=0.0).to(tl.float32)
+        idx = offs_n[:, None] * n_blocks + blk[None, :]
+        scale = tl.load(scales_ptr + idx, mask=mask_nb, other=0.0).to(tl.float32)
+        w = level * scale[:, :, None, None]
+        if HAS_OFFSETS:
+            w += tl.load(offsets_ptr + idx, mask=mask_nb, other=0.0).to(tl.float32)[:, :, None, None]
+        acc += w * x[None, :, :, :]
+    return tl.sum(tl.sum(tl.sum(acc, axis=3), axis=2), axis=1)[None, :]
+
+
+def byte_table(codebook: torch.Tensor, bits: int) -> torch.Tensor:
+    """float32 (256, 8 // bits): row b holds the levels of the codes packed in byte b, lowest
+    bits first (the packing order). What the one-row path of the kernel looks codes up in; built
+    once per layer by QuantLinear."""
+    if bits not in (1, 2, 4) or codebook.ndim != 1:
+        raise HiltError(f"a byte table needs 1, 2 or 4 bits and one codebook per layer, got {bits} bits and "
+                        f"codebook shape {tuple(codebook.shape)}")
+    per_byte = 8 // bits
+    byte = torch.arange(256, device=codebook.device)
+    shift = torch.arange(per_byte, device=codebook.device) * bits
+    return codebook.float()[(byte[:, None] >> shift[None, :]) & ((1 << bits) - 1)].contiguous()
+
+
+def uses_byte_table(codebook: torch.Tensor, bits: int, block_size: int) -> bool:
+    """Whether the one-row path reads codes through a byte table for this format: 1, 2 or 4
+    bits, one codebook, blocks of 8-64 (a power of two, so whole blocks tile BLOCK_K)."""
+    return bits in (1, 2, 4) and codebook.ndim == 1 and block_size in (8, 16, 32, 64)
+
+
+@triton.jit
 def _lut_matmul_kernel(
-    x_ptr, codes_ptr, book_ptr, scales_ptr, offsets_ptr, bias_ptr, out_ptr,
+    x_ptr, codes_ptr, book_ptr, table_ptr, scales_ptr, offsets_ptr, bias_ptr, out_ptr,
     M, N, K, row_bytes, n_blocks, SPLIT, m_bucket,
     stride_xm, stride_om, stride_os,
     BITS: tl.constexpr, BLOCK: tl.constexpr, PER_BLOCK_BOOK: tl.constexpr, HAS_OFFSETS: tl.constexpr,
-    HAS_BIAS: tl.constexpr, DOT_FP32: tl.constexpr, EMULATE: tl.constexpr,
+    HAS_BIAS: tl.constexpr, DOT_FP32: tl.constexpr, EMULATE: tl.constexpr, BYTE_TABLE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_DOT: tl.constexpr,
 ):
     """One (BLOCK_M, BLOCK_N) tile of out over the K range of split ``pid_s``. With SPLIT == 1,
@@ -108,40 +249,15 @@ def _lut_matmul_kernel(
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_m = offs_m < M
     mask_n = offs_n < N
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     k_per_split = tl.cdiv(tl.cdiv(K, SPLIT), BLOCK_K) * BLOCK_K  # a split past K adds nothing
     k_begin = pid_s * k_per_split
-    for k0 in range(0, k_per_split, BLOCK_K):
-        offs_k = k_begin + k0 + tl.arange(0, BLOCK_K)
-        mask_k = offs_k < K
-        x = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :],
-                    mask=mask_m[:, None] & mask_k[None, :], other=0.0)
-        mask_w = mask_n[:, None] & mask_k[None, :]
-        # code k of a row sits at bits [k*BITS, (k+1)*BITS) of the row's little-endian bit stream
-        bit = offs_k * BITS
-        byte = bit // 8
-        row = codes_ptr + offs_n[:, None] * row_bytes + byte[None, :]
-        word = tl.load(row, mask=mask_w, other=0).to(tl.int32)
-        if (8 % BITS) != 0:  # 3, 5, 6, 7 bits: a code may straddle two bytes
-            nxt = tl.load(row + 1, mask=mask_w & (byte[None, :] + 1 < row_bytes), other=0).to(tl.int32)
-            word = word | (nxt << 8)
-        code = (word >> (bit % 8)[None, :]) & ((1 << BITS) - 1)
-        block_idx = offs_n[:, None] * n_blocks + (offs_k // BLOCK)[None, :]
-        scale = tl.load(scales_ptr + block_idx, mask=mask_w, other=0.0).to(tl.float32)
-        if PER_BLOCK_BOOK:
-            level = tl.load(book_ptr + block_idx * (1 << BITS) + code, mask=mask_w, other=0.0)
-        else:
-            level = tl.load(book_ptr + code)  # a code is always a valid index
-        w = level.to(tl.float32) * scale
-        if HAS_OFFSETS:
-            w += tl.load(offsets_ptr + block_idx, mask=mask_w, other=0.0).to(tl.float32)
-        if USE_DOT:
-            if DOT_FP32:  # float32 inputs keep full precision (no TF32)
-                acc += tl.dot(x.to(tl.float32), tl.trans(w), input_precision="ieee")
-            else:
-                acc += tl.dot(x, tl.trans(w.to(x.dtype)))
-        else:
-            acc += tl.sum(x.to(tl.float32)[:, None, :] * w[None, :, :], axis=2)
+    if BYTE_TABLE and (BLOCK_M == 1):
+        acc = _row_by_bytes(x_ptr + pid_m * stride_xm, codes_ptr, table_ptr, scales_ptr, offsets_ptr, offs_n, mask_n,
+                            k_begin, k_per_split, row_bytes, n_blocks, BITS, BLOCK, HAS_OFFSETS, BLOCK_N, BLOCK_K)
+    else:
+        acc = _tile_by_codes(x_ptr, codes_ptr, book_ptr, scales_ptr, offsets_ptr, offs_m, mask_m, offs_n, mask_n,
+                             k_begin, k_per_split, K, row_bytes, n_blocks, stride_xm, BITS, BLOCK, PER_BLOCK_BOOK,
+                             HAS_OFFSETS, DOT_FP32, BLOCK_M, BLOCK_N, BLOCK_K, USE_DOT)
     if HAS_BIAS:  # once: in split 0's sum
         b = tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)
         acc += tl.where(pid_s == 0, b, 0.0)[None, :]
@@ -229,8 +345,30 @@ def _check(x, codes, codebook, scales, offsets, bits, block_size, in_features):
         raise HiltError(f"offsets have shape {tuple(offsets.shape)}, expected {tuple(scales.shape)}")
 
 
+def kernel_args(x2, codes, codebook, scales, offsets, bias, target, bits, block_size, path, split_k, table=None,
+                emulate=False):
+    """(positional arguments, constexpr flags) of ``_lut_matmul_kernel`` for a 2-D x and the
+    output or partial-sum buffer ``target``, less the tile configuration. Builds the byte table
+    when the one-row path uses it and ``table`` is None."""
+    m, n, k = x2.shape[0], codes.shape[0], x2.shape[1]
+    by_bytes = path == "gemv" and m == 1 and uses_byte_table(codebook, bits, block_size)
+    if by_bytes and table is None:
+        table = byte_table(codebook, bits)
+    args = (x2, codes.contiguous(), codebook.contiguous(), table if by_bytes else codebook, scales.contiguous(),
+            scales if offsets is None else offsets.contiguous(), scales if bias is None else bias, target,
+            m, n, k, codes.shape[1], k // block_size, split_k, triton.next_power_of_2(m),
+            x2.stride(0), target.stride(-2), target.stride(0) if split_k > 1 else 0)
+    flags = {"BITS": bits, "BLOCK": block_size, "PER_BLOCK_BOOK": codebook.ndim > 1, "BYTE_TABLE": by_bytes,
+             "HAS_OFFSETS": offsets is not None, "HAS_BIAS": bias is not None,
+             # Triton's interpreter computes tl.dot on bfloat16 wrongly (checked: values of 1e10
+             # for unit inputs), so there the dot runs in float32; GPUs use bf16 tensor cores.
+             "DOT_FP32": x2.dtype == torch.float32 or (x2.dtype == torch.bfloat16 and emulate),
+             "EMULATE": emulate}
+    return args, flags
+
+
 def lut_matmul_triton(x, codes, codebook, scales, offsets, bits, block_size, in_features, bias=None,
-                      path=None, split_k=None, config=None, out=None, partial=None):
+                      path=None, split_k=None, config=None, out=None, partial=None, table=None):
     """The Triton kernel (any device Triton runs on, including the CPU interpreter).
 
     ``path``: "gemv" (split-K, M <= 16) or "gemm" (default: :func:`choose_path`).
@@ -239,7 +377,8 @@ def lut_matmul_triton(x, codes, codebook, scales, offsets, bits, block_size, in_
     USE_DOT (default: autotuned on a GPU, :func:`default_config` under the interpreter).
     ``out``: optional (M, N) tensor in x's dtype for the result (M: x's rows); ``partial``:
     optional float32 (split_k, M, N) buffer for the per-split sums. Tests fill both with NaN
-    to catch unwritten elements.
+    to catch unwritten elements. ``table``: the codebook's :func:`byte_table` for one-row
+    inputs (built here when needed and not given).
     """
     _check(x, codes, codebook, scales, offsets, bits, block_size, in_features)
     if x.dtype not in (torch.float16, torch.bfloat16, torch.float32):
@@ -275,16 +414,8 @@ def lut_matmul_triton(x, codes, codebook, scales, offsets, bits, block_size, in_
             config = default_config(path, m)
         elif config is not None and path == "gemv" and not split_k_fits(config, m):
             raise HiltError(f"configuration {config} does not serve {m} rows on the split-K path")
-        args = (x2, codes.contiguous(), codebook.contiguous(), scales.contiguous(),
-                scales if offsets is None else offsets.contiguous(), scales if bias is None else bias, target,
-                m, n, k, codes.shape[1], k // block_size, split_k, triton.next_power_of_2(m),
-                x2.stride(0), target.stride(-2), target.stride(0) if split_k > 1 else 0)
-        flags = {"BITS": bits, "BLOCK": block_size, "PER_BLOCK_BOOK": codebook.ndim > 1,
-                 "HAS_OFFSETS": offsets is not None, "HAS_BIAS": bias is not None,
-                 # Triton's interpreter computes tl.dot on bfloat16 wrongly (checked: values of 1e10
-                 # for unit inputs), so there the dot runs in float32; GPUs use bf16 tensor cores.
-                 "DOT_FP32": x.dtype == torch.float32 or (x.dtype == torch.bfloat16 and emulate),
-                 "EMULATE": emulate}
+        args, flags = kernel_args(x2, codes, codebook, scales, offsets, bias, target, bits, block_size, path, split_k,
+                                  table, emulate)
 
         def grid(meta):
             return (triton.cdiv(m, meta["BLOCK_M"]), triton.cdiv(n, meta["BLOCK_N"]), split_k)
