@@ -21,7 +21,8 @@
 --plot bench/results/kernels-gpu.png`` is the whole GPU check in one call
 (correctness, timings, decode; minutes); ``--decode`` runs the decode check alone
 (bench/gpu_check.sh splits it off on a machine that receives the SmolLM2 file in two
-calls). ``--table`` prints the README table of a results file.
+calls). ``--table`` prints the README table of a results file; ``--sass`` compiles the
+kernel for an sm_90 GPU without one (bench/sass.py).
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ from pathlib import Path
 
 import torch
 
-from kernels import HiltError
+from kernels import HiltError, byte_table, uses_byte_table
 from kernels.lut_matmul import (
     GEMM_CONFIGS,
     SPLIT_K_CONFIGS,
@@ -110,8 +111,11 @@ def check(device: str = "cpu", log=print) -> dict:
     configs = [("gemv", c) for c in SPLIT_K_CONFIGS] + [("gemm", c) for c in GEMM_CONFIGS]
     for i, (path, config) in enumerate(configs):
         m = next(m for m in (5, 7, 3, 1, 2, 16) if split_k_fits(config, m)) if path == "gemv" else 37
+        reads = config.kwargs["CODES"]
+        bits = (1, 2, 4)[i % 3] if reads != "code" else 1 + i % 4  # the bit widths this way of reading serves
+        scope = "layer" if reads == "table" or i % 2 == 0 else "block"  # the table serves one codebook per layer
         q = quantize_tensor(torch.randn(70, 320, generator=g) * 0.05,
-                            QuantConfig("kmeans", 1 + i % 4, 64, codebook="block" if i % 2 else "layer")).to(device)
+                            QuantConfig("kmeans", bits, 64, codebook=scope)).to(device)
         x = torch.randn(m, 320, generator=g).to((torch.float16, torch.bfloat16)[i % 2]).to(device)
         bias = torch.randn(70, generator=g).to(device)
         for split_k in ((1, 2) if path == "gemv" else (None,)):
@@ -197,18 +201,19 @@ def timings(quick: bool = False, cuda_graphs: bool = False, log=print) -> dict:
             scales = (torch.rand(n, k // 64, device=dev, generator=gen) * 0.05).to(torch.bfloat16)
             w_deq = dequantize_lut(codes, book, scales, None, bits, 64, k).double()  # the reference's weights
             w_abs = w_deq.abs()
+            table = byte_table(book, bits) if uses_byte_table(book, bits, 64) else None  # kept, as QuantLinear does
             for m in BATCHES:
                 x = torch.randn(m, k, device=dev, dtype=torch.bfloat16, generator=gen)
                 path = choose_path(m)
                 torch.cuda.synchronize()
                 start = time.perf_counter()
-                y = lut_matmul_triton(x, codes, book, scales, None, bits, 64, k)
+                y = lut_matmul_triton(x, codes, book, scales, None, bits, 64, k, table=table)
                 torch.cuda.synchronize()
                 first_call_s = time.perf_counter() - start
                 ratio = _error_ratio(y, x, x.double() @ w_deq.T, w_abs, torch.bfloat16)
                 ms_ref = do_bench(lambda x=x, w=w: torch.matmul(x, w.T))
-                ms_q = do_bench(lambda x=x, c=codes, b=book, s=scales, bits=bits, k=k:
-                                lut_matmul_triton(x, c, b, s, None, bits, 64, k))
+                ms_q = do_bench(lambda x=x, c=codes, b=book, s=scales, bits=bits, k=k, t=table:
+                                lut_matmul_triton(x, c, b, s, None, bits, 64, k, table=t))
                 weight_bytes = codes.numel() + scales.numel() * 2 + book.numel() * 2
                 moved = weight_bytes + x.numel() * 2 + m * n * 2
                 best = TUNED_KERNELS[path].best_config
@@ -220,7 +225,7 @@ def timings(quick: bool = False, cuda_graphs: bool = False, log=print) -> dict:
                        "share_of_copy_bw": moved / ms_q / 1e6 / copy_gbs}
                 if cuda_graphs:
                     try:
-                        row.update(_graph_row(x, w, codes, book, scales, bits, k, l2))
+                        row.update(_graph_row(x, w, codes, book, scales, bits, k, l2, table))
                     except RuntimeError as e:  # keep the do_bench numbers; the command fails at the end
                         row["graph_error"] = str(e).splitlines()[0] if str(e) else repr(e)
                         graph_errors.append({"layer": name, "m": m, "bits": bits, "error": row["graph_error"]})
@@ -242,13 +247,14 @@ def timings(quick: bool = False, cuda_graphs: bool = False, log=print) -> dict:
     return result
 
 
-def _graph_row(x, w, codes, book, scales, bits, k, l2) -> dict:
+def _graph_row(x, w, codes, book, scales, bits, k, l2, table) -> dict:
     """Both sides inside CUDA graphs, each cycling through its own copies of the weights."""
     lut_bytes = codes.numel() + scales.numel() * 2 + book.numel() * 2
     ref_copies = [w.clone() for _ in range(_copies(w.numel() * 2, l2))]
     lut_copies = [(codes.clone(), scales.clone()) for _ in range(_copies(lut_bytes, l2))]
     bf16_us = _graph_us([lambda w=c: torch.matmul(x, w.T) for c in ref_copies])
-    lut_us = _graph_us([lambda c=c, s=s: lut_matmul_triton(x, c, book, s, None, bits, 64, k) for c, s in lut_copies])
+    lut_us = _graph_us([lambda c=c, s=s: lut_matmul_triton(x, c, book, s, None, bits, 64, k, table=table)
+                        for c, s in lut_copies])
     return {"bf16_graph_us": bf16_us, "lut_graph_us": lut_us, "graph_speedup": bf16_us / lut_us,
             "graph_copies": [len(ref_copies), len(lut_copies)],
             "graph_lut_in_l2": len(lut_copies) * lut_bytes < 2 * l2}
@@ -360,7 +366,13 @@ def main(argv=None) -> int:
     p.add_argument("--json", help="write results here")
     p.add_argument("--plot", metavar="PNG", help="plot the speedups here (of the timings, or of --table's file)")
     p.add_argument("--table", metavar="JSON", help="print the markdown table of a results file (no new run)")
+    p.add_argument("--sass", action="store_true", help="no GPU needed: compile every tuning configuration for "
+                   "sm_90 and report registers, spills and main-loop instructions per weight (--quick: a few)")
     args = p.parse_args(argv)
+    if args.sass:
+        from bench import sass
+
+        return sass.main(["--quick"] * args.quick + (["--json", args.json] if args.json else []))
     if args.table:
         try:
             saved = json.loads(Path(args.table).read_text())

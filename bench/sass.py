@@ -111,7 +111,8 @@ def compile_case(path: str, m: int, bits: int, config, block_size: int = 64, sha
                                capture_output=True, text=True, check=True).stdout
         sass = subprocess.run([str(_tools() / "cuobjdump"), "-sass", str(cubin)],
                               capture_output=True, text=True, check=True).stdout
-    resources = {key.lower(): int(value) for key, value in re.findall(r"\b(REG|SHARED|LOCAL):(\d+)", usage)}
+    resources = {key.lower(): int(value) for key, value in re.findall(r"\b(REG|LOCAL):(\d+)", usage)}
+    resources["shared"] = compiled.metadata.shared  # dynamic shared memory: what Triton allocates
     ops = _loop_opcodes(sass)
     kw = config.kwargs
     weights = kw["BLOCK_N"] * kw["BLOCK_K"] / (32 * config.num_warps)  # per thread per loop iteration
@@ -123,23 +124,38 @@ def compile_case(path: str, m: int, bits: int, config, block_size: int = 64, sha
             "loop_top": dict(ops.most_common(8))}
 
 
-def report(log=print) -> dict:
-    """Every tuning configuration compiled for sm_90, for the batch sizes that take it."""
-    from kernels.lut_matmul import GEMM_CONFIGS, SPLIT_K_CONFIGS, split_k_fits
+def report(batches=None, bits=(1, 2, 3, 4), quick=False, log=print) -> dict:
+    """Every tuning configuration compiled for sm_90, for the batch sizes that take it
+    (``batches``: only these M). ``quick``: one configuration per path and way to read codes,
+    at 1, 3 and 4 bits (seconds: for the tests)."""
+    from kernels.lut_matmul import (
+        GEMM_CONFIGS,
+        SPLIT_K_CONFIGS,
+        reads_codes_distinctly,
+        split_k_fits,
+    )
 
     rows = []
     cases = [("gemv", m, c) for c in SPLIT_K_CONFIGS for m in (1, 16) if split_k_fits(c, m)]
     cases += [("gemv", 2 if c.kwargs["BLOCK_M"] == 2 else 5, c) for c in SPLIT_K_CONFIGS
               if not (split_k_fits(c, 1) or split_k_fits(c, 16))]
     cases += [("gemm", 256, c) for c in GEMM_CONFIGS]
+    if quick:
+        first = {}
+        for path, m, config in cases:
+            first.setdefault((path, m == 1, config.kwargs["USE_DOT"], config.kwargs["CODES"]), (path, m, config))
+        cases, bits = list(first.values()), (1, 3, 4)
     for path, m, config in cases:
-        for bits in (1, 2, 3, 4):
-            row = compile_case(path, m, bits, config)
+        if batches and m not in batches:
+            continue
+        for b in bits:
+            if not reads_codes_distinctly(config, b, byte_table=m == 1 and b in (1, 2, 4)):
+                continue  # the same code as another configuration
+            row = compile_case(path, m, b, config)
             rows.append(row)
             kw = row["config"]
-            log(f"{path} M={m:<3} {bits} bit  BLOCK {kw['BLOCK_M']:>2}x{kw['BLOCK_N']:>3}x{kw['BLOCK_K']:>3} "
-                f"{'dot' if kw['USE_DOT'] else 'fma'} w{kw['num_warps']} s{kw['num_stages']}"
-                f"{' table' if row['byte_table'] else '      '}  regs {row['reg']:>3}  spill {row['local']:>4} B  "
+            log(f"{path} M={m:<3} {b} bit  BLOCK {kw['BLOCK_M']:>2}x{kw['BLOCK_N']:>3}x{kw['BLOCK_K']:>3} "
+                f"{'dot' if kw['USE_DOT'] else 'fma'} w{kw['num_warps']} s{kw['num_stages']} {kw['CODES']:<6}  regs {row['reg']:>3}  spill {row['local']:>4} B  "
                 f"shared {row['shared']:>6} B  loop {row['loop_instructions']:>4} instr"
                 + (f" = {row['instructions_per_weight']:5.2f}/weight" if row["instructions_per_weight"] else ""))
     return {"target": f"sm_{ARCH}", "shape": list(SHAPE), "rows": rows}
@@ -148,6 +164,9 @@ def report(log=print) -> dict:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--json", help="write the report here")
+    p.add_argument("--batch", type=int, action="append", help="only this M (1, 2, 5, 16 or 256; repeatable)")
+    p.add_argument("--bits", type=int, action="append", help="only these bit widths (repeatable)")
+    p.add_argument("--quick", action="store_true", help="one configuration per path and way to read codes")
     args = p.parse_args(argv)
     if os.environ.get("TRITON_INTERPRET") == "1":  # kernels must be defined for the compiler, not the interpreter
         env = {**os.environ, "TRITON_INTERPRET": "0"}
@@ -157,7 +176,7 @@ def main(argv=None) -> int:
         print("hilt: this Triton has no CUDA backend tools (ptxas, cuobjdump); cannot compile for a GPU here",
               file=sys.stderr)
         return 1
-    result = report()
+    result = report(args.batch, args.bits or (1, 2, 3, 4), args.quick)
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=1) + "\n")
     return 0

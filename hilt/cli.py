@@ -348,7 +348,7 @@ def cmd_bench_kernels(args) -> int:
     from bench import kernels
 
     flags = (("--check", args.check), ("--all", args.all), ("--decode", args.decode), ("--quick", args.quick),
-             ("--cuda-graphs", args.cuda_graphs))
+             ("--cuda-graphs", args.cuda_graphs), ("--sass", args.sass))
     argv = [flag for flag, on in flags if on]
     for option, value in (("--smollm2", args.smollm2), ("--json", args.json), ("--plot", args.plot),
                           ("--table", args.table)):
@@ -554,6 +554,8 @@ def build_parser() -> argparse.ArgumentParser:
     bk.add_argument("--plot", metavar="PNG", help="speedup against M per layer shape and bit width (of the timings, "
                     "or of --table's file)")
     bk.add_argument("--table", metavar="JSON", help="print the markdown table of a results file (no new run)")
+    bk.add_argument("--sass", action="store_true", help="no GPU needed: compile the tuning configurations for sm_90 "
+                    "and report registers, spills and main-loop instructions per weight (with --quick: a few)")
     bk.set_defaults(func=cmd_bench_kernels)
 
     ba = _parser_with_example(bsub, "attention", "FP8 attention kernel against bf16 flash SDPA (GPU only), "

@@ -18,10 +18,10 @@ if not torch.cuda.is_available():
 
 from kernels.errors import HiltError  # noqa: E402
 from kernels.fp8_attention import attention_reference, fp8_attention
-from kernels.lut_matmul import dequantize_lut, lut_matmul  # noqa: E402
+from kernels.lut_matmul import byte_table, dequantize_lut, lut_matmul, uses_byte_table  # noqa: E402
 from kernels.packing import pack_codes, packed_row_bytes, unpack_codes  # noqa: E402
 
 __all__ = [
-    "HiltError", "attention_reference", "dequantize_lut", "fp8_attention", "lut_matmul", "pack_codes",
-    "packed_row_bytes", "unpack_codes",
+    "HiltError", "attention_reference", "byte_table", "dequantize_lut", "fp8_attention", "lut_matmul", "pack_codes",
+    "packed_row_bytes", "unpack_codes", "uses_byte_table",
 ]

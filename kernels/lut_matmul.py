@@ -91,17 +91,18 @@ def choose_path(m: int) -> str:
 
 @triton.jit
 def _codes_tile(codes_ptr, offs_n, mask_n, offs_k, mask_k, k_start, row_bytes,
-                BITS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                BITS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, UNPACK: tl.constexpr):
     """(BLOCK_N, BLOCK_K) int32 codes of columns offs_k (= k_start + arange). Code k of a row sits
     at bits [k*BITS, (k+1)*BITS) of the row's little-endian bit stream."""
-    if (8 % BITS == 0) and (BITS < 8):
-        # 1, 2, 4 bits: one contiguous (vectorisable) load of the tile's bytes, codes split off in registers
+    if UNPACK and (8 % BITS == 0):
+        # 1, 2, 4 bits: one contiguous (vectorisable) load of the tile's bytes, codes split off in
+        # registers (the reshape may cost a trip through shared memory: tuning decides)
         offs_b = k_start // (8 // BITS) + tl.arange(0, BLOCK_K // (8 // BITS))
         packed = tl.load(codes_ptr + offs_n[:, None] * row_bytes + offs_b[None, :],
                          mask=mask_n[:, None] & (offs_b < row_bytes)[None, :], other=0).to(tl.int32)
         shifts = tl.arange(0, 8 // BITS) * BITS
         code = tl.reshape((packed[:, :, None] >> shifts[None, None, :]) & ((1 << BITS) - 1), (BLOCK_N, BLOCK_K))
-    else:  # 3, 5, 6, 7, 8 bits: per code, from its byte and, if it straddles, the next
+    else:  # per code, from its byte and, for 3, 5, 6, 7 bits, the next when it straddles
         bit = offs_k * BITS
         byte = bit // 8
         row = codes_ptr + offs_n[:, None] * row_bytes + byte[None, :]
@@ -151,7 +152,7 @@ def _tile_by_codes(x_ptr, codes_ptr, book_ptr, scales_ptr, offsets_ptr, offs_m, 
                    k_begin, k_per_split, K, row_bytes, n_blocks, stride_xm,
                    BITS: tl.constexpr, BLOCK: tl.constexpr, PER_BLOCK_BOOK: tl.constexpr, HAS_OFFSETS: tl.constexpr,
                    DOT_FP32: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                   USE_DOT: tl.constexpr):
+                   USE_DOT: tl.constexpr, UNPACK: tl.constexpr):
     """float32 (BLOCK_M, BLOCK_N) sums over this split's K range, any format: (BLOCK_N, BLOCK_K)
     weight tiles from the codes, then tensor cores or a multiply-and-add on CUDA cores."""
     if USE_DOT:
@@ -164,7 +165,7 @@ def _tile_by_codes(x_ptr, codes_ptr, book_ptr, scales_ptr, offsets_ptr, offs_m, 
         x = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :],
                     mask=mask_m[:, None] & mask_k[None, :], other=0.0)
         code = _codes_tile(codes_ptr, offs_n, mask_n, offs_k, mask_k, k_begin + k0, row_bytes,
-                           BITS, BLOCK_N, BLOCK_K)
+                           BITS, BLOCK_N, BLOCK_K, UNPACK)
         w = _weights_tile(code, book_ptr, scales_ptr, offsets_ptr, offs_n, mask_n, offs_k, mask_k, k_begin + k0,
                           n_blocks, BITS, BLOCK, PER_BLOCK_BOOK, HAS_OFFSETS, BLOCK_N, BLOCK_K)
         if USE_DOT:
@@ -237,7 +238,7 @@ def _lut_matmul_kernel(
     stride_xm, stride_om, stride_os,
     BITS: tl.constexpr, BLOCK: tl.constexpr, PER_BLOCK_BOOK: tl.constexpr, HAS_OFFSETS: tl.constexpr,
     HAS_BIAS: tl.constexpr, DOT_FP32: tl.constexpr, EMULATE: tl.constexpr, BYTE_TABLE: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_DOT: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_DOT: tl.constexpr, CODES: tl.constexpr,
 ):
     """One (BLOCK_M, BLOCK_N) tile of out over the K range of split ``pid_s``. With SPLIT == 1,
     out is the result in its own dtype (bias added, rounded here); otherwise out is the float32
@@ -251,13 +252,13 @@ def _lut_matmul_kernel(
     mask_n = offs_n < N
     k_per_split = tl.cdiv(tl.cdiv(K, SPLIT), BLOCK_K) * BLOCK_K  # a split past K adds nothing
     k_begin = pid_s * k_per_split
-    if BYTE_TABLE and (BLOCK_M == 1):
+    if BYTE_TABLE and (CODES == "table"):  # BYTE_TABLE: one row of x, a format the table serves
         acc = _row_by_bytes(x_ptr + pid_m * stride_xm, codes_ptr, table_ptr, scales_ptr, offsets_ptr, offs_n, mask_n,
                             k_begin, k_per_split, row_bytes, n_blocks, BITS, BLOCK, HAS_OFFSETS, BLOCK_N, BLOCK_K)
     else:
         acc = _tile_by_codes(x_ptr, codes_ptr, book_ptr, scales_ptr, offsets_ptr, offs_m, mask_m, offs_n, mask_n,
                              k_begin, k_per_split, K, row_bytes, n_blocks, stride_xm, BITS, BLOCK, PER_BLOCK_BOOK,
-                             HAS_OFFSETS, DOT_FP32, BLOCK_M, BLOCK_N, BLOCK_K, USE_DOT)
+                             HAS_OFFSETS, DOT_FP32, BLOCK_M, BLOCK_N, BLOCK_K, USE_DOT, CODES != "code")
     if HAS_BIAS:  # once: in split 0's sum
         b = tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)
         acc += tl.where(pid_s == 0, b, 0.0)[None, :]
@@ -265,28 +266,42 @@ def _lut_matmul_kernel(
     tl.store(out, to_dtype(acc, out_ptr.dtype.element_ty, EMULATE), mask=mask_m[:, None] & mask_n[None, :])
 
 
+# How a tile reads its codes, tuned like the tile sizes (which wins depends on the GPU):
+#   "code":   each code from its own byte (1-byte loads; no data movement between threads)
+#   "unpack": the tile's bytes in one contiguous load, codes split off in registers (1, 2, 4 bits)
+#   "table":  one row of x only: each byte looks up all its codes' levels in :func:`byte_table`
+CODE_READS = ("code", "unpack", "table")
+
+
 def _split_k_configs():
-    """Tiles the split-K path may take: a multiply-and-reduce on CUDA cores with BLOCK_M the
-    power of two >= M (at most 128 products per thread, beyond that registers spill), or
-    tensor cores on 16 padded rows."""
+    """Tiles the split-K path may take: a multiply-and-add on CUDA cores with BLOCK_M the power
+    of two >= M (at most 128 products per thread: its accumulator lives in registers), or
+    tensor cores on 16 padded rows; each with every way to read the codes that applies."""
     configs = []
     for bm in (1, 2, 4, 8, 16):
-        for bn, bk, warps in ((16, 64, 4), (16, 128, 4), (16, 256, 4), (32, 128, 4), (32, 256, 4), (64, 128, 4), (64, 256, 8), (128, 128, 8)):
-            if bm * bn * bk <= 128 * 32 * warps:
-                configs.append(triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "USE_DOT": False},
-                                             num_warps=warps, num_stages=3))
+        for bn, bk, warps in ((16, 64, 4), (16, 128, 4), (16, 256, 4), (32, 128, 4), (32, 256, 4), (64, 128, 4),
+                              (64, 256, 8), (128, 128, 8)):
+            if bm * bn * bk <= 128 * 32 * warps and (bm > 1 or bn * bk >= 4096):
+                for codes in CODE_READS if bm == 1 else CODE_READS[:2]:
+                    configs.append(triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "USE_DOT": False,
+                                                  "CODES": codes}, num_warps=warps, num_stages=3))
     for bn, bk, warps in ((32, 128, 4), (64, 64, 4), (64, 128, 4), (128, 64, 8)):
-        configs.append(triton.Config({"BLOCK_M": 16, "BLOCK_N": bn, "BLOCK_K": bk, "USE_DOT": True},
-                                     num_warps=warps, num_stages=3))
+        for codes in CODE_READS[:2]:
+            configs.append(triton.Config({"BLOCK_M": 16, "BLOCK_N": bn, "BLOCK_K": bk, "USE_DOT": True, "CODES": codes},
+                                         num_warps=warps, num_stages=3))
     return configs
 
 
 SPLIT_K_CONFIGS = _split_k_configs()
 GEMM_CONFIGS = [
-    triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "USE_DOT": True}, num_warps=warps, num_stages=stages)
+    triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "USE_DOT": True, "CODES": codes},
+                  num_warps=warps, num_stages=stages)
     for bm, bn, bk, warps, stages in ((64, 64, 64, 4, 3), (64, 128, 64, 4, 3), (128, 64, 64, 4, 3),
                                       (128, 128, 64, 8, 3), (128, 128, 32, 8, 4), (64, 64, 128, 4, 3))
+    for codes in CODE_READS[:2]
 ]
+
+
 def split_k_fits(config: triton.Config, m: int) -> bool:
     """Whether a split-K configuration serves M rows: the multiply-and-reduce ones with BLOCK_M
     the power of two >= M (16 from M = 16 on: more rows take more programs), the tensor-core
@@ -302,12 +317,26 @@ def default_config(path: str, m: int) -> triton.Config:
     time, and by the correctness check): 32 x 128 tiles on the split-K path, CUDA cores while
     BLOCK_M x 32 x 128 fits the registers, tensor cores beyond; 64 x 64 x 64 on the GEMM path."""
     if path == "gemm":
-        return GEMM_CONFIGS[0]
-    return next(c for c in SPLIT_K_CONFIGS if split_k_fits(c, m) and (c.kwargs["BLOCK_N"], c.kwargs["BLOCK_K"]) == (32, 128))
+        return next(c for c in GEMM_CONFIGS if c.kwargs["CODES"] == "unpack")
+    codes = "table" if m == 1 else "unpack"  # each falls back to the next when the format has no use for it
+    return next(c for c in SPLIT_K_CONFIGS if split_k_fits(c, m) and c.kwargs["CODES"] == codes
+                and (c.kwargs["BLOCK_N"], c.kwargs["BLOCK_K"]) == (32, 128))
 
 
 def _prune_split_k(configs, named_args, **kwargs):
-    return [c for c in configs if split_k_fits(c, named_args["M"])]
+    return [c for c in _prune_code_reads(configs, named_args, **kwargs) if split_k_fits(c, named_args["M"])]
+
+
+def reads_codes_distinctly(config: triton.Config, bits: int, byte_table: bool) -> bool:
+    """False where the configuration's way of reading codes would run the same code as another
+    one: "unpack" is "code" for 3, 5, 6, 7, 8 bits, and "table" is "unpack" unless the byte table
+    serves the call (``byte_table``)."""
+    codes = config.kwargs["CODES"]
+    return not ((codes == "unpack" and 8 % bits != 0) or (codes == "table" and not byte_table))
+
+
+def _prune_code_reads(configs, named_args, **kwargs):
+    return [c for c in configs if reads_codes_distinctly(c, kwargs["BITS"], kwargs["BYTE_TABLE"])]
 
 
 _TUNING_KEY = ["m_bucket", "N", "K", "SPLIT", "BITS", "BLOCK", "PER_BLOCK_BOOK", "HAS_OFFSETS", "HAS_BIAS"]
@@ -316,7 +345,8 @@ _TUNING_KEY = ["m_bucket", "N", "K", "SPLIT", "BITS", "BLOCK", "PER_BLOCK_BOOK",
 TUNED_KERNELS = {
     "gemv": autotune(SPLIT_K_CONFIGS, _TUNING_KEY, prune_configs_by={"early_config_prune": _prune_split_k})(
         _lut_matmul_kernel),
-    "gemm": autotune(GEMM_CONFIGS, _TUNING_KEY)(_lut_matmul_kernel),
+    "gemm": autotune(GEMM_CONFIGS, _TUNING_KEY, prune_configs_by={"early_config_prune": _prune_code_reads})(
+        _lut_matmul_kernel),
 }
 
 
@@ -429,9 +459,12 @@ def lut_matmul_triton(x, codes, codebook, scales, offsets, bits, block_size, in_
     return out.reshape(*lead, n)
 
 
-def lut_matmul(x, codes, codebook, scales, offsets, bits, block_size, in_features, bias=None, path=None):
-    """Public entry: CUDA tensors -> Triton kernel (``path`` overrides the choice), CPU -> reference."""
+def lut_matmul(x, codes, codebook, scales, offsets, bits, block_size, in_features, bias=None, path=None,
+               table=None):
+    """Public entry: CUDA tensors -> Triton kernel (``path`` overrides the choice; ``table``: the
+    codebook's :func:`byte_table` if the caller keeps one), CPU -> reference."""
     if x.is_cuda:
-        return lut_matmul_triton(x, codes, codebook, scales, offsets, bits, block_size, in_features, bias, path)
+        return lut_matmul_triton(x, codes, codebook, scales, offsets, bits, block_size, in_features, bias, path,
+                                 table=table)
     _check(x, codes, codebook, scales, offsets, bits, block_size, in_features)
     return lut_matmul_reference(x, codes, codebook, scales, offsets, bits, block_size, in_features, bias)

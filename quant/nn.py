@@ -11,7 +11,7 @@ import re
 import torch
 from torch import nn
 
-from kernels import HiltError, lut_matmul
+from kernels import HiltError, byte_table, lut_matmul, uses_byte_table
 from quant.checkpoint import KEEP_DENSE, load_checkpoint
 from quant.quantize import QuantConfig, quantize_tensor
 from quant.qweight import QuantizedWeight
@@ -31,6 +31,7 @@ class QuantLinear(nn.Module):
         self.register_buffer("scales", qweight.scales)
         self.register_buffer("offsets", qweight.offsets)
         self.bias = None if bias is None else nn.Parameter(bias.detach().clone(), requires_grad=False)
+        self._table, self._table_key = None, None
 
     @property
     def qweight(self) -> QuantizedWeight:
@@ -41,7 +42,17 @@ class QuantLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return lut_matmul(x, self.codes, self.codebook, self.scales, self.offsets, self.bits,
-                          self.block_size, self.in_features, self.bias)
+                          self.block_size, self.in_features, self.bias, table=self._byte_table(x))
+
+    def _byte_table(self, x: torch.Tensor) -> torch.Tensor | None:
+        """The codebook's byte table for the kernel's one-row path, kept between calls (decode
+        would otherwise rebuild it every token) and rebuilt when the codebook changes."""
+        if not (x.is_cuda and uses_byte_table(self.codebook, self.bits, self.block_size)):
+            return None
+        key = (self.codebook.data_ptr(), self.codebook._version)
+        if key != self._table_key:
+            self._table, self._table_key = byte_table(self.codebook, self.bits), key
+        return self._table
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, method={self.method}, "

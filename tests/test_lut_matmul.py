@@ -103,6 +103,21 @@ def test_batched_input_and_bias():
     assert torch.allclose(y.float(), ref, atol=0.05, rtol=0.01)
 
 
+@pytest.mark.parametrize("bits", [1, 2, 4])
+def test_byte_table_holds_the_levels_of_every_code_in_a_byte(bits):
+    from kernels import byte_table, pack_codes
+
+    book = torch.randn(1 << bits)
+    table = byte_table(book, bits)
+    per_byte = 8 // bits
+    codes = torch.randint(0, 1 << bits, (256 * per_byte,))
+    packed = pack_codes(codes.view(1, -1), bits).view(-1).long()  # the checkpoint's packing
+    assert table.shape == (256, per_byte)
+    assert torch.equal(table[packed].view(-1), book[codes])
+    with pytest.raises(HiltError, match="1, 2 or 4 bits and one codebook per layer"):
+        byte_table(torch.randn(8), 3)
+
+
 def test_empty_input_and_bias_shape():
     q = _weights(24, 128, "kmeans", 2, 64, "layer", 4)
     args = (q.codes, q.codebook, q.scales, q.offsets, q.bits, q.block_size, 128)
@@ -182,6 +197,26 @@ def test_bench_kernels_decode_alone_takes_the_given_gguf(tmp_path, monkeypatch, 
     with pytest.raises(SystemExit):  # the model of a check that does not run
         main(["bench", "kernels", "--check", "--smollm2", "joined.gguf"])
     assert "add --all or --decode" in capsys.readouterr().err
+
+
+def test_kernel_compiles_for_an_sm90_gpu_without_one(tmp_path):
+    """The interpreter runs code Triton's GPU compiler rejects: compile for sm_90 with the ptxas
+    Triton carries, no spills, each way of reading codes."""
+    from conftest import read_json, run_hilt
+
+    from bench import sass
+
+    if not sass.available():
+        pytest.skip("this Triton has no CUDA backend tools")
+    r = run_hilt("bench", "kernels", "--sass", "--quick", "--json", tmp_path / "s.json")
+    assert r.returncode == 0, r.stderr
+    rows = read_json(tmp_path / "s.json")["rows"]
+    assert {r["config"]["CODES"] for r in rows} == {"code", "unpack", "table"} and {r["path"] for r in rows} == {
+        "gemv", "gemm"}
+    assert all(r["local"] == 0 and r["loop_instructions"] > 0 for r in rows)
+    table = [r for r in rows if r["config"]["CODES"] == "table" and r["bits"] == 4]
+    code = [r for r in rows if r["config"]["CODES"] == "code" and r["m"] == 1 and r["bits"] == 4]
+    assert table[0]["instructions_per_weight"] < code[0]["instructions_per_weight"]
 
 
 def _fake_timings(graphs=True):

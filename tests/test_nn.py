@@ -83,3 +83,20 @@ def test_load_quantized_reproduces_the_checkpoint(tmp_path):
         load_quantized_(Tiny(), tmp_path / "q")
     with pytest.raises(HiltError, match="no tensor name matches"):
         load_quantized_(nn.Sequential(nn.Linear(64, 64)), tmp_path / "q")
+
+
+def test_quant_linear_keeps_its_byte_table_until_the_codebook_changes():
+    from types import SimpleNamespace
+
+    from kernels import byte_table
+
+    layer = QuantLinear(quantize_tensor(torch.randn(8, 64), QuantConfig("kmeans", 2, 32)))
+    on_gpu = SimpleNamespace(is_cuda=True)  # only the device matters to the table
+    assert layer._byte_table(torch.zeros(1, 64)) is None  # the CPU reference has no use for it
+    first = layer._byte_table(on_gpu)
+    assert layer._byte_table(on_gpu) is first and torch.equal(first, byte_table(layer.codebook, 2))
+    with torch.no_grad():
+        layer.codebook.mul_(2)  # e.g. a checkpoint loaded into the buffers
+    assert torch.equal(layer._byte_table(on_gpu), 2 * first)
+    per_block = QuantLinear(quantize_tensor(torch.randn(8, 64), QuantConfig("kmeans", 2, 32, codebook="block")))
+    assert per_block._byte_table(on_gpu) is None
