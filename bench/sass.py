@@ -1,13 +1,15 @@
-"""`hilt bench kernels --sass`: the LUT matmul kernel compiled for a GPU, on a machine without one.
+"""`hilt bench kernels --sass`: the Triton kernels compiled for a GPU, on a machine without one.
 
-Triton's wheel carries NVIDIA's ptxas and cuobjdump, so the kernel compiles to SASS for an
-sm_90 GPU (H100, H200) on any machine. For a real layer shape (Llama-70B's 8192 x 8192, so
+Triton's wheel carries NVIDIA's ptxas and cuobjdump, so the kernels compile to SASS for an
+sm_90 GPU (H100, H200) on any machine. LUT matmul: for a real layer shape (Llama-70B's 8192 x 8192, so
 the arguments get the alignment hints a GPU launch would give them) and each path, bit width
 and tuning configuration, this reports registers, spilled bytes (local memory), shared
 memory, and the instructions of the main loop per weight it covers. These are static counts,
 not timings: they show what a lookup costs, whether loads vectorise and what spills; GPU
 timings need a GPU (``hilt bench kernels``). Compiling every configuration also proves the
-GPU build works: the interpreter accepts code that Triton's compiler rejects.
+GPU build works: the interpreter accepts code that Triton's compiler rejects. FP8 attention:
+the quantization and attention kernels with every tuning configuration, as the public
+function launches them (:func:`attention_report`).
 
 Runs in its own process with TRITON_INTERPRET=0 (kernels defined under the interpreter
 cannot be compiled).
@@ -40,29 +42,54 @@ def available() -> bool:
     return all((_tools() / name).exists() for name in ("ptxas", "cuobjdump"))
 
 
-_PTR_TYPES = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32", "uint8": "u8"}
+_PTR_TYPES = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32", "uint8": "u8", "float8_e4m3fn": "fp8e4nv"}
 
 
-def _signature(fn, args, flags, config):
-    """Triton signature, constexprs and alignment attributes for these launch arguments, as a
-    GPU launch would specialise them (pointers and integers divisible by 16 are marked so)."""
+def _signature(fn, args, constexprs):
+    """Triton signature and alignment attributes for these launch arguments, as a GPU launch
+    would specialise them (pointers and integers divisible by 16 are marked so)."""
     import torch
 
-    names = fn.arg_names
-    constexprs = {**flags, **config.kwargs}
     sig, attrs = {}, {}
-    for i, (name, value) in enumerate(zip(names, args)):
+    for i, (name, value) in enumerate(zip(fn.arg_names, args)):
         if isinstance(value, torch.Tensor):
             sig[name] = "*" + _PTR_TYPES[str(value.dtype).removeprefix("torch.")]
             aligned = value.data_ptr() % 16 == 0
+        elif isinstance(value, float):
+            sig[name], aligned = "fp32", False
         else:
             sig[name] = "i32"
             aligned = value % 16 == 0
         if aligned:
             attrs[(i,)] = [["tt.divisibility", 16]]
-    for name in names[len(args):]:
+    for name in fn.arg_names[len(args):]:
+        if name not in constexprs:
+            raise ValueError(f"{fn.__name__}: no value for {name}")
         sig[name] = "constexpr"
-    return sig, constexprs, attrs
+    return sig, attrs
+
+
+def compile_launch(fn, args, constexprs, num_warps=4, num_stages=3) -> dict:
+    """Compile one launch of ``fn`` for sm_90; its registers, spilled and shared bytes, and
+    the opcodes of its main loop."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    sig, attrs = _signature(fn, args, constexprs)
+    compiled = triton.compile(ASTSource(fn, sig, constexprs, attrs), target=GPUTarget("cuda", ARCH, 32),
+                              options={"num_warps": num_warps, "num_stages": num_stages})
+    with tempfile.TemporaryDirectory() as tmp:
+        cubin = Path(tmp) / "kernel.cubin"
+        cubin.write_bytes(compiled.asm["cubin"])
+        usage = subprocess.run([str(_tools() / "cuobjdump"), "--dump-resource-usage", str(cubin)],
+                               capture_output=True, text=True, check=True).stdout
+        sass = subprocess.run([str(_tools() / "cuobjdump"), "-sass", str(cubin)],
+                              capture_output=True, text=True, check=True).stdout
+    resources = {key.lower(): int(value) for key, value in re.findall(r"\b(REG|STACK|LOCAL):(\d+)", usage)}
+    ops = _loop_opcodes(sass)
+    return {**resources, "shared": compiled.metadata.shared,  # dynamic shared memory: what Triton allocates
+            "loop_instructions": sum(ops.values()), "loop_top": dict(ops.most_common(8))}
 
 
 def _loop_opcodes(sass: str) -> collections.Counter:
@@ -85,11 +112,8 @@ def _loop_opcodes(sass: str) -> collections.Counter:
 
 
 def compile_case(path: str, m: int, bits: int, config, block_size: int = 64, shape=SHAPE) -> dict:
-    """Compile one case for sm_90 and read its resources and main loop."""
+    """Compile one LUT matmul case for sm_90 (x in bf16, one codebook per layer)."""
     import torch
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
 
     from kernels.lut_matmul import _lut_matmul_kernel, kernel_args
     from kernels.packing import packed_row_bytes
@@ -101,27 +125,69 @@ def compile_case(path: str, m: int, bits: int, config, block_size: int = 64, sha
     scales = torch.empty(n, k // block_size, dtype=torch.bfloat16)
     out = torch.empty(m, n, dtype=torch.bfloat16)
     args, flags = kernel_args(x, codes, book, scales, None, None, out, bits, block_size, path, 1)
-    sig, constexprs, attrs = _signature(_lut_matmul_kernel, args, flags, config)
-    compiled = triton.compile(ASTSource(_lut_matmul_kernel, sig, constexprs, attrs), target=GPUTarget("cuda", ARCH, 32),
-                              options={"num_warps": config.num_warps, "num_stages": config.num_stages})
-    with tempfile.TemporaryDirectory() as tmp:
-        cubin = Path(tmp) / "kernel.cubin"
-        cubin.write_bytes(compiled.asm["cubin"])
-        usage = subprocess.run([str(_tools() / "cuobjdump"), "--dump-resource-usage", str(cubin)],
-                               capture_output=True, text=True, check=True).stdout
-        sass = subprocess.run([str(_tools() / "cuobjdump"), "-sass", str(cubin)],
-                              capture_output=True, text=True, check=True).stdout
-    resources = {key.lower(): int(value) for key, value in re.findall(r"\b(REG|LOCAL):(\d+)", usage)}
-    resources["shared"] = compiled.metadata.shared  # dynamic shared memory: what Triton allocates
-    ops = _loop_opcodes(sass)
+    row = compile_launch(_lut_matmul_kernel, args, {**flags, **config.kwargs}, config.num_warps, config.num_stages)
     kw = config.kwargs
     weights = kw["BLOCK_N"] * kw["BLOCK_K"] / (32 * config.num_warps)  # per thread per loop iteration
-    loop = sum(ops.values())
+    loop = row["loop_instructions"]
     return {"path": path, "m": m, "bits": bits, "config": {**kw, "num_warps": config.num_warps,
                                                            "num_stages": config.num_stages},
-            "byte_table": flags["BYTE_TABLE"], **resources, "loop_instructions": loop,
-            "weights_per_thread": weights, "instructions_per_weight": loop / weights if loop else None,
-            "loop_top": dict(ops.most_common(8))}
+            "byte_table": flags["BYTE_TABLE"], **row, "weights_per_thread": weights,
+            "instructions_per_weight": loop / weights if loop else None}
+
+
+def attention_report(quick=False, log=print) -> list[dict]:
+    """The FP8 attention kernels (Q/K/V quantization, the attention forward with each tuning
+    configuration) compiled for sm_90: causal and not, V in FP8 and in bf16, with and without
+    split_qk, grouped queries, head dim 128 (``quick``: two of these, the first configuration).
+    Launches are captured from the public function on CPU tensors, so the arguments are exactly
+    what it passes."""
+    import importlib
+
+    import torch
+
+    attention = importlib.import_module("kernels.fp8_attention")  # the module (kernels exports a function of its name)
+    launches = []
+
+    class Capture:  # stands in for a kernel: records what the launch would pass
+        def __init__(self, fn):
+            self.fn = fn
+
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: launches.append((self.fn, args, kwargs))
+
+    real = {name: getattr(attention, name) for name in ("_quantize_kernel", "_attn_fwd_kernel")}
+    rows = []
+    b, h, g, t, d = 1, 4, 2, 1024, 128
+    try:
+        for name, fn in real.items():
+            setattr(attention, name, Capture(fn))
+        for causal in (False, True):
+            for v_fp8 in (True, False):
+                for split in (False, True):
+                    if quick and (causal, v_fp8, split) not in ((False, True, False), (True, False, True)):
+                        continue
+                    q = torch.randn(b, h, t, d, dtype=torch.bfloat16)
+                    k, v = (torch.randn(b, g, t, d, dtype=torch.bfloat16) for _ in range(2))
+                    launches.clear()
+                    attention.fp8_attention_triton(q, k, v, torch.ones(h), torch.ones(g),
+                                                   torch.ones(g, d) if v_fp8 else None, causal, split_qk=split)
+                    for fn, args, kwargs in launches:
+                        configs = [(kwargs, 4, 3)] if fn is real["_quantize_kernel"] else [
+                            ({**kwargs, **c.kwargs}, c.num_warps, c.num_stages)
+                            for c in attention._CUDA_CONFIGS[:1 if quick else None]]
+                        for constexprs, warps, stages in configs:
+                            row = {"kernel": fn.__name__, "causal": causal, "v_fp8": v_fp8, "split_qk": split,
+                                   "constexprs": constexprs, "num_warps": warps, "num_stages": stages,
+                                   **compile_launch(fn, args, constexprs, warps, stages)}
+                            rows.append(row)
+                            tiles = f"{constexprs.get('BLOCK_M', '')}x{constexprs.get('BLOCK_N', '')}"
+                            log(f"{fn.__name__:<18} causal={causal!s:<5} V fp8={v_fp8!s:<5} split_qk={split!s:<5} "
+                                f"{tiles:>7} w{warps} s{stages}  regs {row['reg']:>3}  spill {row['local']:>4} B  "
+                                f"shared {row['shared']:>6} B  loop {row['loop_instructions']:>4} instr")
+    finally:
+        for name, fn in real.items():
+            setattr(attention, name, fn)
+    return rows
 
 
 def report(batches=None, bits=(1, 2, 3, 4), quick=False, log=print) -> dict:
@@ -135,6 +201,7 @@ def report(batches=None, bits=(1, 2, 3, 4), quick=False, log=print) -> dict:
         split_k_fits,
     )
 
+    with_attention = not batches and tuple(bits) == (1, 2, 3, 4)  # no filter given
     rows = []
     cases = [("gemv", m, c) for c in SPLIT_K_CONFIGS for m in (1, 16) if split_k_fits(c, m)]
     cases += [("gemv", 2 if c.kwargs["BLOCK_M"] == 2 else 5, c) for c in SPLIT_K_CONFIGS
@@ -158,7 +225,8 @@ def report(batches=None, bits=(1, 2, 3, 4), quick=False, log=print) -> dict:
                 f"{'dot' if kw['USE_DOT'] else 'fma'} w{kw['num_warps']} s{kw['num_stages']} {kw['CODES']:<6}  regs {row['reg']:>3}  spill {row['local']:>4} B  "
                 f"shared {row['shared']:>6} B  loop {row['loop_instructions']:>4} instr"
                 + (f" = {row['instructions_per_weight']:5.2f}/weight" if row["instructions_per_weight"] else ""))
-    return {"target": f"sm_{ARCH}", "shape": list(SHAPE), "rows": rows}
+    return {"target": f"sm_{ARCH}", "shape": list(SHAPE), "rows": rows,
+            "attention": attention_report(quick, log) if with_attention else []}
 
 
 def main(argv=None) -> int:
