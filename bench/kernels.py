@@ -175,8 +175,10 @@ def _copies(nbytes: int, l2_bytes: int, cap: int = 512) -> int:
     return max(1, min(cap, -(-3 * l2_bytes // nbytes)))
 
 
-def timings(quick: bool = False, cuda_graphs: bool = False, log=print) -> dict:
-    """GPU timings of the tuned kernel against bf16 cuBLAS, measured in the same run."""
+def timings(quick: bool = False, cuda_graphs: bool = False, log=print, progress=None) -> dict:
+    """GPU timings of the tuned kernel against bf16 cuBLAS, measured in the same run. The shape
+    of the issue's targets comes first; ``progress(result so far)`` is called after each shape
+    (the command saves there: a run stopped midway keeps what it measured)."""
     if not torch.cuda.is_available():
         raise HiltError("kernel timings need a CUDA GPU; this machine has none (use --check for correctness)")
     from triton.testing import do_bench
@@ -189,8 +191,11 @@ def timings(quick: bool = False, cuda_graphs: bool = False, log=print) -> dict:
     copy_gbs = 2 * src.numel() * 4 / copy_ms / 1e6
     src = dst = None
     log(f"{torch.cuda.get_device_name(0)}: measured copy bandwidth {copy_gbs:.0f} GB/s, L2 {l2 / 2**20:.0f} MiB")
-    shapes = {k: v for k, v in LAYER_SHAPES.items() if not quick or k in ("llama7b.q_proj", "llama70b.q_proj")}
+    first = {layer for layer, _, _ in TARGETS}
+    shapes = {k: LAYER_SHAPES[k] for k in sorted(LAYER_SHAPES, key=lambda k: k not in first)
+              if not quick or k in ("llama7b.q_proj", "llama70b.q_proj")}
     rows, failures, graph_errors = [], [], []
+    result = {"copy_gb_s": copy_gbs, "l2_bytes": l2, "rows": rows, "failures": failures, "graph_errors": graph_errors}
     gen = torch.Generator(device=dev).manual_seed(0)
     for name, (n, k) in shapes.items():
         w = (torch.randn(n, k, device=dev, generator=gen) * 0.02).to(torch.bfloat16)
@@ -238,7 +243,8 @@ def timings(quick: bool = False, cuda_graphs: bool = False, log=print) -> dict:
                     f"x{row['speedup']:5.2f}  {row['lut_gb_s']:6.0f} GB/s ({row['share_of_copy_bw']:.0%} of copy)"
                     f"{graph}  first call {first_call_s:.2f} s{'  MISMATCH' if not ratio <= 1.0 else ''}")
             del w_deq, w_abs
-    result = {"copy_gb_s": copy_gbs, "l2_bytes": l2, "rows": rows, "failures": failures, "graph_errors": graph_errors}
+        if progress:
+            progress(result)
     result["targets"] = targets(rows)
     for t in result["targets"]:
         log(f"target {t['layer']} M={t['m']} {t['bits']} bit >= x{t['target']}: do_bench x{t['speedup']:.2f}"
@@ -388,16 +394,22 @@ def main(argv=None) -> int:
     gpu = torch.cuda.is_available()
     result = {"machine": _gpu_info() if gpu else {"device": "cpu", "platform": platform.platform()}}
 
-    def save():  # after the timings too: they take minutes, and the decode check can still fail
-        if args.json:
-            Path(args.json).write_text(json.dumps(result, indent=1) + "\n")
+    def save():  # as the timings go too: they take minutes, and a run can be stopped or fail later
+        if args.json:  # whole files only: written beside, then renamed over
+            part = Path(args.json + ".part")
+            part.write_text(json.dumps(result, indent=1) + "\n")
+            part.replace(args.json)
 
     if not args.decode:
         result["check"] = check("cuda" if gpu else "cpu")
         if not args.check and not gpu:
             print("hilt: kernel timings need a CUDA GPU; none here. Ran the correctness check only.", file=sys.stderr)
         elif not args.check:
-            result["timings"] = timings(args.quick, args.cuda_graphs)
+            def progress(partial):
+                result["timings"] = partial
+                save()
+
+            result["timings"] = timings(args.quick, args.cuda_graphs, progress=progress)
             save()
             if args.plot:
                 try:

@@ -3,8 +3,9 @@
 Triton's wheel carries NVIDIA's ptxas and cuobjdump, so the kernels compile to SASS for an
 sm_90 GPU (H100, H200) on any machine. LUT matmul: for a real layer shape (Llama-70B's 8192 x 8192, so
 the arguments get the alignment hints a GPU launch would give them) and each path, bit width
-and tuning configuration, this reports registers, spilled bytes (local memory), shared
-memory, and the instructions of the main loop per weight it covers. These are static counts,
+and tuning configuration, this reports registers, the stack frame (where ptxas puts the
+registers it spills: these kernels keep no arrays in memory), shared memory, and the
+instructions of the main loop per weight it covers. These are static counts,
 not timings: they show what a lookup costs, whether loads vectorise and what spills; GPU
 timings need a GPU (``hilt bench kernels``). Compiling every configuration also proves the
 GPU build works: the interpreter accepts code that Triton's compiler rejects. FP8 attention:
@@ -70,7 +71,7 @@ def _signature(fn, args, constexprs):
 
 
 def compile_launch(fn, args, constexprs, num_warps=4, num_stages=3) -> dict:
-    """Compile one launch of ``fn`` for sm_90; its registers, spilled and shared bytes, and
+    """Compile one launch of ``fn`` for sm_90; its registers, stack (spill) and shared bytes, and
     the opcodes of its main loop."""
     import triton
     from triton.backends.compiler import GPUTarget
@@ -174,7 +175,7 @@ def attention_report(quick=False, log=print) -> list[dict]:
                     for fn, args, kwargs in launches:
                         configs = [(kwargs, 4, 3)] if fn is real["_quantize_kernel"] else [
                             ({**kwargs, **c.kwargs}, c.num_warps, c.num_stages)
-                            for c in attention._CUDA_CONFIGS[:1 if quick else None]]
+                            for c in attention.TUNING_CONFIGS[:1 if quick else None]]
                         for constexprs, warps, stages in configs:
                             row = {"kernel": fn.__name__, "causal": causal, "v_fp8": v_fp8, "split_qk": split,
                                    "constexprs": constexprs, "num_warps": warps, "num_stages": stages,
@@ -182,7 +183,7 @@ def attention_report(quick=False, log=print) -> list[dict]:
                             rows.append(row)
                             tiles = f"{constexprs.get('BLOCK_M', '')}x{constexprs.get('BLOCK_N', '')}"
                             log(f"{fn.__name__:<18} causal={causal!s:<5} V fp8={v_fp8!s:<5} split_qk={split!s:<5} "
-                                f"{tiles:>7} w{warps} s{stages}  regs {row['reg']:>3}  spill {row['local']:>4} B  "
+                                f"{tiles:>7} w{warps} s{stages}  regs {row['reg']:>3}  stack {row['stack']:>4} B  "
                                 f"shared {row['shared']:>6} B  loop {row['loop_instructions']:>4} instr")
     finally:
         for name, fn in real.items():
@@ -222,7 +223,7 @@ def report(batches=None, bits=(1, 2, 3, 4), quick=False, log=print) -> dict:
             rows.append(row)
             kw = row["config"]
             log(f"{path} M={m:<3} {b} bit  BLOCK {kw['BLOCK_M']:>2}x{kw['BLOCK_N']:>3}x{kw['BLOCK_K']:>3} "
-                f"{'dot' if kw['USE_DOT'] else 'fma'} w{kw['num_warps']} s{kw['num_stages']} {kw['CODES']:<6}  regs {row['reg']:>3}  spill {row['local']:>4} B  "
+                f"{'dot' if kw['USE_DOT'] else 'fma'} w{kw['num_warps']} s{kw['num_stages']} {kw['CODES']:<6}  regs {row['reg']:>3}  stack {row['stack']:>4} B  "
                 f"shared {row['shared']:>6} B  loop {row['loop_instructions']:>4} instr"
                 + (f" = {row['instructions_per_weight']:5.2f}/weight" if row["instructions_per_weight"] else ""))
     return {"target": f"sm_{ARCH}", "shape": list(SHAPE), "rows": rows,

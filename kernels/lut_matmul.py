@@ -24,8 +24,11 @@ rows of x) and overridable with ``path=``:
   cores), float32 accumulation, the result (bias added, rounded to x's dtype)
   written by the kernel.
 
-On a GPU the tile sizes, warps and stages are autotuned per shape (M to its power of
-two, N, K, bits, format) from ``SPLIT_K_CONFIGS`` / ``GEMM_CONFIGS`` at the first
+On a GPU the tile sizes, warps, stages and the way codes are read (``CODE_READS``:
+each code from its byte; a contiguous load of the tile's bytes unpacked in registers;
+for one row of x and one codebook per layer, a byte table of 256 x 8/bits levels, one
+lookup per code byte, kept by QuantLinear) are autotuned per shape (M to its power
+of two, N, K, bits, format) from ``SPLIT_K_CONFIGS`` / ``GEMM_CONFIGS`` at the first
 call and cached on disk per GPU target (see kernels.triton_util); ``config=`` fixes
 one. The weights are read in their on-disk layout (no repacking).
 
@@ -275,14 +278,17 @@ CODE_READS = ("code", "unpack", "table")
 
 def _split_k_configs():
     """Tiles the split-K path may take: a multiply-and-add on CUDA cores with BLOCK_M the power
-    of two >= M (at most 128 products per thread: its accumulator lives in registers), or
-    tensor cores on 16 padded rows; each with every way to read the codes that applies."""
+    of two >= M (its accumulator lives in registers), or tensor cores on 16 padded rows; each
+    with every way to read the codes that applies."""
     configs = []
     for bm in (1, 2, 4, 8, 16):
         for bn, bk, warps in ((16, 64, 4), (16, 128, 4), (16, 256, 4), (32, 128, 4), (32, 256, 4), (64, 128, 4),
                               (64, 256, 8), (128, 128, 8)):
-            if bm * bn * bk <= 128 * 32 * warps and (bm > 1 or bn * bk >= 4096):
-                for codes in CODE_READS if bm == 1 else CODE_READS[:2]:
+            for codes in CODE_READS if bm == 1 else CODE_READS[:2]:
+                # products per thread: reading codes one by one spills registers on sm_90 beyond 32
+                # (hilt bench kernels --sass), the other reads beyond 128
+                fits = bm * bn * bk <= (32 if codes == "code" else 128) * 32 * warps
+                if fits and (bm > 1 or bn * bk >= 4096):
                     configs.append(triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "USE_DOT": False,
                                                   "CODES": codes}, num_warps=warps, num_stages=3))
     for bn, bk, warps in ((32, 128, 4), (64, 64, 4), (64, 128, 4), (128, 64, 8)):

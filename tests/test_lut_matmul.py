@@ -175,7 +175,7 @@ def test_bench_kernels_keeps_the_timings_when_decode_cannot_run(tmp_path, monkey
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(kernels, "_gpu_info", lambda: {"device": "fake GPU"})
     monkeypatch.setattr(kernels, "check", lambda device: {"cases": 1, "failures": []})
-    monkeypatch.setattr(kernels, "timings", lambda quick, graphs: {"rows": [{"speedup": 4.0}]})
+    monkeypatch.setattr(kernels, "timings", lambda quick, graphs, progress: {"rows": [{"speedup": 4.0}]})
     monkeypatch.delattr(bench, "llama", raising=False)
     monkeypatch.delitem(sys.modules, "bench.llama", raising=False)
     monkeypatch.setitem(sys.modules, "gguf", None)  # the GPU machine's python3 has no gguf
