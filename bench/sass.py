@@ -47,12 +47,16 @@ _PTR_TYPES = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32", "uint8":
 
 
 def _signature(fn, args, constexprs):
-    """Triton signature and alignment attributes for these launch arguments, as a GPU launch
-    would specialise them (pointers and integers divisible by 16 are marked so)."""
+    """Triton signature, alignment attributes and constexprs for these launch arguments, as a GPU
+    launch specialises them: pointers and integers divisible by 16 are marked so, integers equal
+    to 1 become constants (a stride of 1 is what lets loads vectorise)."""
     import torch
 
-    sig, attrs = {}, {}
+    sig, attrs, constexprs = {}, {}, dict(constexprs)
     for i, (name, value) in enumerate(zip(fn.arg_names, args)):
+        if isinstance(value, int) and not isinstance(value, bool) and value == 1:
+            sig[name], constexprs[name] = "constexpr", 1
+            continue
         if isinstance(value, torch.Tensor):
             sig[name] = "*" + _PTR_TYPES[str(value.dtype).removeprefix("torch.")]
             aligned = value.data_ptr() % 16 == 0
@@ -67,7 +71,7 @@ def _signature(fn, args, constexprs):
         if name not in constexprs:
             raise ValueError(f"{fn.__name__}: no value for {name}")
         sig[name] = "constexpr"
-    return sig, attrs
+    return sig, attrs, constexprs
 
 
 def compile_launch(fn, args, constexprs, num_warps=4, num_stages=3) -> dict:
@@ -77,7 +81,7 @@ def compile_launch(fn, args, constexprs, num_warps=4, num_stages=3) -> dict:
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    sig, attrs = _signature(fn, args, constexprs)
+    sig, attrs, constexprs = _signature(fn, args, constexprs)
     compiled = triton.compile(ASTSource(fn, sig, constexprs, attrs), target=GPUTarget("cuda", ARCH, 32),
                               options={"num_warps": num_warps, "num_stages": num_stages})
     with tempfile.TemporaryDirectory() as tmp:

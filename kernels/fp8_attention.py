@@ -391,8 +391,8 @@ def _attn_fwd_kernel(
 
 
 # Compiled for sm_90 (`hilt bench kernels --sass`), 128 x 64 tiles with 4 warps and 4 stages
-# spilled 752-1912 bytes of registers per thread and are left out; of these, 128 x 64 with 8
-# warps spills 16-112 bytes, 64 x 64 56-464, 128 x 128 224-728 (most with split_qk).
+# spill 312-528 bytes of registers per thread with V in FP8 or split_qk, and are left out;
+# of these, only 128 x 128 spills (216-288 bytes, with split_qk).
 TUNING_CONFIGS = [
     triton.Config({"BLOCK_M": 128, "BLOCK_N": 64}, num_warps=8, num_stages=3),
     triton.Config({"BLOCK_M": 64, "BLOCK_N": 64}, num_warps=4, num_stages=3),
