@@ -73,6 +73,8 @@ if [ "$stage" = rest ]; then
     fi
 fi
 if [ "$stage" != kernels ]; then
+    echo "gpu_check: ${SECONDS} s so far; FP8 attention next" >&2
     "$py" -m hilt.cli bench attention --json "$out/attention-gpu.json" || status=1
 fi
+echo "gpu_check: stage '$stage' done in ${SECONDS} s, status $status" >&2  # sizes the next session's device time
 exit $status

@@ -201,7 +201,8 @@ def test_bench_kernels_decode_alone_takes_the_given_gguf(tmp_path, monkeypatch, 
 
 def test_kernel_compiles_for_an_sm90_gpu_without_one(tmp_path):
     """The interpreter runs code Triton's GPU compiler rejects: compile for sm_90 with the ptxas
-    Triton carries, no spills, each way of reading codes, and the FP8 attention kernels."""
+    Triton carries: each way of reading codes and the FP8 attention kernels, in their first
+    configurations, without spilling registers."""
     from conftest import read_json, run_hilt
 
     from bench import sass
@@ -213,10 +214,10 @@ def test_kernel_compiles_for_an_sm90_gpu_without_one(tmp_path):
     rows = read_json(tmp_path / "s.json")["rows"]
     assert {r["config"]["CODES"] for r in rows} == {"code", "unpack", "table"} and {r["path"] for r in rows} == {
         "gemv", "gemm"}
-    assert all(r["local"] == 0 and r["loop_instructions"] > 0 for r in rows)
+    assert all(r["stack"] == 0 and r["local"] == 0 and r["loop_instructions"] > 0 for r in rows)  # no spills
     attention = read_json(tmp_path / "s.json")["attention"]  # never compiled for a GPU before this tool
     assert {r["kernel"] for r in attention} == {"_quantize_kernel", "_attn_fwd_kernel"}
-    assert all(r["local"] == 0 for r in attention)
+    assert all(r["stack"] == 0 for r in attention)
     table = [r for r in rows if r["config"]["CODES"] == "table" and r["bits"] == 4]
     code = [r for r in rows if r["config"]["CODES"] == "code" and r["m"] == 1 and r["bits"] == 4]
     assert table[0]["instructions_per_weight"] < code[0]["instructions_per_weight"]
