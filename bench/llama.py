@@ -189,7 +189,10 @@ class Block(nn.Module):
         self.ffn_down = nn.Linear(cfg.ffn_dim, d, bias=False)
         self.attend = None  # None: scaled_dot_product_attention; fp8.attention.use_fp8_attention sets FP8Attention
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                cache: list | None = None) -> torch.Tensor:
+        """``cache``: this block's [keys, values] of the positions before x (empty at the start);
+        x's keys and values are appended to it."""
         B, T, _ = x.shape
         cfg = self.cfg
         h = self.attn_norm(x)
@@ -197,11 +200,20 @@ class Block(nn.Module):
         k = self.attn_k(h).view(B, T, cfg.n_kv_heads, cfg.head_dim).transpose(1, 2)
         v = self.attn_v(h).view(B, T, cfg.n_kv_heads, cfg.head_dim).transpose(1, 2)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if cache is not None:
+            if cache:
+                k, v = torch.cat([cache[0], k], dim=2), torch.cat([cache[1], v], dim=2)
+            cache[:] = [k, v]
         # Grouped-query attention: query head j reads key/value head j // (n_heads / n_kv_heads).
-        if self.attend is None:
+        # Causal with the queries as the last T positions (bottom-right aligned, as after a cache).
+        if self.attend is not None:
+            y = self.attend(q, k, v, causal=True)
+        elif T == k.shape[2]:
             y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
         else:
-            y = self.attend(q, k, v, causal=True)
+            past = k.shape[2] - T
+            keys, queries = torch.arange(k.shape[2], device=x.device), torch.arange(past, past + T, device=x.device)
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=keys[None, :] <= queries[:, None], enable_gqa=True)
         x = x + self.attn_output(y.transpose(1, 2).reshape(B, T, cfg.n_heads * cfg.head_dim))
         h = self.ffn_norm(x)
         return x + self.ffn_down(F.silu(self.ffn_gate(h)) * self.ffn_up(h))
@@ -215,17 +227,23 @@ class Llama(nn.Module):
         self.blk = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
         self.output_norm = nn.RMSNorm(cfg.dim, eps=cfg.norm_eps)
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        """tokens [B, T] (int64) -> logits [B, T, vocab], causal, positions 0..T-1."""
+    def forward(self, tokens: torch.Tensor, cache: list | None = None) -> torch.Tensor:
+        """tokens [B, T] (int64) -> logits [B, T, vocab], causal. Positions 0..T-1, or with a
+        ``cache`` (from :meth:`new_cache`, filled by earlier calls) the next T positions."""
+        past = cache[0][0].shape[2] if cache and cache[0] else 0
         T = tokens.shape[1]
-        if T > self.cfg.max_seq_len:
-            raise HiltError(f"sequence of {T} tokens is longer than the model's context {self.cfg.max_seq_len}")
+        if past + T > self.cfg.max_seq_len:
+            raise HiltError(f"sequence of {past + T} tokens is longer than the model's context {self.cfg.max_seq_len}")
         # Computed per call (cheap) rather than kept as buffers: state_dict stays = the file.
-        cos, sin = rope_cos_sin(self.cfg, T, device=tokens.device)
+        cos, sin = (t[past:] for t in rope_cos_sin(self.cfg, past + T, device=tokens.device))
         x = self.token_embd(tokens)
-        for block in self.blk:
-            x = block(x, cos, sin)
+        for i, block in enumerate(self.blk):
+            x = block(x, cos, sin, None if cache is None else cache[i])
         return F.linear(self.output_norm(x), self.token_embd.weight)  # tied LM head
+
+    def new_cache(self) -> list:
+        """An empty key/value cache: one [keys, values] list per block, filled by forward."""
+        return [[] for _ in self.blk]
 
 
 def load_llama(path=None, tensors: Mapping[str, torch.Tensor] | None = None) -> tuple[Llama, GGUFTokenizer]:
@@ -270,21 +288,26 @@ def perplexity(model: Llama, token_ids: torch.Tensor, context: int = 512, progre
     return math.exp(nll_sum / count)
 
 
-def generate(model: Llama, tokenizer: GGUFTokenizer, prompt: str, max_new_tokens: int = 16) -> str:
+def generate(model: Llama, tokenizer: GGUFTokenizer, prompt: str, max_new_tokens: int = 16, cache: bool = True) -> str:
     """Greedy continuation of `prompt` (the new text only); stops at an end token.
 
-    No KV cache: the whole sequence is re-run per token, fine for short prompts.
+    With a key/value cache: the prompt runs once, then each new token alone (one row through
+    every layer, as decode does); ``cache=False`` re-runs the whole sequence per token instead.
     """
-    ids = torch.tensor([tokenizer.encode(prompt)], dtype=torch.long)
+    device = model.token_embd.weight.device
+    ids = torch.tensor([tokenizer.encode(prompt)], dtype=torch.long, device=device)
     if ids.numel() == 0:
         raise HiltError("generate needs a non-empty prompt")
     start = ids.shape[1]
     # SmolLM2's eos is <|im_end|>; base-model text ends with <|endoftext|>.
     stop = {tokenizer.eos_id, tokenizer.token_to_id("<|endoftext|>")} - {None}
+    kv = model.new_cache() if cache else None
     with torch.inference_mode():
+        step = ids
         for _ in range(max_new_tokens):
-            next_id = model(ids)[0, -1].argmax()
+            next_id = model(step if cache else ids, kv)[0, -1].argmax()
             if next_id.item() in stop:
                 break
             ids = torch.cat([ids, next_id.view(1, 1)], dim=1)
+            step = next_id.view(1, 1)
     return tokenizer.decode(ids[0, start:])

@@ -179,6 +179,20 @@ def test_smollm2_knows_the_capital_of_france(smollm2):
     assert "Paris" in generate(model, tok, "The capital of France is", max_new_tokens=4)
 
 
+def test_smollm2_key_value_cache_gives_the_same_logits_and_tokens(smollm2):
+    model, tok = smollm2
+    ids = torch.tensor([tok.encode("To be, or not to be, that is the question")])
+    with torch.inference_mode():
+        full = model(ids)
+        cache = model.new_cache()
+        steps = [model(ids[:, :5], cache)] + [model(ids[:, i:i + 1], cache) for i in range(5, 8)]
+        steps.append(model(ids[:, 8:], cache))  # several new positions after a cache
+    assert cache[0][0].shape[2] == ids.shape[1]
+    assert torch.allclose(torch.cat(steps, dim=1), full, atol=1e-3, rtol=1e-4)
+    prompt = "The capital of France is"
+    assert generate(model, tok, prompt, max_new_tokens=12) == generate(model, tok, prompt, 12, cache=False)
+
+
 def test_smollm2_perplexity_on_hamlet_slice(smollm2):
     model, tok = smollm2
     # Past the cast list (a list of names is unusually easy), into Act I's dialogue.
