@@ -98,7 +98,7 @@ def _codes_tile(codes_ptr, offs_n, mask_n, offs_k, mask_k, k_start, row_bytes,
     """(BLOCK_N, BLOCK_K) int32 codes of columns offs_k (= k_start + arange). Code k of a row sits
     at bits [k*BITS, (k+1)*BITS) of the row's little-endian bit stream."""
     if UNPACK and (8 % BITS == 0):
-        # 1, 2, 4 bits: one contiguous (vectorisable) load of the tile's bytes, codes split off in
+        # 1, 2, 4, 8 bits: one contiguous (vectorisable) load of the tile's bytes, codes split off in
         # registers (the reshape may cost a trip through shared memory: tuning decides)
         offs_b = k_start // (8 // BITS) + tl.arange(0, BLOCK_K // (8 // BITS))
         packed = tl.load(codes_ptr + offs_n[:, None] * row_bytes + offs_b[None, :],
@@ -271,7 +271,7 @@ def _lut_matmul_kernel(
 
 # How a tile reads its codes, tuned like the tile sizes (which wins depends on the GPU):
 #   "code":   each code from its own byte (1-byte loads; no data movement between threads)
-#   "unpack": the tile's bytes in one contiguous load, codes split off in registers (1, 2, 4 bits)
+#   "unpack": the tile's bytes in one contiguous load, codes split off in registers (1, 2, 4, 8 bits)
 #   "table":  one row of x only: each byte looks up all its codes' levels in :func:`byte_table`
 CODE_READS = ("code", "unpack", "table")
 
@@ -335,7 +335,7 @@ def _prune_split_k(configs, named_args, **kwargs):
 
 def reads_codes_distinctly(config: triton.Config, bits: int, byte_table: bool) -> bool:
     """False where the configuration's way of reading codes would run the same code as another
-    one: "unpack" is "code" for 3, 5, 6, 7, 8 bits, and "table" is "unpack" unless the byte table
+    one: "unpack" is "code" for 3, 5, 6, 7 bits, and "table" is "unpack" unless the byte table
     serves the call (``byte_table``)."""
     codes = config.kwargs["CODES"]
     return not ((codes == "unpack" and 8 % bits != 0) or (codes == "table" and not byte_table))
