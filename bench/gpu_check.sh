@@ -10,12 +10,15 @@
 # machine (files from the first stay while it is held), each with .gpu/common and one half of
 # the SmolLM2 GGUF:
 #   1. .gpu/common + .gpu/smollm2.gguf.part-aa:  bash bench/gpu_check.sh kernels
-#        kernel check, tuning and timings (kernels-gpu.json, kernels-gpu.png)
+#        tuning and timings, saved after every layer shape (kernels-gpu.json, kernels-gpu.png)
 #   2. .gpu/common + .gpu/smollm2.gguf.part-ab:  bash bench/gpu_check.sh rest
-#        joins the halves: decode check (kernels-decode-gpu.json), then FP8 attention
-#        (attention-gpu.json); the kernel tuning of call 1 is cached on disk, not redone.
-# If the machine was replaced between the two, call 2 says so (the decode check needs both
-# halves) and still runs the attention timings; send part-aa again, then repeat call 2.
+#        the kernel check (kernels-check-gpu.json), the decode check on the joined halves
+#        (kernels-decode-gpu.json; float32 activations, so it tunes keys of its own), then
+#        FP8 attention (attention-gpu.json)
+# Each call compiles a few hundred kernel variants; the script prints its elapsed seconds. If
+# the machine was replaced between the two, call 2 says so (the decode check needs both
+# halves) and still runs the check and the attention timings; send part-aa again, then
+# repeat call 2.
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 1
 stage="${1:-all}"
@@ -55,16 +58,19 @@ elif [ "$stage" != kernels ] && compgen -G ".gpu/smollm2.gguf.part-*" >/dev/null
 fi
 
 status=0
-if [ "$stage" != rest ]; then
-    what=(--cuda-graphs --plot "$out/kernels-gpu.png" --json "$out/kernels-gpu.json")
-    if [ "$stage" = all ] && [ "$decode_ready" = 1 ]; then
-        "$py" -m hilt.cli bench kernels --all ${smollm2[@]+"${smollm2[@]}"} "${what[@]}" || status=1
+graphs=(--cuda-graphs --plot "$out/kernels-gpu.png" --json "$out/kernels-gpu.json")
+if [ "$stage" = all ]; then
+    if [ "$decode_ready" = 1 ]; then
+        "$py" -m hilt.cli bench kernels --all ${smollm2[@]+"${smollm2[@]}"} "${graphs[@]}" || status=1
     else
-        "$py" -m hilt.cli bench kernels "${what[@]}" || status=1
-        [ "$stage" = all ] && status=1  # the decode check could not run (message above)
+        "$py" -m hilt.cli bench kernels "${graphs[@]}" || status=1
+        status=1  # the decode check could not run (message above)
     fi
-fi
-if [ "$stage" = rest ]; then
+elif [ "$stage" = kernels ]; then
+    "$py" -m hilt.cli bench kernels --timings "${graphs[@]}" || status=1
+else
+    "$py" -m hilt.cli bench kernels --check --json "$out/kernels-check-gpu.json" || status=1
+    echo "gpu_check: ${SECONDS} s so far; the decode check next" >&2
     if [ "$decode_ready" = 1 ]; then
         "$py" -m hilt.cli bench kernels --decode ${smollm2[@]+"${smollm2[@]}"} --json "$out/kernels-decode-gpu.json" \
             || status=1

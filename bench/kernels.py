@@ -91,13 +91,19 @@ def check(device: str = "cpu", log=print) -> dict:
         nonlocal cases, worst
         args = (q.codes, q.codebook, q.scales, q.offsets, q.bits, q.block_size, k)
         out = torch.full((x.shape[0], q.codes.shape[0]), float("nan"), dtype=x.dtype, device=device)
-        y = lut_matmul_triton(x, *args, bias=bias, path=path, split_k=split_k, config=config, out=out)
+        case = {"m": x.shape[0], "n": q.codes.shape[0], "k": k, "bits": q.bits, "path": path, "dtype": str(x.dtype),
+                "case": label}
+        cases += 1
+        try:
+            y = lut_matmul_triton(x, *args, bias=bias, path=path, split_k=split_k, config=config, out=out)
+        except Exception as e:  # noqa: BLE001 - recorded as a failure (exit 1); a config this GPU cannot compile must not stop the rest
+            failures.append({**case, "error": f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"})
+            return
         ref = lut_matmul_reference(x.float(), *args, bias=bias).double()
         ratio = _error_ratio(y, x, ref, q.dequantize().double().abs(), x.dtype)
-        cases, worst = cases + 1, max(worst, ratio)
+        worst = max(worst, ratio)
         if not ratio <= 1.0:
-            failures.append({"m": x.shape[0], "n": q.codes.shape[0], "k": k, "bits": q.bits, "path": path,
-                             "dtype": str(x.dtype), "case": label, "error_ratio": ratio})
+            failures.append({**case, "error_ratio": ratio})
 
     for m, n, k in CHECK_SHAPES:
         for bits in (1, 2, 3, 4):
@@ -231,8 +237,12 @@ def timings(quick: bool = False, cuda_graphs: bool = False, log=print, progress=
                 if cuda_graphs:
                     try:
                         row.update(_graph_row(x, w, codes, book, scales, bits, k, l2, table))
-                    except RuntimeError as e:  # keep the do_bench numbers; the command fails at the end
-                        row["graph_error"] = str(e).splitlines()[0] if str(e) else repr(e)
+                    except Exception as e:  # noqa: BLE001 - recorded, exit 1 at the end; the do_bench numbers stay
+                        row["graph_error"] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+                        try:
+                            torch.cuda.synchronize()
+                        except RuntimeError:
+                            pass
                         graph_errors.append({"layer": name, "m": m, "bits": bits, "error": row["graph_error"]})
                 rows.append(row)
                 if not ratio <= 1.0:
@@ -364,7 +374,8 @@ def decode(gguf_path=None, log=print) -> dict:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--check", action="store_true", help="correctness only (CPU: Triton interpreter)")
+    p.add_argument("--check", action="store_true", help="the correctness check (CPU: Triton interpreter)")
+    p.add_argument("--timings", action="store_true", help="GPU: the timings")
     p.add_argument("--all", action="store_true", help="GPU: check, timings and decode in one run")
     p.add_argument("--decode", action="store_true", help="the SmolLM2 decode check alone (GPU: through the kernel, "
                    "CPU: through the reference)")
@@ -402,23 +413,27 @@ def main(argv=None) -> int:
             part.write_text(json.dumps(result, indent=1) + "\n")
             part.replace(args.json)
 
-    if not args.decode:
+    chosen = args.check or args.timings or args.decode
+    if args.timings and not gpu:
+        raise HiltError("kernel timings need a CUDA GPU; this machine has none (use --check for correctness)")
+    if args.all or args.check or not chosen:
         result["check"] = check("cuda" if gpu else "cpu")
-        if not args.check and not gpu:
-            print("hilt: kernel timings need a CUDA GPU; none here. Ran the correctness check only.", file=sys.stderr)
-        elif not args.check:
-            def progress(partial):
-                result["timings"] = partial
-                save()
-
-            result["timings"] = timings(args.quick, args.cuda_graphs, progress=progress)
+        save()
+    if not gpu and not chosen:
+        print("hilt: kernel timings need a CUDA GPU; none here. Ran the correctness check only.", file=sys.stderr)
+    if gpu and (args.all or args.timings or not chosen):
+        def progress(partial):
+            result["timings"] = partial
             save()
-            if args.plot:
-                try:
-                    plot(result, args.plot)
-                except ImportError as e:  # a bare GPU machine: draw it later with --table JSON --plot PNG
-                    print(f"hilt: no plot ({e}); draw it from the results with --table {args.json} --plot PNG",
-                          file=sys.stderr)
+
+        result["timings"] = timings(args.quick, args.cuda_graphs, progress=progress)
+        save()
+        if args.plot:
+            try:
+                plot(result, args.plot)
+            except ImportError as e:  # a bare GPU machine: draw it later with --table JSON --plot PNG
+                print(f"hilt: no plot ({e}); draw it from the results with --table {args.json} --plot PNG",
+                      file=sys.stderr)
     if args.decode or (args.all and gpu):
         try:
             result["decode"] = decode(args.smollm2)

@@ -49,11 +49,15 @@ _PTR_TYPES = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32", "uint8":
 def _signature(fn, args, constexprs):
     """Triton signature, alignment attributes and constexprs for these launch arguments, as a GPU
     launch specialises them: pointers and integers divisible by 16 are marked so, integers equal
-    to 1 become constants (a stride of 1 is what lets loads vectorise)."""
+    to 1 become constants (a stride of 1 is what lets loads vectorise), except the parameters
+    the kernel marks do_not_specialize."""
     import torch
 
     sig, attrs, constexprs = {}, {}, dict(constexprs)
     for i, (name, value) in enumerate(zip(fn.arg_names, args)):
+        if fn.params[i].do_not_specialize:  # as the kernel asks: no hints, no constant
+            sig[name] = "i32"
+            continue
         if isinstance(value, int) and not isinstance(value, bool) and value == 1:
             sig[name], constexprs[name] = "constexpr", 1
             continue

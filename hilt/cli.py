@@ -347,7 +347,8 @@ def cmd_bench_quantize(args) -> int:
 def cmd_bench_kernels(args) -> int:
     from bench import kernels
 
-    flags = (("--check", args.check), ("--all", args.all), ("--decode", args.decode), ("--quick", args.quick),
+    flags = (("--check", args.check), ("--timings", args.timings), ("--all", args.all), ("--decode", args.decode),
+             ("--quick", args.quick),
              ("--cuda-graphs", args.cuda_graphs), ("--sass", args.sass))
     argv = [flag for flag, on in flags if on]
     for option, value in (("--smollm2", args.smollm2), ("--json", args.json), ("--plot", args.plot),
@@ -542,7 +543,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     bk = _parser_with_example(bsub, "kernels", "LUT matmul kernels: correctness vs reference; GPU timings vs bf16 cuBLAS",
                               "hilt bench kernels --check")
-    bk.add_argument("--check", action="store_true", help="correctness only (on the CPU through Triton's interpreter)")
+    bk.add_argument("--check", action="store_true", help="the correctness check (on the CPU through Triton's "
+                    "interpreter); without --check, --timings or --decode: the check, then timings on a GPU")
+    bk.add_argument("--timings", action="store_true", help="GPU: the timings alone")
     bk.add_argument("--all", action="store_true", help="GPU: check, timings and SmolLM2 decode in one run")
     bk.add_argument("--decode", action="store_true", help="the SmolLM2 decode check alone (GPU: through the "
                     "kernel, CPU: through the reference)")

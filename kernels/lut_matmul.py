@@ -234,7 +234,10 @@ def uses_byte_table(codebook: torch.Tensor, bits: int, block_size: int) -> bool:
     return bits in (1, 2, 4) and codebook.ndim == 1 and block_size in (8, 16, 32, 64)
 
 
-@triton.jit
+# n_blocks is not specialised: its divisibility by 16 varies between real layers (9, 24, 172
+# blocks of 64 in SmolLM2 and Llama-7B) and would compile a kernel variant for each; m_bucket
+# only keys the tuning.
+@triton.jit(do_not_specialize=["n_blocks", "m_bucket"])
 def _lut_matmul_kernel(
     x_ptr, codes_ptr, book_ptr, table_ptr, scales_ptr, offsets_ptr, bias_ptr, out_ptr,
     M, N, K, row_bytes, n_blocks, SPLIT, m_bucket,
@@ -390,8 +393,10 @@ def kernel_args(x2, codes, codebook, scales, offsets, bias, target, bits, block_
     by_bytes = path == "gemv" and m == 1 and uses_byte_table(codebook, bits, block_size)
     if by_bytes and table is None:
         table = byte_table(codebook, bits)
+    elif by_bytes and (tuple(table.shape) != (256, 8 // bits) or table.dtype != torch.float32):
+        raise HiltError(f"table must be float32 (256, {8 // bits}) (byte_table), got {table.dtype} {tuple(table.shape)}")
     args = (x2, codes.contiguous(), codebook.contiguous(), table if by_bytes else codebook, scales.contiguous(),
-            scales if offsets is None else offsets.contiguous(), scales if bias is None else bias, target,
+            scales if offsets is None else offsets.contiguous(), scales if bias is None else bias.contiguous(), target,
             m, n, k, codes.shape[1], k // block_size, split_k, triton.next_power_of_2(m),
             x2.stride(0), target.stride(-2), target.stride(0) if split_k > 1 else 0)
     flags = {"BITS": bits, "BLOCK": block_size, "PER_BLOCK_BOOK": codebook.ndim > 1, "BYTE_TABLE": by_bytes,
@@ -421,6 +426,10 @@ def lut_matmul_triton(x, codes, codebook, scales, offsets, bits, block_size, in_
         raise HiltError(f"input dtype {x.dtype} is not supported (float16, bfloat16, float32)")
     if bias is not None and tuple(bias.shape) != (codes.shape[0],):
         raise HiltError(f"bias has shape {tuple(bias.shape)}, expected ({codes.shape[0]},)")
+    for name, t in (("codes", codes), ("codebook", codebook), ("scales", scales), ("offsets", offsets),
+                    ("bias", bias), ("table", table), ("out", out), ("partial", partial)):
+        if t is not None and t.device != x.device:
+            raise HiltError(f"{name} is on {t.device}, the input on {x.device}")
     lead = x.shape[:-1]
     x2 = x.reshape(-1, in_features).contiguous()
     m, n, k = x2.shape[0], codes.shape[0], in_features
@@ -435,13 +444,14 @@ def lut_matmul_triton(x, codes, codebook, scales, offsets, bits, block_size, in_
         raise HiltError(f"split_k must be at least 1, got {split_k}")
     if out is None:
         out = torch.empty(m, n, dtype=x.dtype, device=x.device)
-    elif tuple(out.shape) != (m, n) or out.dtype != x.dtype:
-        raise HiltError(f"out must be {x.dtype} {(m, n)}, got {out.dtype} {tuple(out.shape)}")
+    elif tuple(out.shape) != (m, n) or out.dtype != x.dtype or (m and n and out.stride(-1) != 1):
+        raise HiltError(f"out must be {x.dtype} {(m, n)} with rows contiguous, got {out.dtype} {tuple(out.shape)} "
+                        f"strides {out.stride()}")
     if split_k > 1:
         if partial is None:
             partial = torch.empty(split_k, m, n, dtype=torch.float32, device=x.device)
-        elif tuple(partial.shape) != (split_k, m, n) or partial.dtype != torch.float32:
-            raise HiltError(f"partial buffer must be float32 {(split_k, m, n)}, got {partial.dtype} "
+        elif tuple(partial.shape) != (split_k, m, n) or partial.dtype != torch.float32 or not partial.is_contiguous():
+            raise HiltError(f"partial buffer must be contiguous float32 {(split_k, m, n)}, got {partial.dtype} "
                             f"{tuple(partial.shape)}")
     target = out if split_k == 1 else partial
     emulate = interpreting()

@@ -31,7 +31,7 @@ class QuantLinear(nn.Module):
         self.register_buffer("scales", qweight.scales)
         self.register_buffer("offsets", qweight.offsets)
         self.bias = None if bias is None else nn.Parameter(bias.detach().clone(), requires_grad=False)
-        self._table, self._table_key = None, None
+        self._table, self._table_source, self._table_version = None, None, None
 
     @property
     def qweight(self) -> QuantizedWeight:
@@ -46,12 +46,14 @@ class QuantLinear(nn.Module):
 
     def _byte_table(self, x: torch.Tensor) -> torch.Tensor | None:
         """The codebook's byte table for the kernel's one-row path, kept between calls (decode
-        would otherwise rebuild it every token) and rebuilt when the codebook changes."""
-        if not (x.is_cuda and uses_byte_table(self.codebook, self.bits, self.block_size)):
+        would otherwise rebuild it every token) and rebuilt when the codebook is another tensor
+        (moved, loaded) or was changed in place (its version; inference tensors have none)."""
+        book = self.codebook
+        if not (x.is_cuda and uses_byte_table(book, self.bits, self.block_size)):
             return None
-        key = (self.codebook.data_ptr(), self.codebook._version)
-        if key != self._table_key:
-            self._table, self._table_key = byte_table(self.codebook, self.bits), key
+        version = None if torch.is_inference(book) else book._version
+        if self._table is None or self._table_source is not book or self._table_version != version:
+            self._table, self._table_source, self._table_version = byte_table(book, self.bits), book, version
         return self._table
 
     def extra_repr(self) -> str:

@@ -160,8 +160,28 @@ def test_bench_kernels_check_passes_on_cpu(tmp_path):
     assert result["check"]["configs_checked"] == configs and result["check"]["failures"] == []
     assert result["check"]["cases"] == 240 + 2 * len(SPLIT_K_CONFIGS) + len(GEMM_CONFIGS)
     if not torch.cuda.is_available():
-        r = run_hilt("bench", "kernels", "--quick")
-        assert r.returncode == 0 and "need a CUDA GPU" in r.stderr
+        r = run_hilt("bench", "kernels", "--timings", "--quick")
+        assert r.returncode != 0 and "timings need a CUDA GPU" in r.stderr
+
+
+def test_check_records_a_kernel_that_raises_and_goes_on(monkeypatch):
+    """On a GPU a configuration may fail to compile: it is a failure, and the other cases run."""
+    from bench import kernels
+
+    monkeypatch.setattr(kernels, "CHECK_SHAPES", [(3, 40, 128)])
+    monkeypatch.setattr(kernels, "SPLIT_K_CONFIGS", SPLIT_K_CONFIGS[:1])
+    monkeypatch.setattr(kernels, "GEMM_CONFIGS", GEMM_CONFIGS[:1])
+    real = kernels.lut_matmul_triton
+
+    def flaky(*args, config=None, **kw):
+        if config is GEMM_CONFIGS[0] and kw.get("bias") is not None:
+            raise RuntimeError("out of resources: shared memory\nmore detail")
+        return real(*args, config=config, **kw)
+
+    monkeypatch.setattr(kernels, "lut_matmul_triton", flaky)
+    result = kernels.check(log=lambda *a: None)
+    assert result["cases"] == 4 * 3 * 2 * 2 + 2 + 1
+    assert [f["error"] for f in result["failures"]] == ["RuntimeError: out of resources: shared memory"]
 
 
 def test_bench_kernels_keeps_the_timings_when_decode_cannot_run(tmp_path, monkeypatch):

@@ -100,3 +100,6 @@ def test_quant_linear_keeps_its_byte_table_until_the_codebook_changes():
     assert torch.equal(layer._byte_table(on_gpu), 2 * first)
     per_block = QuantLinear(quantize_tensor(torch.randn(8, 64), QuantConfig("kmeans", 2, 32, codebook="block")))
     assert per_block._byte_table(on_gpu) is None
+    with torch.inference_mode():  # a model moved under inference_mode has codebooks without versions
+        layer.codebook = layer.codebook.clone()
+        assert torch.equal(layer._byte_table(on_gpu), 2 * first)
