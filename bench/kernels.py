@@ -19,10 +19,10 @@
 
 ``python -m bench.kernels --all --cuda-graphs --json bench/results/kernels-gpu.json
 --plot bench/results/kernels-gpu.png`` is the whole GPU check in one call
-(correctness, timings, decode; minutes); ``--decode`` runs the decode check alone
-(bench/gpu_check.sh splits it off on a machine that receives the SmolLM2 file in two
-calls). ``--table`` prints the README table of a results file; ``--sass`` compiles the
-kernel for an sm_90 GPU without one (bench/sass.py).
+(correctness, timings, decode; minutes); ``--check``, ``--timings``, ``--decode`` run
+those alone (bench/gpu_check.sh splits them over two calls on a machine that receives at
+most 64 MiB and runs at most 10 minutes per call). ``--table`` prints the README table of
+a results file; ``--sass`` compiles the kernels for an sm_90 GPU without one (bench/sass.py).
 """
 
 from __future__ import annotations
