@@ -348,8 +348,7 @@ def cmd_bench_kernels(args) -> int:
     from bench import kernels
 
     flags = (("--check", args.check), ("--timings", args.timings), ("--all", args.all), ("--decode", args.decode),
-             ("--quick", args.quick),
-             ("--cuda-graphs", args.cuda_graphs), ("--sass", args.sass))
+             ("--quick", args.quick), ("--cuda-graphs", args.cuda_graphs), ("--sass", args.sass))
     argv = [flag for flag, on in flags if on]
     for option, value in (("--smollm2", args.smollm2), ("--json", args.json), ("--plot", args.plot),
                           ("--table", args.table)):
