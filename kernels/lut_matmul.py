@@ -359,7 +359,7 @@ TUNED_KERNELS = {
 }
 
 
-def split_count(m: int, n: int, k: int) -> int:
+def split_count(n: int, k: int) -> int:
     """Programs along K for the split-K path: enough that one row of x still fills the GPU
     (about 256 programs with 32-row tiles), none shorter than 256 of K."""
     return max(1, min(triton.cdiv(k, 256), 256 // triton.cdiv(n, 32)))
@@ -439,7 +439,7 @@ def lut_matmul_triton(x, codes, codebook, scales, offsets, bits, block_size, in_
     if path == "gemm":
         split_k = 1
     elif split_k is None:
-        split_k = split_count(m, n, k)
+        split_k = split_count(n, k)
     elif split_k < 1:
         raise HiltError(f"split_k must be at least 1, got {split_k}")
     if out is None:
