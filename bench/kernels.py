@@ -132,7 +132,7 @@ def check(device: str = "cpu", log=print) -> dict:
             "max_error_ratio": worst}
 
 
-def _gpu_info() -> dict:
+def gpu_info() -> dict:
     import triton
 
     props = torch.cuda.get_device_properties(0)
@@ -405,7 +405,7 @@ def main(argv=None) -> int:
     if args.smollm2 and not (args.all or args.decode):
         p.error("--smollm2 is the decode check's model: add --all or --decode")
     gpu = torch.cuda.is_available()
-    result = {"machine": _gpu_info() if gpu else {"device": "cpu", "platform": platform.platform()}}
+    result = {"machine": gpu_info() if gpu else {"device": "cpu", "platform": platform.platform()}}
 
     def save():  # as the timings go too: they take minutes, and a run can be stopped or fail later
         if args.json:  # whole files only: written beside, then renamed over

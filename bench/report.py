@@ -1,7 +1,8 @@
 """`hilt report`: the whole toolkit on the embedded defaults, written to one folder.
 
-Sections, each from a real run: the quantization table (SmolLM2-135M, MiniLM), FP8
-attention (weight-only logit bounds, the transient study, accuracy in real models), the CNN
+Sections, each from a real run: the quantization table (SmolLM2-135M, MiniLM), the LUT
+matmul kernels (checked against their reference; SmolLM2 decoding through them; timed
+against cuBLAS when there is a GPU), FP8 attention (weight-only logit bounds, the transient study, accuracy in real models), the CNN
 on PCM over a year, standard vs noise-injection vs DWP training under mismatch and
 drift, energy per inference against a GPU, and the two ONNX exports checked in ONNX
 Runtime. A section that fails is reported as failed (with its error) and the command
@@ -40,6 +41,43 @@ def _section(name: str, out: Path, sections: list, log, fn):
         log(f"   failed: {e}")
 
 
+def kernel_section(out: Path, log=print) -> str:
+    """The LUT kernels' section: check and SmolLM2 decode (and quick timings on a GPU), saved
+    to OUT/kernels.json; raises when the kernel disagrees with its reference."""
+    import torch
+
+    from bench import kernels
+
+    gpu = torch.cuda.is_available()
+    result = {"check": kernels.check("cuda" if gpu else "cpu", log=log), "decode": kernels.decode(log=log)}
+    chk, dec = result["check"], result["decode"]
+    lines = [(f"The Triton kernel against its PyTorch reference (`hilt bench kernels --check`; "
+             f"{'natively on the GPU' if gpu else 'on the CPU through Triton’s interpreter'}): {chk['cases']} cases "
+             f"({chk['configs_checked']} tuning configurations), {len(chk['failures'])} failures, worst error "
+             f"{chk['max_error_ratio']:.3f} of what fp16/bf16 inputs allow."), "",
+             (f"SmolLM2-135M, greedy decode of 32 tokens after \"The capital of France is\" with a key/value cache "
+             f"(`hilt bench kernels --decode`): k-means weights through `QuantLinear` ({dec['through']}) against "
+             f"the dequantized model:"), "",
+             "| weights | same tokens | QuantLinear s | dequantized s | text (QuantLinear) |", "|---|---|---|---|---|"]
+    for bits in (4, 1):
+        d = dec[f"{bits}bit"]
+        text = json.dumps(d["kernel"], ensure_ascii=False)[1:-1].replace("|", "\\|")
+        lines.append(f"| {bits}-bit k-means | {'yes' if d['same'] else '**no**'} | {d['kernel_seconds']:.1f} | "
+                     f"{d['dequantized_seconds']:.1f} | `{text}` |")
+    if gpu:
+        result["machine"] = kernels.gpu_info()
+        result["timings"] = kernels.timings(quick=True, log=log)
+        lines += ["", kernels.render_table(result)]
+    else:
+        lines += ["", "Timings against cuBLAS need a GPU: `bash bench/gpu_check.sh` (see the README)."]
+    lines += ["", ("1-bit weights quantized after training decode noise; the check is that the kernel gives the "
+              "same noise as the dequantized matmul (`hilt bench qat` trains models that survive 1 bit).")]
+    _dump(out / "kernels.json", result)
+    if chk["failures"] or not all(dec[f"{b}bit"]["same"] for b in (4, 1)) or result.get("timings", {}).get("failures"):
+        raise HiltError(f"the kernels disagree with their reference (details in {out / 'kernels.json'})")
+    return "\n".join(lines) + "\n"
+
+
 def run(out="report", quick: bool = False, log=print) -> dict:
     from bench import cim, energy, export, quant_table, robustness
 
@@ -59,8 +97,8 @@ def run(out="report", quick: bool = False, log=print) -> dict:
                                  test_images=plan["drift_images"], log=log)
         _dump(out / "drift.json", result)
         cim.plot_drift(result, out / "drift.png")
-        lines = [f"The Fashion-MNIST CNN (digital accuracy {result['digital_accuracy']:.4f} on these "
-                 f"{result['test_images']} test images) on the `pcm` preset, {result['repeats']} programmed chips:", "",
+        lines = [(f"The Fashion-MNIST CNN (digital accuracy {result['digital_accuracy']:.4f} on these "
+                 f"{result['test_images']} test images) on the `pcm` preset, {result['repeats']} programmed chips:"), "",
                  "| time | no compensation (mean ± std, worst) | global compensation |", "|---|---|---|"]
         for t in dict.fromkeys(r["time"] for r in result["rows"]):
             cells = [f"{r['mean']:.4f} ± {r['std']:.4f}, {r['worst']:.4f}" for r in result["rows"] if r["time"] == t]
@@ -94,10 +132,10 @@ def run(out="report", quick: bool = False, log=print) -> dict:
     def fp8_section():
         from bench import fp8_accuracy, fp8_scales, fp8_transient
 
-        lines = ["Bounds on |attention logit| from the weights alone against the largest seen on real text "
-                 "(`hilt fp8 scales`); per model, over layers and heads:", "",
-                 "| model | observed / worst-case bound | observed / rank-aware prediction | "
-                 "rank-agnostic / rank-aware | exceeded |", "|---|---|---|---|---|"]
+        lines = [("Bounds on |attention logit| from the weights alone against the largest seen on real text "
+                 "(`hilt fp8 scales`); per model, over layers and heads:"), "",
+                 ("| model | observed / worst-case bound | observed / rank-aware prediction | "
+                 "rank-agnostic / rank-aware | exceeded |"), "|---|---|---|---|---|"]
         for model in ("minilm", "smollm2"):
             rows = fp8_scales.run(model, log=log)["rows"]
             _dump(out / f"fp8-scales-{model}.json", rows)
@@ -110,8 +148,8 @@ def run(out="report", quick: bool = False, log=print) -> dict:
         result = fp8_transient.study(quick=quick, log=log)
         _dump(out / "fp8-transient.json", result)
         fp8_transient.plot(result, out / "fp8-transient.png")
-        lines += ["", f"Transients (`hilt fp8 transient`): a character GPT fine-tuned with its attention logits in "
-                  f"E4M3; steps after the event with logits clipped at ±448 (logits clipped):", "",
+        lines += ["", ("Transients (`hilt fp8 transient`): a character GPT fine-tuned with its attention logits in "
+                  "E4M3; steps after the event with logits clipped at ±448 (logits clipped):"), "",
                   "| scenario | " + " | ".join(fp8_transient.RECIPES) + " |", "|---" * (1 + len(fp8_transient.RECIPES)) + "|"]
         for scenario in fp8_transient.SCENARIOS:
             runs = {r["recipe"]: r for r in result["runs"] if r["scenario"] == scenario}
@@ -122,8 +160,8 @@ def run(out="report", quick: bool = False, log=print) -> dict:
                                log=log)
         _dump(out / "fp8-attention.json", acc)
         lines += ["", "![fp8 transients](fp8-transient.png)", "",
-                  f"FP8 attention in real models (`hilt fp8 attention`; SmolLM2-135M perplexity on {acc['tokens']} "
-                  f"tokens of Hamlet, float32 {acc['float32_perplexity']:.3f}; MiniLM embedding cosine vs float32):",
+                  (f"FP8 attention in real models (`hilt fp8 attention`; SmolLM2-135M perplexity on {acc['tokens']} "
+                  f"tokens of Hamlet, float32 {acc['float32_perplexity']:.3f}; MiniLM embedding cosine vs float32):"),
                   "", "| variant | perplexity | change | MiniLM cosine |", "|---|---|---|---|"]
         lines += [f"| {r['variant']} | {r['perplexity']:.3f} | {r['perplexity_change_pct']:+.2f}% | "
                   f"{r['minilm_cosine']:.5f} |" for r in acc["rows"]]
@@ -146,6 +184,7 @@ def run(out="report", quick: bool = False, log=print) -> dict:
                 f"{c['accuracy_onnx']:.4f} vs PyTorch {c['accuracy_torch']:.4f} on {c['test_images']} images.\n")
 
     _section("Quantization: SmolLM2-135M and all-MiniLM-L6-v2", out, sections, log, quantization)
+    _section("LUT matmul kernels: correctness and decode", out, sections, log, lambda: kernel_section(out, log))
     _section("FP8 attention: scales from the weights, transients, accuracy", out, sections, log, fp8_section)
     _section("Compute-in-memory: a year on PCM", out, sections, log, drift)
     _section("Training for noisy hardware: standard, noise injection, DWP", out, sections, log, robust)

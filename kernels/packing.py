@@ -57,6 +57,10 @@ def unpack_codes(packed: torch.Tensor, bits: int, n_codes: int) -> torch.Tensor:
             f"packed rows have {nbytes} bytes but {n_codes} codes of {bits} bits need "
             f"{packed_row_bytes(n_codes, bits)}"
         )
+    if bytes_per_group == 1:  # 1, 2, 4, 8 bits: split each byte in uint8, a quarter of int64's memory traffic
+        shifts = torch.arange(0, 8, bits, dtype=torch.uint8, device=packed.device)
+        codes = (packed.to(torch.uint8).unsqueeze(-1) >> shifts) & ((1 << bits) - 1)
+        return codes.reshape(*lead, -1)[..., :n_codes].long()
     b = packed.to(torch.int64).reshape(*lead, -1, bytes_per_group)
     byte_shifts = torch.arange(bytes_per_group, dtype=torch.int64, device=b.device) * 8
     group = (b << byte_shifts).sum(-1)

@@ -193,7 +193,7 @@ def test_bench_kernels_keeps_the_timings_when_decode_cannot_run(tmp_path, monkey
     from bench import kernels
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(kernels, "_gpu_info", lambda: {"device": "fake GPU"})
+    monkeypatch.setattr(kernels, "gpu_info", lambda: {"device": "fake GPU"})
     monkeypatch.setattr(kernels, "check", lambda device: {"cases": 1, "failures": []})
     monkeypatch.setattr(kernels, "timings", lambda quick, graphs, progress: {"rows": [{"speedup": 4.0}]})
     monkeypatch.delattr(bench, "llama", raising=False)
@@ -283,6 +283,25 @@ def test_targets_table_and_plot_of_a_results_file(tmp_path, capsys):
     (tmp_path / "cpu.json").write_text(json.dumps({"machine": {"device": "cpu"}, "check": {}}))
     assert main(["bench", "kernels", "--table", str(tmp_path / "cpu.json")]) != 0
     assert "cpu.json: no timings in this results file" in capsys.readouterr().err
+
+
+def test_report_section_shows_the_check_and_decode_and_fails_on_a_mismatch(tmp_path, monkeypatch):
+    from bench import kernels, report
+
+    check = {"device": "cpu", "cases": 332, "configs_checked": 52, "failures": [], "max_error_ratio": 0.171}
+    text = {"kernel": " Paris | Lyon\nx", "dequantized": " Paris | Lyon\nx", "kernel_seconds": 9.0,
+            "dequantized_seconds": 3.0, "same": True}
+    decode = {"device": "cpu", "through": "PyTorch reference", "4bit": text, "1bit": dict(text)}
+    monkeypatch.setattr(kernels, "check", lambda device, log: check)
+    monkeypatch.setattr(kernels, "decode", lambda log: decode)
+    md = report.kernel_section(tmp_path, log=lambda *a: None)
+    assert "332 cases (52 tuning configurations), 0 failures, worst error 0.171" in md
+    assert "| 4-bit k-means | yes | 9.0 | 3.0 | ` Paris \\| Lyon\\nx` |" in md  # one table row, pipe escaped
+    assert "need a GPU" in md and json.loads((tmp_path / "kernels.json").read_text())["check"] == check
+    decode["1bit"] = {**text, "kernel": "other", "same": False}
+    with pytest.raises(HiltError, match="disagree with their reference"):
+        report.kernel_section(tmp_path, log=lambda *a: None)
+    assert json.loads((tmp_path / "kernels.json").read_text())["decode"]["1bit"]["same"] is False
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
