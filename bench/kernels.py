@@ -396,7 +396,9 @@ def main(argv=None) -> int:
         try:
             saved = json.loads(Path(args.table).read_text())
             table = render_table(saved)
-        except (OSError, ValueError, KeyError, HiltError) as e:
+        except OSError as e:
+            raise HiltError(f"{args.table}: {e.strerror or e}") from e
+        except (ValueError, KeyError, HiltError) as e:
             raise HiltError(f"{args.table}: {e}") from e
         print(table, end="")
         if args.plot:

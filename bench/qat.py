@@ -209,7 +209,9 @@ def study(quick: bool = False, seeds=None, lr: float | None = None, learn_codebo
         log("  no scaling fit: the 16-bit losses do not fall with model size (a run diverged? lower --lr)")
     else:
         gammas = {m: _gamma([r for r in rows if r["method"] == m], fit) for m in METHODS}
-        log(f"  16-bit fit: L = {fit['E']:.3f} + {fit['A']:.3g} N^-{fit['alpha']:.3f};  gamma: "
+        widths = sum(r["method"] == "16-bit" for r in rows)
+        fixed = f" (E fixed at 0: {widths} widths fit only a power law)" if widths < 3 else ""
+        log(f"  16-bit fit: L = {fit['E']:.3f} + {fit['A']:.3g} N^-{fit['alpha']:.3f}{fixed};  gamma: "
             + ", ".join(f"{m} {g:.3f}" for m, g in gammas.items()))
     versus = _kmeans_vs_int(rows)
     for v in versus:

@@ -120,7 +120,7 @@ def memory(gb: float, log=print) -> dict:
         save_file(tensors, str(src))
         del tensors
         size = src.stat().st_size
-        log(f"memory: quantizing a generated {size / 1e9:.2f} GB safetensors checkpoint "
+        log(f"memory: quantizing a generated {size / 2**30:.2f} GiB safetensors checkpoint "
             f"({count} tensors of {side}x{side} float32) in a child process...")
         start = time.perf_counter()
         proc = subprocess.run([sys.executable, "-c", _PEAK_OF_QUANTIZE, str(src), str(Path(tmp) / "q")],

@@ -254,6 +254,11 @@ def main(argv=None) -> int:
               file=sys.stderr)
         return 1
     result = report(args.batch, args.bits or (1, 2, 3, 4), args.quick)
+    rows, attention = result["rows"], result["attention"]
+    spills = sum(r["stack"] > 0 for r in rows + attention)
+    print(f"compiled for {result['target']}: {len(rows)} LUT matmul cases, {len(attention)} FP8 attention launches; "
+          f"{spills} use stack (spilled registers)" + ("; --quick: one configuration per path and way of reading "
+                                                        "codes, the full run compiles every one" if args.quick else ""))
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=1) + "\n")
     return 0

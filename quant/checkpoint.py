@@ -309,6 +309,8 @@ def read_header(dst) -> dict:
     """The header of a hilt checkpoint, validated."""
     dst = Path(dst)
     path = dst / HEADER
+    if not dst.exists():
+        raise HiltError(f"{dst}: no such file or directory")
     if not path.exists():
         raise HiltError(f"{dst}: not a hilt checkpoint (no {HEADER})")
     try:

@@ -196,6 +196,8 @@ def test_overwrite_refuses_a_folder_that_is_not_ours(tiny_ckpt, tmp_path):
     r = run_hilt("quantize", tiny_ckpt, mine, "--overwrite")
     assert_clean_failure(r, "not a hilt checkpoint")
     assert (mine / "cat.jpg").exists()
+    assert_clean_failure(run_hilt("inspect", mine), "photos: not a hilt checkpoint (no hilt.json)")
+    assert_clean_failure(run_hilt("inspect", tmp_path / "gone"), "gone: no such file or directory")
 
 
 def test_unwritable_destination(tiny_ckpt, tmp_path):

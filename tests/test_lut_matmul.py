@@ -283,6 +283,8 @@ def test_targets_table_and_plot_of_a_results_file(tmp_path, capsys):
     (tmp_path / "cpu.json").write_text(json.dumps({"machine": {"device": "cpu"}, "check": {}}))
     assert main(["bench", "kernels", "--table", str(tmp_path / "cpu.json")]) != 0
     assert "cpu.json: no timings in this results file" in capsys.readouterr().err
+    assert main(["bench", "kernels", "--table", str(tmp_path / "gone.json")]) != 0
+    assert capsys.readouterr().err.strip().endswith("gone.json: No such file or directory")
 
 
 def test_report_section_shows_the_check_and_decode_and_fails_on_a_mismatch(tmp_path, monkeypatch):
