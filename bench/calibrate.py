@@ -14,13 +14,13 @@ the evaluations use Hamlet.
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import torch
 from torch import nn
 
 from kernels import HiltError
+from quant.checkpoint import save_safetensors
 
 
 def collect_importance(model: nn.Module, batches) -> dict[str, torch.Tensor]:
@@ -51,7 +51,6 @@ def collect_importance(model: nn.Module, batches) -> dict[str, torch.Tensor]:
 def calibrate(model="smollm2", out="importance.safetensors", work="macbeth", tokens=2048, sentences=256,
               overwrite=False) -> dict:
     """Importance for SmolLM2 ('smollm2' or a GGUF path) or MiniLM ('minilm' or its folder)."""
-    from safetensors.torch import save_file
 
     from bench.text import sentences as real_sentences
     from bench.text import shakespeare_text
@@ -85,8 +84,5 @@ def calibrate(model="smollm2", out="importance.safetensors", work="macbeth", tok
                 yield (ids[None, i:i + 512],)
         seen = f"{ids.numel()} tokens of {work}"
     importance = collect_importance(net, batches())
-    tmp = out.with_name(out.name + ".tmp")
-    save_file({k: v.contiguous() for k, v in importance.items()}, str(tmp),
-              metadata={"format": "pt"})
-    os.replace(tmp, out)
+    save_safetensors({k: v.contiguous() for k, v in importance.items()}, out, metadata={"format": "pt"})
     return {"out": str(out), "layers": len(importance), "calibration": seen}

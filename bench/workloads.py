@@ -17,7 +17,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-import os
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -207,24 +206,14 @@ def save_checkpoint(model: nn.Module, path: str | Path, name: str, meta: dict | 
     """
     _check_name(name)
     path = Path(path)
-    from safetensors import SafetensorError
-    from safetensors.torch import save_file
+    from quant.checkpoint import save_safetensors
 
     if not path.parent.is_dir():
         raise HiltError(f"{path}: folder {path.parent} does not exist")
     tensors = {k: v.detach().to(torch.float32).contiguous().clone() for k, v in model.state_dict().items()}
     metadata = {str(k): _meta_str(v) for k, v in (meta or {}).items()}
     metadata.update({"format": FORMAT, "format_version": FORMAT_VERSION, "workload": name})
-    tmp = path.with_name(path.name + ".tmp")
-    try:
-        save_file(tensors, str(tmp), metadata=metadata)
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp, 0o666 & ~umask)  # safetensors creates files readable by the owner only
-        os.replace(tmp, path)
-    except (OSError, SafetensorError) as e:
-        tmp.unlink(missing_ok=True)
-        raise HiltError(f"{path}: cannot write checkpoint ({str(e).splitlines()[0]})") from None
+    save_safetensors(tensors, path, metadata=metadata)
     return path
 
 

@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Callable, Iterable
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from kernels import HiltError
@@ -49,7 +49,8 @@ KEEP_DENSE = re.compile(
     r"wte|wpe|tok_embeddings|token_embd|lm_head|output)\.weight$|(^|\.)(lm_head|embed_tokens)(\.|$)"
 )
 
-__all__ = ["quantize_checkpoint", "load_checkpoint", "read_header", "select_targets", "open_source"]
+__all__ = ["quantize_checkpoint", "load_checkpoint", "read_header", "select_targets", "open_source",
+           "save_safetensors"]
 
 
 def select_targets(source: Source, only: str | None = None, ignore: str | None = None) -> list[str]:
@@ -95,6 +96,23 @@ def _check_destination(dst: Path, overwrite: bool, resume: bool) -> Path:
     if partial.exists() and not resume and not overwrite:
         raise HiltError(f"{partial}: an interrupted run is there; pass --resume to continue it or --overwrite to start over")
     return partial
+
+
+def save_safetensors(tensors: dict, path, metadata: dict | None = None) -> None:
+    """Write a safetensors file whole (a temporary name, then a rename), readable as the umask
+    allows: safetensors itself creates files that only their owner can read."""
+    path = Path(path)
+    tmp = path.with_name(path.name + ".tmp")
+    try:
+        save_file(tensors, str(tmp), metadata=metadata)
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)
+        os.replace(tmp, path)
+    except (OSError, SafetensorError) as e:
+        raise HiltError(f"{path}: cannot write ({str(e).splitlines()[0]})") from None
+    finally:
+        tmp.unlink(missing_ok=True)
 
 
 def _write_json(path: Path, obj) -> None:
@@ -252,9 +270,7 @@ def _stream(source, targets, importance, codebooks, config, partial, state, shar
 def _flush(partial: Path, state: dict, buffer: dict, entries: dict) -> None:
     """Write one complete shard (temporary name, then rename), then record it as done."""
     shard = f"model-{len(state['shards']) + 1:05d}.safetensors"
-    tmp = partial / (shard + ".tmp")
-    save_file(buffer, str(tmp), metadata={"format": "pt"})  # one key: map order is not stable
-    os.replace(tmp, partial / shard)
+    save_safetensors(buffer, partial / shard, metadata={"format": "pt"})  # one key: map order is not stable
     for e in entries.values():
         e["shard"] = shard
     state["shards"].append(shard)

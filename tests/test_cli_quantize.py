@@ -239,3 +239,23 @@ def test_interrupt_then_resume_gives_identical_bytes(tmp_path):
     assert ref_files == sorted(p.name for p in dst.iterdir()) and len(ref_files) > 3
     for name in ref_files:
         assert (ref / name).read_bytes() == (dst / name).read_bytes(), name
+
+
+def test_written_safetensors_are_readable_as_the_umask_allows(tmp_path):
+    """safetensors creates owner-only files; checkpoints and importance files follow the umask."""
+    import os
+
+    from quant.checkpoint import save_safetensors
+
+    old = os.umask(0o022)
+    try:
+        save_safetensors({"a": torch.zeros(3)}, tmp_path / "x.safetensors")
+    finally:
+        os.umask(old)
+    assert (tmp_path / "x.safetensors").stat().st_mode & 0o777 == 0o644
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["x.safetensors"]  # no temporary left
+    from kernels import HiltError
+
+    with pytest.raises(HiltError, match=r"missing/x.safetensors: cannot write"):
+        save_safetensors({"a": torch.zeros(3)}, tmp_path / "missing" / "x.safetensors")
+    assert not (tmp_path / "missing").exists()
