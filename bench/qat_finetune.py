@@ -17,11 +17,12 @@ from dataclasses import asdict
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 from tqdm import tqdm
 
 from kernels import HiltError
 from quant import QuantConfig
+from quant.checkpoint import save_safetensors
 from quant.qat import (
     QATSchedule,
     fake_quant_layers,
@@ -53,7 +54,7 @@ def _save_state(path: Path, model, opt, step: int, settings: dict) -> None:
     for i, st in opt_state["state"].items():
         for key, value in st.items():
             tensors[f"opt.{i}.{key}"] = torch.as_tensor(value).contiguous()
-    save_file(tensors, tmp / "state.safetensors")
+    save_safetensors(tensors, tmp / "state.safetensors")
     (tmp / "state.json").write_text(json.dumps({"step": step, "settings": settings,
                                                 "param_groups": opt_state["param_groups"]}, indent=1))
     shutil.rmtree(path, ignore_errors=True)
