@@ -593,7 +593,8 @@ def build_parser() -> argparse.ArgumentParser:
     bqat.set_defaults(func=cmd_bench_qat)
 
     r = _parser_with_example(sub, "report", "the end-to-end run on the embedded defaults (real models): quantization, "
-                             "LUT kernels, FP8 attention, CIM drift, DWP robustness, energy, ONNX; writes DIR/report.md", "hilt report --out report/")
+                             "LUT kernels, FP8 attention, CIM drift, DWP robustness, energy, ONNX; writes DIR/report.md",
+                             "hilt report --out report/")
     r.add_argument("--out", default="report", help="output folder (default ./report)")
     r.add_argument("--quick", action="store_true", help="smaller budgets everywhere (about 10 minutes on 2 cores)")
     r.add_argument("--json", metavar="FILE")
