@@ -5,8 +5,8 @@ matmul kernels (checked against their reference; SmolLM2 decoding through them; 
 against cuBLAS when there is a GPU), FP8 attention (weight-only logit bounds, the transient
 study, accuracy in real models), the CNN on PCM over a year, standard vs noise-injection vs
 DWP training under mismatch and drift, energy per inference against a GPU, and the two ONNX
-exports checked in ONNX Runtime. A section that fails is reported as failed (with its error) and the command
-exits non-zero at the end; the other sections still run.
+exports checked in ONNX Runtime. A section that fails is reported as failed (with its
+error) and the command exits non-zero at the end; the other sections still run.
 """
 
 from __future__ import annotations
