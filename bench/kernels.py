@@ -443,11 +443,16 @@ def main(argv=None) -> int:
             result["decode_error"] = str(e)
             print(f"hilt: SmolLM2 decode check not run: {e}", file=sys.stderr)
     save()
+    return 1 if failed(result) else 0
+
+
+def failed(result: dict) -> bool:
+    """Whether a results dict holds a check failure, a timed mismatch or graph error, or a decode
+    that did not run or gave other tokens."""
     timed = result.get("timings", {})
-    failed = (bool(result.get("check", {}).get("failures")) or bool(timed.get("failures") or timed.get("graph_errors"))
-              or "decode_error" in result
-              or any(not d["same"] for d in result.get("decode", {}).values() if isinstance(d, dict)))
-    return 1 if failed else 0
+    return (bool(result.get("check", {}).get("failures")) or bool(timed.get("failures") or timed.get("graph_errors"))
+            or "decode_error" in result
+            or any(not d["same"] for d in result.get("decode", {}).values() if isinstance(d, dict)))
 
 
 if __name__ == "__main__":

@@ -73,7 +73,7 @@ def kernel_section(out: Path, log=print) -> str:
     lines += ["", ("1-bit weights quantized after training decode noise; the check is that the kernel gives the "
               "same noise as the dequantized matmul (`hilt bench qat` trains models that survive 1 bit).")]
     _dump(out / "kernels.json", result)
-    if chk["failures"] or not all(dec[f"{b}bit"]["same"] for b in (4, 1)) or result.get("timings", {}).get("failures"):
+    if kernels.failed(result):
         raise HiltError(f"the kernels disagree with their reference (details in {out / 'kernels.json'})")
     return "\n".join(lines) + "\n"
 

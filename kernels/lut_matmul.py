@@ -65,12 +65,11 @@ def dequantize_lut(
         raise HiltError(f"scales have shape {tuple(scales.shape)}, expected {(n_rows, n_blocks)}")
     idx = unpack_codes(codes, bits, in_features)
     book = codebook.float()
-    if book.ndim == 1:  # gather: a third of the time of book[idx] on the CPU
-        values = torch.gather(book.expand(n_rows, -1), 1, idx)
-    else:  # one codebook per block: gather each block's own levels
-        idx = idx.view(n_rows, n_blocks, block_size)
-        values = torch.gather(book, 2, idx)
-    w = values.view(n_rows, n_blocks, block_size) * scales.float().unsqueeze(-1)
+    if book.ndim == 1:  # one codebook per layer: every block's own, as a view
+        book = book.expand(n_rows, n_blocks, -1)
+    # gather: a third of the time of book[idx] on the CPU
+    values = torch.gather(book, 2, idx.view(n_rows, n_blocks, block_size))
+    w = values * scales.float().unsqueeze(-1)
     if offsets is not None:
         w = w + offsets.float().unsqueeze(-1)
     return w.view(n_rows, in_features)
