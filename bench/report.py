@@ -17,7 +17,8 @@ import time
 import traceback
 from pathlib import Path
 
-from kernels import HiltError
+from hilt.bench import RESULTS
+from hilt.errors import HiltError
 
 QUICK = {"drift_chips": 2, "drift_images": 2000, "energy_images": 500}
 FULL = {"drift_chips": 5, "drift_images": 10_000, "energy_images": 2000}
@@ -43,13 +44,13 @@ def _section(name: str, out: Path, sections: list, log, fn):
 
 def kernel_section(out: Path, log=print) -> str:
     """The LUT kernels' section: check and SmolLM2 decode (and quick timings on a GPU), saved
-    to OUT/kernels.json; raises when the kernel disagrees with its reference."""
+    to OUT/lut_kernels.json; raises when the kernel disagrees with its reference."""
     import torch
 
-    from bench import kernels
+    from hilt.bench.perf import lut_kernels
 
     gpu = torch.cuda.is_available()
-    result = {"check": kernels.check("cuda" if gpu else "cpu", log=log), "decode": kernels.decode(log=log)}
+    result = {"check": lut_kernels.check("cuda" if gpu else "cpu", log=log), "decode": lut_kernels.decode(log=log)}
     chk, dec = result["check"], result["decode"]
     lines = [(f"The Triton kernel against its PyTorch reference (`hilt bench kernels --check`; "
              f"{'natively on the GPU' if gpu else 'on the CPU through Triton’s interpreter'}): {chk['cases']} cases "
@@ -65,21 +66,25 @@ def kernel_section(out: Path, log=print) -> str:
         lines.append(f"| {bits}-bit k-means | {'yes' if d['same'] else '**no**'} | {d['kernel_seconds']:.1f} | "
                      f"{d['dequantized_seconds']:.1f} | `{text}` |")
     if gpu:
-        result["machine"] = kernels.gpu_info()
-        result["timings"] = kernels.timings(quick=True, log=log)
-        lines += ["", kernels.render_table(result)]
+        result["machine"] = lut_kernels.gpu_info()
+        result["timings"] = lut_kernels.timings(quick=True, log=log)
+        lines += ["", lut_kernels.render_table(result)]
     else:
-        lines += ["", "Timings against cuBLAS need a GPU: `bash bench/gpu_check.sh` (see the README)."]
+        lines += ["", "Timings against cuBLAS need a GPU: `bash bench/perf/gpu_check.sh` (see the README)."]
     lines += ["", ("1-bit weights quantized after training decode noise; the check is that the kernel gives the "
               "same noise as the dequantized matmul (`hilt bench qat` trains models that survive 1 bit).")]
-    _dump(out / "kernels.json", result)
-    if kernels.failed(result):
-        raise HiltError(f"the kernels disagree with their reference (details in {out / 'kernels.json'})")
+    _dump(out / "lut_kernels.json", result)
+    if lut_kernels.failed(result):
+        raise HiltError(f"the kernels disagree with their reference (details in {out / 'lut_kernels.json'})")
     return "\n".join(lines) + "\n"
 
 
 def run(out="report", quick: bool = False, log=print) -> dict:
-    from bench import cim, energy, export, quant_table, robustness
+    from hilt.bench.tasks import drift
+    from hilt.bench.tasks import energy
+    from hilt.bench.tasks import export
+    from hilt.bench.studies import quant_table
+    from hilt.bench.studies import robustness
 
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
@@ -93,10 +98,10 @@ def run(out="report", quick: bool = False, log=print) -> dict:
         return ((out / "quant_table.md").read_text() + "\n![quantization](quant_table.png)\n")
 
     def drift():
-        result = cim.drift_study("cnn", preset_name="pcm", repeats=plan["drift_chips"],
+        result = drift.drift_study("cnn", preset_name="pcm", repeats=plan["drift_chips"],
                                  test_images=plan["drift_images"], log=log)
         _dump(out / "drift.json", result)
-        cim.plot_drift(result, out / "drift.png")
+        drift.plot_drift(result, out / "drift.png")
         lines = [(f"The Fashion-MNIST CNN (digital accuracy {result['digital_accuracy']:.4f} on these "
                  f"{result['test_images']} test images) on the `pcm` preset, {result['repeats']} programmed chips:"), "",
                  "| time | no compensation (mean ± std, worst) | global compensation |", "|---|---|---|"]
@@ -116,7 +121,7 @@ def run(out="report", quick: bool = False, log=print) -> dict:
     def energies():
         lines = []
         for method in ("standard", "dwp"):
-            checkpoint = cim.RESULTS / f"cnn-{method}.safetensors"
+            checkpoint = RESULTS / f"cnn-{method}.safetensors"
             result = energy.run("cnn", checkpoint if checkpoint.exists() else None, sweep=True,
                                 test_images=plan["energy_images"], log=log)
             _dump(out / f"energy-{method}.json", result)
@@ -130,7 +135,9 @@ def run(out="report", quick: bool = False, log=print) -> dict:
         return "\n".join(lines) + "\n\nConstants and their sources: `cim_sim/energy.py`.\n"
 
     def fp8_section():
-        from bench import fp8_accuracy, fp8_scales, fp8_transient
+        from hilt.bench.studies import fp8_accuracy
+        from hilt.bench.studies import fp8_scales
+        from hilt.bench.studies import fp8_transient
 
         lines = [("Bounds on |attention logit| from the weights alone against the largest seen on real text "
                  "(`hilt fp8 scales`); per model, over layers and heads:"), "",
@@ -168,8 +175,8 @@ def run(out="report", quick: bool = False, log=print) -> dict:
         return "\n".join(lines) + "\n"
 
     def onnx_exports():
-        from bench.bert import minilm_path
-        from quant import QuantConfig, quantize_checkpoint
+        from hilt.bench.models.bert import minilm_path
+        from hilt.quant import QuantConfig, quantize_checkpoint
 
         ckpt = out / "ckpt-minilm-kmeans4"
         quantize_checkpoint(minilm_path(), ckpt, QuantConfig(method="kmeans", bits=4, block_size=64), overwrite=True)

@@ -1,15 +1,15 @@
 """cim_sim: compute-in-memory simulation in vectorised PyTorch.
 
-    from cim_sim import convert_to_analog, program, drift_to, preset
+    from hilt.cim_sim import convert_to_analog, program, drift_to, preset
     analog = convert_to_analog(model, preset("pcm"))   # Linear/Conv2d -> analog layers (a copy)
     program(analog, seed=0)                            # programming noise, drift exponents
     drift_to(analog, 86400, seed=1, gdc="global")      # read one day later, compensated
     accuracy(analog, ...)
 """
 
-from cim_sim.analog import PRESETS, AnalogConfig, AnalogConv2d, AnalogLinear, preset
-from cim_sim.devices import PCM, RRAM, mismatch, stuck_at
-from cim_sim.model import analog_layers, convert_to_analog, drift_to, parse_time, program
+from hilt.cim_sim.analog import PRESETS, AnalogConfig, AnalogConv2d, AnalogLinear, preset
+from hilt.cim_sim.devices import PCM, RRAM, mismatch, stuck_at
+from hilt.cim_sim.model import analog_layers, convert_to_analog, drift_to, parse_time, program
 
 __all__ = [
     "PRESETS", "AnalogConfig", "AnalogConv2d", "AnalogLinear", "preset", "PCM", "RRAM", "mismatch", "stuck_at",

@@ -24,8 +24,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from cim_sim.devices import PCM, RRAM, gaussian_, stuck_at
-from kernels import HiltError
+from hilt.cim_sim.devices import PCM, RRAM, gaussian_, stuck_at
+from hilt.errors import HiltError
 
 _ZERO = torch.zeros(())  # addmm's ignored input (beta=0): a product scaled inside BLAS
 

@@ -39,7 +39,7 @@ from dataclasses import asdict, dataclass, replace
 import torch
 from torch import nn
 
-from kernels import HiltError
+from hilt.errors import HiltError
 
 
 def _two_point(e32: float, e64: float) -> tuple[float, float]:
@@ -98,7 +98,7 @@ def chip(name: str, **overrides) -> ChipEnergy:
 def layer_shapes(model: nn.Module, example: torch.Tensor) -> list[dict]:
     """Every Linear and Conv2d of ``model`` (or its analog counterpart) with the matrix-vector
     products it computes for ONE sample of ``example`` (batch dimension first)."""
-    from cim_sim.analog import AnalogConv2d, AnalogLinear
+    from hilt.cim_sim.analog import AnalogConv2d, AnalogLinear
 
     rows, hooks = [], []
 

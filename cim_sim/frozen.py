@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from cim_sim.analog import AnalogConv2d, AnalogLinear, AnalogMixin
+from hilt.cim_sim.analog import AnalogConv2d, AnalogLinear, AnalogMixin
 
 _RETRY_FACTORS = (1, 2, 4, 8)  # the simulator's bound management: 3 retries, halving the input each time
 

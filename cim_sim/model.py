@@ -19,8 +19,8 @@ import re
 import torch
 from torch import nn
 
-from cim_sim.analog import AnalogConfig, AnalogConv2d, AnalogLinear, AnalogMixin
-from kernels import HiltError
+from hilt.cim_sim.analog import AnalogConfig, AnalogConv2d, AnalogLinear, AnalogMixin
+from hilt.errors import HiltError
 
 GDC_MODES = ("global", "column", "exact", "none")
 _UNITS = {"s": 1, "m": 60, "min": 60, "h": 3600, "d": 86400, "w": 604800, "mo": 2629800, "y": 31557600}

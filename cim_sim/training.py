@@ -38,8 +38,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.func import functional_call
 
-from cim_sim.devices import PCM, RRAM
-from kernels import HiltError
+from hilt.cim_sim.devices import PCM, RRAM
+from hilt.errors import HiltError
 
 METHODS = ("standard", "noise", "dwp")
 NOISE_MODELS = ("mismatch", "pcm", "rram")

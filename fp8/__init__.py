@@ -9,10 +9,10 @@ and `FP8Attention`, the module the SmolLM2 and MiniLM forwards use to run attent
 the FP8 kernel (`fp8.attention`; `hilt fp8 attention`).
 """
 
-from fp8.attention import FP8Attention, use_fp8_attention
-from fp8.bounds import burn_in_gamma, logit_bounds, norm_radius, tail_alpha
-from fp8.recipes import Current, Delayed, GeometryAware, ScaleRecipe, fp8_cast
-from fp8.spectral import HeadNorms, head_norms
+from hilt.fp8.attention import FP8Attention, use_fp8_attention
+from hilt.fp8.bounds import burn_in_gamma, logit_bounds, norm_radius, tail_alpha
+from hilt.fp8.recipes import Current, Delayed, GeometryAware, ScaleRecipe, fp8_cast
+from hilt.fp8.spectral import HeadNorms, head_norms
 
 __all__ = ["Current", "Delayed", "FP8Attention", "GeometryAware", "HeadNorms", "ScaleRecipe", "burn_in_gamma",
            "fp8_cast", "head_norms", "logit_bounds", "norm_radius", "tail_alpha", "use_fp8_attention"]

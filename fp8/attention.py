@@ -27,9 +27,10 @@ import math
 import torch
 from torch import nn
 
-from fp8.bounds import norm_radius
-from fp8.recipes import AMAX_FLOOR, E4M3_MAX
-from kernels import HiltError, fp8_attention
+from hilt.fp8.bounds import norm_radius
+from hilt.fp8.recipes import AMAX_FLOOR, E4M3_MAX
+from hilt.errors import HiltError
+from hilt.kernels import fp8_attention
 
 SCALES = ("current", "geometry")
 
@@ -99,8 +100,8 @@ class FP8Attention(nn.Module):
 @torch.no_grad()
 def attention_bounds(w_q, w_k, n_heads: int, n_kv_heads: int, radius: float, b_q=None, b_k=None):
     """Per head: the largest ||q|| and ||k|| any input of norm <= radius can give (||[W | b]||_2 (R^2 + 1)^1/2)."""
-    from fp8.bounds import augment
-    from fp8.spectral import split_heads
+    from hilt.fp8.bounds import augment
+    from hilt.fp8.spectral import split_heads
 
     r = math.sqrt(radius**2 + (1.0 if b_q is not None or b_k is not None else 0.0))
     q = torch.linalg.matrix_norm(split_heads(augment(w_q.double(), b_q), n_heads, "query weight"), ord=2)
@@ -112,8 +113,8 @@ def use_fp8_attention(model: nn.Module, scales: str = "current", v_fp8: bool = T
                       split_qk: bool = False) -> nn.Module:
     """Route every attention layer of a bench SmolLM2 (Llama) or MiniLM (Bert) model through
     FP8Attention; with ``scales="geometry"`` the per-head bounds come from its weights."""
-    from bench.bert import Bert
-    from bench.llama import Llama
+    from hilt.bench.models.bert import Bert
+    from hilt.bench.models.llama import Llama
 
     if isinstance(model, Llama):
         cfg = model.cfg

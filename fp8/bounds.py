@@ -33,8 +33,8 @@ import math
 
 import torch
 
-from fp8.spectral import head_norms, split_heads
-from kernels import HiltError
+from hilt.fp8.spectral import head_norms, split_heads
+from hilt.errors import HiltError
 
 
 def norm_radius(gamma: torch.Tensor, beta: torch.Tensor | None = None) -> float:

@@ -21,8 +21,8 @@ from collections import deque
 
 import torch
 
-from kernels import HiltError
-from kernels.fp8_attention import E4M3_MAX
+from hilt.errors import HiltError
+from hilt.kernels.fp8_attention import E4M3_MAX
 
 AMAX_FLOOR = 1e-12
 

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels import HiltError
+from hilt.errors import HiltError
 
 
 @dataclass

@@ -12,7 +12,7 @@ import os
 import sys
 from pathlib import Path
 
-from kernels import HiltError
+from hilt.errors import HiltError
 
 EXIT_ERROR, EXIT_INTERRUPTED = 1, 130
 
@@ -62,9 +62,9 @@ def _parser_with_example(sub, name, help_text, example):
 
 
 def cmd_quantize(args) -> int:
-    from quant import QuantConfig, open_source, quantize_checkpoint
-    from quant.checkpoint import select_targets
-    from quant.quantize import check_quantizable, expected_bits_per_weight
+    from hilt.quant import QuantConfig, open_source, quantize_checkpoint
+    from hilt.quant.checkpoint import select_targets
+    from hilt.quant.quantize import check_quantizable, expected_bits_per_weight
 
     method = "int-asym" if args.method == "int" and args.asymmetric else args.method
     if args.asymmetric and args.method != "int":
@@ -125,7 +125,7 @@ def cmd_quantize(args) -> int:
 
 
 def cmd_inspect(args) -> int:
-    from quant import read_header
+    from hilt.quant import read_header
 
     h = read_header(args.dst)
     dst = Path(args.dst)
@@ -153,7 +153,7 @@ def cmd_inspect(args) -> int:
 
 
 def cmd_eval_ppl(args) -> int:
-    from bench import evaluate
+    from hilt.bench.tasks import evaluate
 
     result = evaluate.perplexity_run(args.model, quantized=args.quantized, text=args.text, tokens=args.tokens,
                                      context=args.context, progress=sys.stderr.isatty())
@@ -166,7 +166,7 @@ def cmd_eval_ppl(args) -> int:
 
 
 def cmd_eval_embed(args) -> int:
-    from bench import evaluate
+    from hilt.bench.tasks import evaluate
 
     result = evaluate.embedding_run(args.model, quantized=args.quantized, sentences=args.sentences)
     label = args.quantized or "unquantized"
@@ -181,7 +181,7 @@ def cmd_eval_embed(args) -> int:
 
 
 def cmd_report(args) -> int:
-    from bench import report
+    from hilt.bench import report
 
     summary = report.run(out=args.out, quick=args.quick)
     if args.json:
@@ -190,7 +190,7 @@ def cmd_report(args) -> int:
 
 
 def cmd_calibrate(args) -> int:
-    from bench.calibrate import calibrate
+    from hilt.bench.tasks.calibrate import calibrate
 
     r = calibrate(args.model, args.out, work=args.work, tokens=args.tokens, sentences=args.sentences,
                   overwrite=args.overwrite)
@@ -199,8 +199,8 @@ def cmd_calibrate(args) -> int:
 
 
 def cmd_train(args) -> int:
-    from bench.workloads import train_run
-    from cim_sim.training import NoisyTraining
+    from hilt.bench.tasks.train import train_run
+    from hilt.cim_sim.training import NoisyTraining
 
     defaults = NoisyTraining()
     eta_min, eta_max = args.eta_range or (defaults.eta_min, defaults.eta_max)
@@ -219,16 +219,16 @@ def cmd_train(args) -> int:
 
 
 def cmd_drift(args) -> int:
-    from bench import cim
+    from hilt.bench.tasks import drift
 
-    result = cim.drift_study(args.workload, args.checkpoint, args.preset, args.times, args.repeats, args.gdc,
+    result = drift.drift_study(args.workload, args.checkpoint, args.preset, args.times, args.repeats, args.gdc,
                              args.test_images, progress=sys.stderr.isatty())
-    _write_outputs(args, result, cim.plot_drift)
+    _write_outputs(args, result, drift.plot_drift)
     return 0
 
 
 def cmd_energy(args) -> int:
-    from bench import energy
+    from hilt.bench.tasks import energy
 
     result = energy.run(args.workload, args.checkpoint, args.preset, args.adc_bits, args.dac_bits, args.gpu_batch,
                         sweep=args.sweep)
@@ -237,7 +237,7 @@ def cmd_energy(args) -> int:
 
 
 def cmd_export_onnx(args) -> int:
-    from bench import export
+    from hilt.bench.tasks import export
 
     src = Path(args.src)
     if (src / "hilt.json").is_file():
@@ -245,9 +245,9 @@ def cmd_export_onnx(args) -> int:
             raise HiltError(f"{src} is a quantized checkpoint; --cim-preset applies to workload checkpoints")
         result = export.export_quantized(src, args.out, overwrite=args.overwrite)
     elif src.suffix == ".safetensors" and src.is_file():
-        from bench.workloads import load_checkpoint
+        from hilt.bench.tasks.train import load_workload
 
-        _, meta = load_checkpoint(src)
+        _, meta = load_workload(src)
         result = export.export_cim(meta["workload"], src, args.out, args.cim_preset or "pcm", args.time,
                                    seed=args.seed, gdc=args.gdc, overwrite=args.overwrite)
     else:
@@ -259,7 +259,7 @@ def cmd_export_onnx(args) -> int:
 
 
 def cmd_fp8_scales(args) -> int:
-    from bench import fp8_scales
+    from hilt.bench.studies import fp8_scales
 
     result = fp8_scales.run(args.model)
     if args.json:
@@ -268,7 +268,7 @@ def cmd_fp8_scales(args) -> int:
 
 
 def cmd_fp8_transient(args) -> int:
-    from bench import fp8_transient
+    from hilt.bench.studies import fp8_transient
 
     result = fp8_transient.study(quick=args.quick, seed=args.seed)
     _write_outputs(args, result, fp8_transient.plot)
@@ -276,7 +276,7 @@ def cmd_fp8_transient(args) -> int:
 
 
 def cmd_fp8_attention(args) -> int:
-    from bench import fp8_accuracy
+    from hilt.bench.studies import fp8_accuracy
 
     result = fp8_accuracy.run(tokens=args.tokens)
     _write_outputs(args, result)
@@ -284,7 +284,7 @@ def cmd_fp8_attention(args) -> int:
 
 
 def cmd_bench_attention(args) -> int:
-    from bench import attention_speed
+    from hilt.bench.perf import attention_speed
 
     result = attention_speed.run()
     _write_outputs(args, result)
@@ -296,16 +296,16 @@ def cmd_bench_attention(args) -> int:
 
 
 def cmd_bench_cim(args) -> int:
-    from bench import cim
+    from hilt.bench.perf import cim_speed
 
-    result = cim.speed()
+    result = cim_speed.speed()
     if args.json:
         _write_json(args.json, result)
     return 0
 
 
 def cmd_bench_robustness(args) -> int:
-    from bench import robustness
+    from hilt.bench.studies import robustness
 
     result = robustness.study(quick=args.quick)
     _write_outputs(args, result, robustness.plot)
@@ -316,7 +316,7 @@ def cmd_bench_robustness(args) -> int:
 
 
 def cmd_qat(args) -> int:
-    from bench import qat_finetune
+    from hilt.bench.tasks import qat_finetune
 
     if args.model != "smollm2":
         raise HiltError(f"QAT fine-tuning knows the packaged 'smollm2', not {args.model!r}")
@@ -329,23 +329,23 @@ def cmd_qat(args) -> int:
 
 
 def cmd_bench_qat(args) -> int:
-    from bench import qat
+    from hilt.bench.studies import qat_scaling
 
-    result = qat.study(quick=args.quick, seeds=args.seeds, lr=args.lr, learn_codebook=args.learn_codebook)
-    _write_outputs(args, result, qat.plot)
+    result = qat_scaling.study(quick=args.quick, seeds=args.seeds, lr=args.lr, learn_codebook=args.learn_codebook)
+    _write_outputs(args, result, qat_scaling.plot)
     return 0
 
 
 def cmd_bench_quantize(args) -> int:
-    from bench import quant_speed
+    from hilt.bench.perf import quantize_speed
 
     argv = ["--quick"] if args.quick else []
     argv += ["--json", args.json] if args.json else []
-    return quant_speed.main(argv)
+    return quantize_speed.main(argv)
 
 
 def cmd_bench_kernels(args) -> int:
-    from bench import kernels
+    from hilt.bench.perf import lut_kernels
 
     flags = (("--check", args.check), ("--timings", args.timings), ("--all", args.all), ("--decode", args.decode),
              ("--quick", args.quick), ("--cuda-graphs", args.cuda_graphs), ("--sass", args.sass))
@@ -353,7 +353,7 @@ def cmd_bench_kernels(args) -> int:
     for option, value in (("--smollm2", args.smollm2), ("--json", args.json), ("--plot", args.plot),
                           ("--table", args.table)):
         argv += [option, value] if value else []
-    return kernels.main(argv)
+    return lut_kernels.main(argv)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -581,13 +581,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     bqat = _parser_with_example(bsub, "qat", "QAT from scratch on Shakespeare: widths x bits {1,2,4,16} x {kmeans,int}, "
                                 "loss against weight memory, gamma fits, memory-matched winners",
-                                "hilt bench qat --quick --json qat.json --plot qat.png")
+                                "hilt bench qat --quick --json qat_scaling.json --plot qat_scaling.png")
     bqat.add_argument("--quick", action="store_true", help="two widths, shorter training (under 10 minutes on 2 cores)")
     bqat.add_argument("--seeds", type=int, nargs="+", help="default: 0 1 2 (--quick: 0)")
     bqat.add_argument("--learn-codebook", action=argparse.BooleanOptionalAction, default=True,
                       help="k-means codebooks trained by the loss after their fit (default), or refitted by k-means")
     bqat.add_argument("--lr", type=float, default=None, help="peak learning rate for every width (default: per width, "
-                      "bench/qat.py's LR_BY_WIDTH: 9e-3 at widths 64 and 96, 6e-3 at 128)")
+                      "bench/qat_scaling.py's LR_BY_WIDTH: 9e-3 at widths 64 and 96, 6e-3 at 128)")
     bqat.add_argument("--json", metavar="FILE")
     bqat.add_argument("--plot", metavar="FILE", help="PNG: validation loss against weight memory")
     bqat.set_defaults(func=cmd_bench_qat)

@@ -13,7 +13,7 @@ import math
 
 import torch
 
-from kernels.errors import HiltError
+from hilt.errors import HiltError
 
 
 def group_layout(bits: int) -> tuple[int, int]:

@@ -6,12 +6,12 @@ Public API:
     QuantLinear, quantize_model_, load_quantized_
 """
 
-from kernels import HiltError
-from quant.checkpoint import load_checkpoint, quantize_checkpoint, read_header
-from quant.nn import QuantLinear, load_quantized_, quantize_model_
-from quant.quantize import QuantConfig, quantize_tensor, relative_error
-from quant.qweight import QuantizedWeight
-from quant.sources import open_source
+from hilt.errors import HiltError
+from hilt.quant.checkpoint import load_checkpoint, quantize_checkpoint, read_header
+from hilt.quant.nn import QuantLinear, load_quantized_, quantize_model_
+from hilt.quant.quantize import QuantConfig, quantize_tensor, relative_error
+from hilt.quant.qweight import QuantizedWeight
+from hilt.quant.sources import open_source
 
 __all__ = [
     "HiltError", "QuantConfig", "QuantizedWeight", "QuantLinear", "quantize_tensor", "relative_error",

@@ -31,10 +31,10 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
-from kernels import HiltError
-from quant.quantize import QuantConfig, check_quantizable, quantize_tensor, relative_error
-from quant.qweight import QuantizedWeight
-from quant.sources import Source, open_source
+from hilt.errors import HiltError
+from hilt.quant.quantize import QuantConfig, check_quantizable, quantize_tensor, relative_error
+from hilt.quant.qweight import QuantizedWeight
+from hilt.quant.sources import Source, open_source
 
 FORMAT_NAME = "hilt-quantized"
 FORMAT_VERSION = 1

@@ -11,10 +11,12 @@ import re
 import torch
 from torch import nn
 
-from kernels import HiltError, byte_table, lut_matmul, uses_byte_table
-from quant.checkpoint import KEEP_DENSE, load_checkpoint
-from quant.quantize import QuantConfig, quantize_tensor
-from quant.qweight import QuantizedWeight
+from hilt.errors import HiltError
+
+from hilt.kernels import byte_table, lut_matmul, uses_byte_table
+from hilt.quant.checkpoint import KEEP_DENSE, load_checkpoint
+from hilt.quant.quantize import QuantConfig, quantize_tensor
+from hilt.quant.qweight import QuantizedWeight
 
 
 class QuantLinear(nn.Module):

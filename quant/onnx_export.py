@@ -17,7 +17,7 @@ import onnx
 import torch
 from onnx import TensorProto, helper, numpy_helper
 
-from quant.qweight import QuantizedWeight
+from hilt.quant.qweight import QuantizedWeight
 
 
 def _initializer(name: str, t: torch.Tensor) -> onnx.TensorProto:

@@ -18,7 +18,7 @@ dL/dc = sum over the weights snapped to c of scale x dL/dQ, so the levels go whe
 wants them rather than where the latent weights' squared error does (under the
 straight-through estimator the latent weights are not what the model computes with).
 Without it they are refitted by k-means every ``refit_every`` steps, the published procedure
-(REFERENCES.md section 1). Measured with bench/qat.py (README, "Quantization-aware training").
+(REFERENCES.md section 1). Measured with bench/studies/qat_scaling.py (README, "Quantization-aware training").
 Integer and 1-bit grids are fixed. Exporting quantizes W with the layer's own codebook, so the
 saved model computes exactly what QAT trained.
 """
@@ -35,10 +35,10 @@ import torch.nn.functional as F
 from safetensors.torch import save_file
 from torch import nn
 
-from kernels import HiltError
-from quant import kmeans
-from quant.checkpoint import KEEP_DENSE, quantize_checkpoint
-from quant.quantize import QuantConfig, fixed_codebook, normalise_blocks
+from hilt.errors import HiltError
+from hilt.quant import kmeans
+from hilt.quant.checkpoint import KEEP_DENSE, quantize_checkpoint
+from hilt.quant.quantize import QuantConfig, fixed_codebook, normalise_blocks
 
 
 @dataclass(frozen=True)

@@ -23,9 +23,11 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels import HiltError, dequantize_lut, pack_codes, packed_row_bytes
-from quant import kmeans
-from quant.qweight import METHODS, QuantizedWeight
+from hilt.errors import HiltError
+
+from hilt.kernels import dequantize_lut, pack_codes, packed_row_bytes
+from hilt.quant import kmeans
+from hilt.quant.qweight import METHODS, QuantizedWeight
 
 _ROWS_BYTES = 1 << 24  # rows processed together when coding: bounds temporary memory
 
@@ -132,7 +134,7 @@ def quantize_tensor(
 
     ``importance`` (k-means only): non-negative per-weight importance,
     broadcastable to ``w``, typically the mean squared input activation of each
-    input column, shape (in_features,) (see bench/calibrate.py). The k-means
+    input column, shape (in_features,) (see bench/tasks/calibrate.py). The k-means
     then minimises the importance-weighted error of the *weights*, so a
     normalised value is weighted by importance x scale^2. Importance is floored
     at 1e-6 of its mean, so that no weight is ignored entirely.

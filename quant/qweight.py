@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels import dequantize_lut, packed_row_bytes
+from hilt.kernels import dequantize_lut, packed_row_bytes
 
 METHODS = ("kmeans", "int", "int-asym", "binary")
 

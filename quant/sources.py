@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from kernels import HiltError
+from hilt.errors import HiltError
 
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
 

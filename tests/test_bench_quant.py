@@ -2,9 +2,9 @@
 
 import torch
 
-from bench.quant_speed import memory, reference_kmeans
-from bench.quant_table import _verdicts, markdown
-from quant.kmeans import SortedValues, kmeans_optimal
+from hilt.bench.perf.quantize_speed import memory, reference_kmeans
+from hilt.bench.studies.quant_table import _verdicts, markdown
+from hilt.quant.kmeans import SortedValues, kmeans_optimal
 
 
 def test_reference_procedure_is_a_real_kmeans_and_optimal_is_not_worse():

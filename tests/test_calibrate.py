@@ -2,8 +2,8 @@ import torch
 from safetensors.torch import save_file
 from torch import nn
 
-from bench.calibrate import collect_importance
-from conftest import read_json, run_hilt
+from hilt.bench.tasks.calibrate import collect_importance
+from helpers import read_json, run_hilt
 
 
 def test_importance_is_mean_squared_input_per_column():

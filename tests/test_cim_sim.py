@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch import nn
 
-from cim_sim import (
+from hilt.cim_sim import (
     PCM,
     convert_to_analog,
     devices,
@@ -17,8 +17,8 @@ from cim_sim import (
     program,
     stuck_at,
 )
-from cim_sim.devices import gaussian_
-from kernels import HiltError
+from hilt.cim_sim.devices import gaussian_
+from hilt.errors import HiltError
 
 
 def _pcm_stats(g_target, t, n=200_000, seed=0):
@@ -242,7 +242,7 @@ def test_bad_input_is_named():
 
 
 def test_conv_patches_match_unfold():
-    from cim_sim.analog import AnalogConv2d
+    from hilt.cim_sim.analog import AnalogConv2d
 
     for kw in (dict(kernel_size=3, padding=1), dict(kernel_size=(5, 3), stride=2, padding=(2, 1), dilation=(1, 2))):
         conv = nn.Conv2d(3, 4, **kw)

@@ -2,17 +2,17 @@
 
 import pytest
 
-from conftest import read_json, run_hilt
+from helpers import read_json, run_hilt
 
 
 @pytest.fixture(scope="module")
 def mlp_checkpoint(tmp_path_factory):
-    pytest.importorskip("bench.fashion")
-    from bench.workloads import save_checkpoint, train
+    pytest.importorskip("hilt.bench.data.fashion_mnist")
+    from hilt.bench.tasks.train import save_workload, train
 
     path = tmp_path_factory.mktemp("cim") / "mlp.safetensors"
     model, _ = train("mlp", epochs=1, limit=4000)
-    save_checkpoint(model, path, "mlp")
+    save_workload(model, path, "mlp")
     return path
 
 
@@ -61,14 +61,14 @@ def test_train_refuses_bad_noise_settings(tmp_path, args, needle):
 
 
 def test_dwp_train_run_records_its_settings(tmp_path):
-    pytest.importorskip("bench.fashion")
-    from bench.workloads import load_checkpoint, train_run
-    from cim_sim.training import NoisyTraining
+    pytest.importorskip("hilt.bench.data.fashion_mnist")
+    from hilt.bench.tasks.train import load_workload, train_run
+    from hilt.cim_sim.training import NoisyTraining
 
     out = tmp_path / "dwp.safetensors"
     r = train_run("mlp", training=NoisyTraining(method="dwp", copies=2), epochs=1, limit=600, out=out)
     assert r["method"] == "dwp" and r["training"]["copies"] == 2 and 0.2 < r["test_accuracy"] <= 1
-    _, meta = load_checkpoint(out)
+    _, meta = load_workload(out)
     assert meta["method"] == "dwp" and '"copies": 2' in meta["training"]
 
 

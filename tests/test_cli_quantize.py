@@ -11,8 +11,8 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from conftest import make_checkpoint, read_json, run_hilt
-from quant import load_checkpoint
+from helpers import make_checkpoint, read_json, run_hilt
+from hilt.quant import load_checkpoint
 
 
 def assert_clean_failure(result, *needles, dst=None):
@@ -245,7 +245,7 @@ def test_written_safetensors_are_readable_as_the_umask_allows(tmp_path):
     """safetensors creates owner-only files; checkpoints and importance files follow the umask."""
     import os
 
-    from quant.checkpoint import save_safetensors
+    from hilt.quant.checkpoint import save_safetensors
 
     old = os.umask(0o022)
     try:
@@ -254,7 +254,7 @@ def test_written_safetensors_are_readable_as_the_umask_allows(tmp_path):
         os.umask(old)
     assert (tmp_path / "x.safetensors").stat().st_mode & 0o777 == 0o644
     assert sorted(p.name for p in tmp_path.iterdir()) == ["x.safetensors"]  # no temporary left
-    from kernels import HiltError
+    from hilt.errors import HiltError
 
     with pytest.raises(HiltError, match=r"missing/x.safetensors: cannot write"):
         save_safetensors({"a": torch.zeros(3)}, tmp_path / "missing" / "x.safetensors")

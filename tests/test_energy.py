@@ -6,9 +6,9 @@ import pytest
 import torch
 from torch import nn
 
-from cim_sim import convert_to_analog, preset
-from cim_sim.energy import CHIPS, GPUEnergy, chip, estimate, layer_shapes
-from kernels import HiltError
+from hilt.cim_sim import convert_to_analog, preset
+from hilt.cim_sim.energy import CHIPS, GPUEnergy, chip, estimate, layer_shapes
+from hilt.errors import HiltError
 
 
 def test_neurosim_two_point_fit():

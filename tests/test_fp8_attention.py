@@ -18,14 +18,11 @@ import math
 import pytest
 import torch
 
-from kernels import HiltError, attention_reference, fp8_attention
-from kernels.fp8_attention import (
-    E4M3_MAX,
-    _e4m3,
-    fp8_attention_reference,
-    fp8_attention_triton,
-    quantize_inputs,
-)
+from hilt.errors import HiltError
+
+from hilt.kernels import attention_reference, fp8_attention
+from hilt.kernels.fp8_attention import E4M3_MAX, _e4m3, fp8_attention_reference
+from hilt.kernels.fp8_attention_triton import fp8_attention_triton, quantize_inputs
 
 F16, BF16, F32 = torch.float16, torch.bfloat16, torch.float32
 

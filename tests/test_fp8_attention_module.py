@@ -3,8 +3,9 @@
 import pytest
 import torch
 
-from fp8.attention import FP8Attention, attention_bounds, hadamard, incoherent, use_fp8_attention
-from kernels import HiltError, attention_reference
+from hilt.fp8.attention import FP8Attention, attention_bounds, hadamard, incoherent, use_fp8_attention
+from hilt.errors import HiltError
+from hilt.kernels import attention_reference
 
 
 def test_smoothing_and_rotation_change_nothing_in_float32():
@@ -63,8 +64,8 @@ def test_padding_mask_is_served_per_sequence():
 
 
 def test_smollm2_perplexity_with_fp8_attention_within_one_percent(smollm2_gguf):
-    from bench.llama import load_llama, perplexity
-    from bench.text import shakespeare_text
+    from hilt.bench.models.llama import load_llama, perplexity
+    from hilt.bench.data.text import shakespeare_text
 
     model, tok = load_llama()
     ids = torch.tensor(tok.encode(shakespeare_text("hamlet"))[:1024])

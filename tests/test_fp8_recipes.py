@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from fp8.recipes import E4M3_MAX, Current, Delayed, GeometryAware, fp8_cast
-from kernels import HiltError
+from hilt.fp8.recipes import E4M3_MAX, Current, Delayed, GeometryAware, fp8_cast
+from hilt.errors import HiltError
 
 
 def test_cast_counts_clipping_and_round_trips_in_range_values():

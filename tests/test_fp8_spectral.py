@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from fp8.spectral import head_norms
-from kernels import HiltError
+from hilt.fp8.spectral import head_norms
+from hilt.errors import HiltError
 
 
 def _reference(w_q, w_k, n_heads, n_kv):
@@ -49,7 +49,7 @@ def test_zero_head_gives_zero_not_nan_and_bad_shapes_are_named():
 
 
 def _layers(path, q_name, k_name, bias: bool, every: int):
-    from quant.sources import open_source
+    from hilt.quant.sources import open_source
 
     with open_source(path) as src:
         names = set(src.names())
@@ -81,7 +81,7 @@ def test_real_checkpoints_every_head(minilm_dir, smollm2_gguf):
 
 
 def test_logit_bound_holds_and_is_tight_on_a_layer_norm_input():
-    from fp8.bounds import logit_bounds, norm_radius
+    from hilt.fp8.bounds import logit_bounds, norm_radius
 
     torch.manual_seed(1)
     d, heads, d_h = 32, 4, 8
@@ -102,7 +102,7 @@ def test_logit_bound_holds_and_is_tight_on_a_layer_norm_input():
 def test_rank_aware_prediction_holds_on_isotropic_inputs_and_burn_in_fits_gamma():
     import math
 
-    from fp8.bounds import burn_in_gamma, tail_alpha
+    from hilt.fp8.bounds import burn_in_gamma, tail_alpha
 
     torch.manual_seed(2)
     d, r, n = 256, 8, 400
@@ -124,7 +124,7 @@ def test_rank_aware_prediction_holds_on_isotropic_inputs_and_burn_in_fits_gamma(
 
 
 def test_fp8_scales_on_minilm(minilm_dir):
-    from conftest import read_json, run_hilt
+    from helpers import read_json, run_hilt
 
     import tempfile
     from pathlib import Path
@@ -141,10 +141,10 @@ def test_fp8_scales_on_minilm(minilm_dir):
 
 
 def test_fp8_scales_names_a_checkpoint_without_attention_weights(tmp_path):
-    from conftest import run_hilt
+    from helpers import run_hilt
     from safetensors.torch import save_file
 
-    from bench.fp8_scales import checkpoint_family
+    from hilt.bench.studies.fp8_scales import checkpoint_family
 
     ckpt = tmp_path / "mlp.safetensors"
     save_file({"fc1.weight": torch.randn(8, 4)}, ckpt)

@@ -2,8 +2,8 @@
 
 import torch
 
-from bench import fp8_transient
-from bench.gpt import GPT, GPTConfig, corpus
+from hilt.bench.studies import fp8_transient
+from hilt.bench.models.gpt import GPT, GPTConfig, corpus
 
 
 def test_gpt_hook_sees_causal_logits_and_changes_nothing_when_it_returns_them():
@@ -30,7 +30,7 @@ def test_geometry_scales_never_overflow_where_delayed_scaling_does():
 
 
 def test_bench_attention_says_it_needs_a_gpu():
-    from conftest import run_hilt
+    from helpers import run_hilt
 
     if torch.cuda.is_available():
         return
@@ -41,7 +41,7 @@ def test_bench_attention_says_it_needs_a_gpu():
 def test_bench_attention_saves_its_timings_then_fails_on_a_mismatch(tmp_path, monkeypatch, capsys):
     import json
 
-    from bench import attention_speed
+    from hilt.bench.perf import attention_speed
     from hilt.cli import main
 
     result = {"rows": [{"seq": 1024, "causal": False, "speedup": 1.6}],

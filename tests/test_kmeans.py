@@ -3,7 +3,7 @@ import itertools
 import pytest
 import torch
 
-from quant.kmeans import (SortedValues, clustering_cost, kmeans_lloyd, kmeans_optimal,
+from hilt.quant.kmeans import (SortedValues, clustering_cost, kmeans_lloyd, kmeans_optimal,
                           kmeans_optimal_batched)
 
 
@@ -38,7 +38,7 @@ def test_optimal_matches_brute_force(seed):
 
 
 def test_optimal_on_real_weights_matches_brute_force(minilm_dir):
-    from quant import open_source
+    from hilt.quant import open_source
 
     with open_source(minilm_dir) as src:
         w = src.get("encoder.layer.0.attention.self.query.weight")
@@ -48,7 +48,7 @@ def test_optimal_on_real_weights_matches_brute_force(minilm_dir):
 
 
 def _real_tensors(minilm_dir):
-    from quant import open_source
+    from hilt.quant import open_source
 
     with open_source(minilm_dir) as src:
         return [src.get(n) for n in ("encoder.layer.0.attention.self.query.weight",

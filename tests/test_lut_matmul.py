@@ -7,17 +7,10 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kernels import HiltError
-from kernels.lut_matmul import (
-    GEMM_CONFIGS,
-    SPLIT_K_CONFIGS,
-    choose_path,
-    lut_matmul,
-    lut_matmul_reference,
-    lut_matmul_triton,
-    split_k_fits,
-)
-from quant import QuantConfig, quantize_tensor
+from hilt.errors import HiltError
+from hilt.kernels.lut_matmul import choose_path, lut_matmul, lut_matmul_reference
+from hilt.kernels.lut_matmul_triton import GEMM_CONFIGS, SPLIT_K_CONFIGS, lut_matmul_triton, split_k_fits
+from hilt.quant import QuantConfig, quantize_tensor
 
 EPS = {torch.float16: 2.0**-10, torch.bfloat16: 2.0**-7, torch.float32: 2.0**-10}
 
@@ -105,7 +98,7 @@ def test_batched_input_and_bias():
 
 @pytest.mark.parametrize("bits", [1, 2, 4])
 def test_byte_table_holds_the_levels_of_every_code_in_a_byte(bits):
-    from kernels import byte_table, pack_codes
+    from hilt.kernels import byte_table, pack_codes
 
     book = torch.randn(1 << bits)
     table = byte_table(book, bits)
@@ -151,7 +144,7 @@ def test_float32_inputs_keep_full_precision():
 
 
 def test_bench_kernels_check_passes_on_cpu(tmp_path):
-    from conftest import read_json, run_hilt
+    from helpers import read_json, run_hilt
 
     r = run_hilt("bench", "kernels", "--check", "--json", tmp_path / "k.json")
     assert r.returncode == 0, r.stderr
@@ -166,20 +159,20 @@ def test_bench_kernels_check_passes_on_cpu(tmp_path):
 
 def test_check_records_a_kernel_that_raises_and_goes_on(monkeypatch):
     """On a GPU a configuration may fail to compile: it is a failure, and the other cases run."""
-    from bench import kernels
+    from hilt.bench.perf import lut_kernels
 
-    monkeypatch.setattr(kernels, "CHECK_SHAPES", [(3, 40, 128)])
-    monkeypatch.setattr(kernels, "SPLIT_K_CONFIGS", SPLIT_K_CONFIGS[:1])
-    monkeypatch.setattr(kernels, "GEMM_CONFIGS", GEMM_CONFIGS[:1])
-    real = kernels.lut_matmul_triton
+    monkeypatch.setattr(lut_kernels, "CHECK_SHAPES", [(3, 40, 128)])
+    monkeypatch.setattr(lut_kernels, "SPLIT_K_CONFIGS", SPLIT_K_CONFIGS[:1])
+    monkeypatch.setattr(lut_kernels, "GEMM_CONFIGS", GEMM_CONFIGS[:1])
+    real = lut_kernels.lut_matmul_triton
 
     def flaky(*args, config=None, **kw):
         if config is GEMM_CONFIGS[0] and kw.get("bias") is not None:
             raise RuntimeError("out of resources: shared memory\nmore detail")
         return real(*args, config=config, **kw)
 
-    monkeypatch.setattr(kernels, "lut_matmul_triton", flaky)
-    result = kernels.check(log=lambda *a: None)
+    monkeypatch.setattr(lut_kernels, "lut_matmul_triton", flaky)
+    result = lut_kernels.check(log=lambda *a: None)
     assert result["cases"] == 4 * 3 * 2 * 2 + 2 + 1
     assert [f["error"] for f in result["failures"]] == ["RuntimeError: out of resources: shared memory"]
 
@@ -189,29 +182,29 @@ def test_bench_kernels_keeps_the_timings_when_decode_cannot_run(tmp_path, monkey
     decode check is named as not run, and the exit status is 1."""
     import sys
 
-    import bench
-    from bench import kernels
+    from hilt.bench import models as bench_models
+    from hilt.bench.perf import lut_kernels
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(kernels, "gpu_info", lambda: {"device": "fake GPU"})
-    monkeypatch.setattr(kernels, "check", lambda device: {"cases": 1, "failures": []})
-    monkeypatch.setattr(kernels, "timings", lambda quick, graphs, progress: {"rows": [{"speedup": 4.0}]})
-    monkeypatch.delattr(bench, "llama", raising=False)
-    monkeypatch.delitem(sys.modules, "bench.llama", raising=False)
+    monkeypatch.setattr(lut_kernels, "gpu_info", lambda: {"device": "fake GPU"})
+    monkeypatch.setattr(lut_kernels, "check", lambda device: {"cases": 1, "failures": []})
+    monkeypatch.setattr(lut_kernels, "timings", lambda quick, graphs, progress: {"rows": [{"speedup": 4.0}]})
+    monkeypatch.delattr(bench_models, "llama", raising=False)
+    monkeypatch.delitem(sys.modules, "hilt.bench.models.llama", raising=False)
     monkeypatch.setitem(sys.modules, "gguf", None)  # the GPU machine's python3 has no gguf
     with pytest.raises(HiltError, match="cannot import 'gguf'"):
-        kernels.decode()
-    assert kernels.main(["--all", "--json", str(tmp_path / "k.json")]) == 1
+        lut_kernels.decode()
+    assert lut_kernels.main(["--all", "--json", str(tmp_path / "k.json")]) == 1
     result = json.loads((tmp_path / "k.json").read_text())
     assert result["timings"] == {"rows": [{"speedup": 4.0}]} and "gguf" in result["decode_error"]
 
 
 def test_bench_kernels_decode_alone_takes_the_given_gguf(tmp_path, monkeypatch, capsys):
-    from bench import kernels
+    from hilt.bench.perf import lut_kernels
     from hilt.cli import main
 
     seen = []
-    monkeypatch.setattr(kernels, "decode", lambda path: seen.append(path) or {"4bit": {"same": True}})
+    monkeypatch.setattr(lut_kernels, "decode", lambda path: seen.append(path) or {"4bit": {"same": True}})
     assert main(["bench", "kernels", "--decode", "--smollm2", "joined.gguf", "--json", str(tmp_path / "d.json")]) == 0
     assert seen == ["joined.gguf"] and json.loads((tmp_path / "d.json").read_text())["decode"]["4bit"]["same"]
     with pytest.raises(SystemExit):  # the model of a check that does not run
@@ -223,9 +216,9 @@ def test_kernel_compiles_for_an_sm90_gpu_without_one(tmp_path):
     """The interpreter runs code Triton's GPU compiler rejects: compile for sm_90 with the ptxas
     Triton carries: each way of reading codes and the FP8 attention kernels, in their first
     configurations, without spilling registers."""
-    from conftest import read_json, run_hilt
+    from helpers import read_json, run_hilt
 
-    from bench import sass
+    from hilt.bench.perf import sass
 
     if not sass.available():
         pytest.skip("this Triton has no CUDA backend tools")
@@ -245,13 +238,13 @@ def test_kernel_compiles_for_an_sm90_gpu_without_one(tmp_path):
 
 def _fake_timings(graphs=True):
     """A results file as a GPU run writes it (numbers invented, shapes real)."""
-    from bench import kernels
+    from hilt.bench.perf import lut_kernels
 
     rows = []
     for layer in ("llama7b.q_proj", "llama70b.q_proj"):
-        n, k = kernels.LAYER_SHAPES[layer]
+        n, k = lut_kernels.LAYER_SHAPES[layer]
         for bits in (1, 2, 3, 4):
-            for m in kernels.BATCHES:
+            for m in lut_kernels.BATCHES:
                 speed = (16 / (bits + 0.25)) * 0.8 / (1 + m / 64)
                 row = {"layer": layer, "n": n, "k": k, "m": m, "bits": bits, "bits_per_weight": bits + 0.25,
                        "bf16_us": 30.0, "lut_us": 30.0 / speed, "speedup": speed, "lut_gb_s": 3000.0,
@@ -264,20 +257,20 @@ def _fake_timings(graphs=True):
 
 
 def test_targets_table_and_plot_of_a_results_file(tmp_path, capsys):
-    from bench import kernels
+    from hilt.bench.perf import lut_kernels
     from hilt.cli import main
 
     result = _fake_timings()
-    met = {(t["m"], t["bits"]): t["met"] for t in kernels.targets(result["timings"]["rows"])}
+    met = {(t["m"], t["bits"]): t["met"] for t in lut_kernels.targets(result["timings"]["rows"])}
     # M=1: 4 bit 3.01x (graphs 3.31x) < 3.8; 1 bit 10.24x (graphs) >= 10; M=256: 0.12x (graphs 0.13x) < 0.9
     assert met[(1, 1)] and not met[(1, 4)] and not met[(256, 4)] and len(met) == 7
-    table = kernels.render_table(result)
+    table = lut_kernels.render_table(result)
     assert "NVIDIA H200" in table and table.count("\n| llama") == 32 and "CUDA graphs" in table
     assert "| llama70b.q_proj (8192 x 8192) | 1 | 1 | 1.25 |" in table
     (tmp_path / "k.json").write_text(json.dumps(result))
     assert main(["bench", "kernels", "--table", str(tmp_path / "k.json")]) == 0
     assert capsys.readouterr().out == table
-    assert "graph" not in kernels.render_table(_fake_timings(graphs=False))
+    assert "graph" not in lut_kernels.render_table(_fake_timings(graphs=False))
     assert main(["bench", "kernels", "--table", str(tmp_path / "k.json"), "--plot", str(tmp_path / "k.png")]) == 0
     assert (tmp_path / "k.png").read_bytes()[:4] == b"\x89PNG"
     (tmp_path / "cpu.json").write_text(json.dumps({"machine": {"device": "cpu"}, "check": {}}))
@@ -288,27 +281,28 @@ def test_targets_table_and_plot_of_a_results_file(tmp_path, capsys):
 
 
 def test_report_section_shows_the_check_and_decode_and_fails_on_a_mismatch(tmp_path, monkeypatch):
-    from bench import kernels, report
+    from hilt.bench.perf import lut_kernels
+    from hilt.bench import report
 
     check = {"device": "cpu", "cases": 332, "configs_checked": 52, "failures": [], "max_error_ratio": 0.171}
     text = {"kernel": " Paris | Lyon\nx", "dequantized": " Paris | Lyon\nx", "kernel_seconds": 9.0,
             "dequantized_seconds": 3.0, "same": True}
     decode = {"device": "cpu", "through": "PyTorch reference", "4bit": text, "1bit": dict(text)}
-    monkeypatch.setattr(kernels, "check", lambda device, log: check)
-    monkeypatch.setattr(kernels, "decode", lambda log: decode)
+    monkeypatch.setattr(lut_kernels, "check", lambda device, log: check)
+    monkeypatch.setattr(lut_kernels, "decode", lambda log: decode)
     md = report.kernel_section(tmp_path, log=lambda *a: None)
     assert "332 cases (52 tuning configurations), 0 failures, worst error 0.171" in md
     assert "| 4-bit k-means | yes | 9.0 | 3.0 | ` Paris \\| Lyon\\nx` |" in md  # one table row, pipe escaped
-    assert "need a GPU" in md and json.loads((tmp_path / "kernels.json").read_text())["check"] == check
+    assert "need a GPU" in md and json.loads((tmp_path / "lut_kernels.json").read_text())["check"] == check
     decode["1bit"] = {**text, "kernel": "other", "same": False}
     with pytest.raises(HiltError, match="disagree with their reference"):
         report.kernel_section(tmp_path, log=lambda *a: None)
-    assert json.loads((tmp_path / "kernels.json").read_text())["decode"]["1bit"]["same"] is False
+    assert json.loads((tmp_path / "lut_kernels.json").read_text())["decode"]["1bit"]["same"] is False
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_quant_linear_on_gpu_runs_the_kernel():
-    from quant import QuantLinear
+    from hilt.quant import QuantLinear
 
     q = _weights(300, 512, "kmeans", 2, 64, "layer", 1)
     layer = QuantLinear(q).cuda()

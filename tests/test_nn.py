@@ -2,10 +2,11 @@ import pytest
 import torch
 from torch import nn
 
-from conftest import make_checkpoint, run_hilt
-from kernels import HiltError, lut_matmul
-from kernels.lut_matmul import lut_matmul_reference
-from quant import QuantConfig, QuantLinear, load_quantized_, quantize_model_, quantize_tensor
+from helpers import make_checkpoint, run_hilt
+from hilt.errors import HiltError
+from hilt.kernels import lut_matmul
+from hilt.kernels.lut_matmul import lut_matmul_reference
+from hilt.quant import QuantConfig, QuantLinear, load_quantized_, quantize_model_, quantize_tensor
 
 
 def test_quant_linear_matches_dense_matmul_on_dequantized_weight():
@@ -88,7 +89,7 @@ def test_load_quantized_reproduces_the_checkpoint(tmp_path):
 def test_quant_linear_keeps_its_byte_table_until_the_codebook_changes():
     from types import SimpleNamespace
 
-    from kernels import byte_table
+    from hilt.kernels import byte_table
 
     layer = QuantLinear(quantize_tensor(torch.randn(8, 64), QuantConfig("kmeans", 2, 32)))
     on_gpu = SimpleNamespace(is_cuda=True)  # only the device matters to the table

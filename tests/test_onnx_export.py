@@ -7,8 +7,8 @@ import pytest
 import torch
 from onnx import TensorProto, helper
 
-from quant import QuantConfig, quantize_tensor
-from quant.onnx_export import dequantize_subgraph
+from hilt.quant import QuantConfig, quantize_tensor
+from hilt.quant.onnx_export import dequantize_subgraph
 
 
 def _run_subgraph(q):
@@ -41,8 +41,8 @@ def test_subgraph_rebuilds_the_weight_exactly(method, bits, codebook):
 def test_frozen_model_is_the_simulator_without_its_noise(preset_name):
     import dataclasses
 
-    from cim_sim import convert_to_analog, drift_to, preset, program
-    from cim_sim.frozen import freeze
+    from hilt.cim_sim import convert_to_analog, drift_to, preset, program
+    from hilt.cim_sim.frozen import freeze
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Conv2d(2, 6, 3, padding=1, stride=2), torch.nn.ReLU(), torch.nn.Flatten(),
@@ -68,8 +68,8 @@ def test_frozen_model_is_the_simulator_without_its_noise(preset_name):
 
 
 def test_quantized_minilm_export_is_compact_and_matches(minilm_dir, tmp_path):
-    from bench.export import export_quantized
-    from quant import quantize_checkpoint
+    from hilt.bench.tasks.export import export_quantized
+    from hilt.quant import quantize_checkpoint
 
     ckpt = tmp_path / "minilm-3bit"
     quantize_checkpoint(minilm_dir, ckpt, QuantConfig(method="kmeans", bits=3, block_size=64))

@@ -3,7 +3,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kernels import HiltError, pack_codes, packed_row_bytes, unpack_codes
+from hilt.errors import HiltError
+
+from hilt.kernels import pack_codes, packed_row_bytes, unpack_codes
 
 
 @settings(max_examples=60, deadline=None)

@@ -1,12 +1,12 @@
-"""QAT (quant/qat.py): straight-through gradients, codebook refits, export that equals training."""
+"""QAT (quant/qat_scaling.py): straight-through gradients, codebook refits, export that equals training."""
 
 import pytest
 import torch
 
-from bench.gpt import GPT, GPTConfig, batch, corpus
-from kernels import HiltError
-from quant import QuantConfig, load_quantized_
-from quant.qat import (
+from hilt.bench.models.gpt import GPT, GPTConfig, batch, corpus
+from hilt.errors import HiltError
+from hilt.quant import QuantConfig, load_quantized_
+from hilt.quant.qat import (
     FakeQuantLinear,
     QATSchedule,
     fake_quant_layers,
@@ -51,7 +51,7 @@ def test_straight_through_gradient_is_the_gradient_at_the_quantized_weight(metho
 def _loss_and_error(model, x, y, layers, quantizing=True):
     """(loss, the codebook fit's objective: squared quantization error in block units, summed) with
     the layers quantizing or not."""
-    from quant.quantize import normalise_blocks
+    from hilt.quant.quantize import normalise_blocks
 
     with torch.no_grad():
         for layer in layers.values():
@@ -70,9 +70,9 @@ def _loss_and_error(model, x, y, layers, quantizing=True):
 def test_a_trained_codebook_gets_the_scale_weighted_gradient_of_its_weights():
     """dL/dc = sum over the weights snapped to level c of their block scale x dL/dQ; W still gets
     dL/dQ; weight decay skips the codebooks; a codebook that is not trained is no parameter."""
-    from quant import kmeans
-    from quant.qat import qat_param_groups
-    from quant.quantize import normalise_blocks
+    from hilt.quant import kmeans
+    from hilt.quant.qat import qat_param_groups
+    from hilt.quant.quantize import normalise_blocks
 
     torch.manual_seed(0)
     linear = torch.nn.Linear(96, 16)
@@ -170,8 +170,8 @@ def test_a_model_without_eligible_layers_is_refused():
 
 
 def test_smollm2_qat_resumes_to_the_same_checkpoint_as_an_uninterrupted_run(smollm2_gguf, tmp_path, monkeypatch):
-    from bench import qat_finetune
-    from quant import load_checkpoint
+    from hilt.bench.tasks import qat_finetune
+    from hilt.quant import load_checkpoint
 
     small = {"bits": 2, "steps": 2, "batch": 1, "context": 16, "save_every": 1, "lr": 1e-4, "progress": False,
              "only": r"blk\.[01]\.attn_q", "log": lambda *_: None}
@@ -200,53 +200,53 @@ def test_smollm2_qat_resumes_to_the_same_checkpoint_as_an_uninterrupted_run(smol
 def test_study_fits_recover_a_known_scaling_law_and_gamma():
     import math
 
-    from bench import qat
+    from hilt.bench.studies import qat_scaling
 
     e, a, alpha, gamma = 1.2, 40.0, 0.3, 1.5
     full = [{"width": w, "method": "16-bit", "bits": 16, "n_quantizable": n, "val_loss": e + a * n**-alpha}
             for w, n in ((64, 2e5), (96, 4.5e5), (128, 8e5), (192, 1.8e6))]
-    fit = qat._fit_scaling(full)
+    fit = qat_scaling._fit_scaling(full)
     assert fit["E"] == pytest.approx(e, abs=0.02) and fit["alpha"] == pytest.approx(alpha, rel=0.05)
     quantized = []
     for r in full:
         for bits in (1, 2, 4):
             n_eff = r["n_quantizable"] * (1 - math.exp(-bits / gamma))
             quantized.append({**r, "method": "kmeans", "bits": bits, "val_loss": e + a * n_eff**-alpha})
-    g = qat._gamma(quantized, {"E": e, "A": a, "alpha": alpha})
+    g = qat_scaling._gamma(quantized, {"E": e, "A": a, "alpha": alpha})
     assert g == pytest.approx(gamma, rel=0.01) and all(0 < r["n_eff_ratio"] <= 1 for r in quantized)
-    assert qat._fit_scaling([{**r, "val_loss": 3.0 + r["n_quantizable"] * 1e-7} for r in full]) is None
+    assert qat_scaling._fit_scaling([{**r, "val_loss": 3.0 + r["n_quantizable"] * 1e-7} for r in full]) is None
 
 
 def test_study_compares_formats_on_the_seeds_mean_and_seed_by_seed():
-    from bench import qat
+    from hilt.bench.studies import qat_scaling
 
     runs = [{"width": 64, "method": m, "bits": 2, "seed": s, "memory_kib": 10.0, "n_quantizable": 100,
              "bits_per_weight": 2.25, "lr": 9e-3, "val_loss": loss}
             for m, losses in (("kmeans", (2.0, 2.3, 2.1)), ("int", (2.1, 2.2, 2.15))) for s, loss in enumerate(losses)]
-    rows = {r["method"]: r for r in qat._mean_rows(runs)}
+    rows = {r["method"]: r for r in qat_scaling._mean_rows(runs)}
     assert rows["kmeans"]["val_losses"] == [2.0, 2.3, 2.1] and rows["kmeans"]["val_loss"] == pytest.approx(6.4 / 3)
     assert rows["int"]["val_loss_std"] == pytest.approx(0.05)
-    (v,) = qat._kmeans_vs_int(list(rows.values()))
+    (v,) = qat_scaling._kmeans_vs_int(list(rows.values()))
     assert v["per_seed"] == pytest.approx([-0.1, 0.1, -0.05]) and v["seeds_won"] == 2
     assert v["kmeans_minus_int"] == pytest.approx(6.4 / 3 - 2.15) and v["kmeans_wins"]
 
 
 def test_study_learning_rate_per_width():
-    from bench import qat
+    from hilt.bench.studies import qat_scaling
 
-    assert qat.lr_for(64) == qat.LR_BY_WIDTH[64] and qat.lr_for(128) == qat.LR_BY_WIDTH[128]
-    assert qat.lr_for(200) == qat.DEFAULT_LR and qat.lr_for(128, lr=1e-3) == 1e-3  # --lr: every width
+    assert qat_scaling.lr_for(64) == qat_scaling.LR_BY_WIDTH[64] and qat_scaling.lr_for(128) == qat_scaling.LR_BY_WIDTH[128]
+    assert qat_scaling.lr_for(200) == qat_scaling.DEFAULT_LR and qat_scaling.lr_for(128, lr=1e-3) == 1e-3  # --lr: every width
 
 
 def test_study_counts_a_trained_codebook_once():
-    from bench import qat
+    from hilt.bench.studies import qat_scaling
 
     config = QuantConfig(method="kmeans", bits=2, block_size=32)
     memory = []
     for learn in (True, False):
         model, _, _ = _tiny()
         prepare_qat_(model, config, learn_codebook=learn)
-        memory.append(qat.weight_memory_bits(model, config))
+        memory.append(qat_scaling.weight_memory_bits(model, config))
     assert memory[0] == memory[1]
     total, linear, n = memory[0]
     assert linear == pytest.approx(n * (2 + 16 / 32) + 12 * 4 * 16)  # codes, bf16 scales, 12 fp16 codebooks

@@ -1,9 +1,11 @@
 import pytest
 import torch
 
-from kernels import HiltError, unpack_codes
-from quant import QuantConfig, quantize_tensor, relative_error
-from quant.quantize import expected_bits_per_weight
+from hilt.errors import HiltError
+
+from hilt.kernels import unpack_codes
+from hilt.quant import QuantConfig, quantize_tensor, relative_error
+from hilt.quant.quantize import expected_bits_per_weight
 
 
 def weight(n=96, k=256, seed=0):
@@ -141,7 +143,7 @@ def test_nan_names_the_tensor():
 
 def test_block_codebooks_in_several_batches_match_one():
     # more blocks than one DP batch holds: the chunked path must agree with the per-row solver
-    from quant.kmeans import clustering_cost, kmeans_optimal
+    from hilt.quant.kmeans import clustering_cost, kmeans_optimal
 
     w = weight(n=1100, k=128, seed=8)
     q = quantize_tensor(w, QuantConfig("kmeans", 2, codebook="block"))

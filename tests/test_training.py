@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from cim_sim.training import (
+from hilt.cim_sim.training import (
     NoisyTraining,
     analog_weights,
     disagreement,
@@ -17,7 +17,7 @@ from cim_sim.training import (
     perturb,
     sample_weights,
 )
-from kernels import HiltError
+from hilt.errors import HiltError
 
 
 def test_mismatch_perturbation_statistics_and_gradient():
@@ -108,8 +108,8 @@ def test_bad_training_settings(change, needle):
 
 
 def test_robustness_study_tiny():
-    from bench import robustness
-    from bench.fashion import DEFAULT_ROOT
+    from hilt.bench.studies import robustness
+    from hilt.bench.data.fashion_mnist import DEFAULT_ROOT
 
     if not (DEFAULT_ROOT / "t10k-images-idx3-ubyte.gz").is_file():
         pytest.skip("Fashion-MNIST not installed: apt-get install -y dataset-fashion-mnist (scripts/setup.sh)")

@@ -9,21 +9,12 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from bench import fashion
-from bench.fashion import DEFAULT_ROOT, load_fashion_mnist
-from bench.workloads import (
-    CNN,
-    MLP,
-    WORKLOADS,
-    accuracy,
-    build,
-    load_checkpoint,
-    save_checkpoint,
-    train,
-    train_run,
-)
-from cim_sim.training import NoisyTraining
-from kernels.errors import HiltError
+from hilt.bench.data import fashion_mnist
+from hilt.bench.data.fashion_mnist import DEFAULT_ROOT, load_fashion_mnist
+from hilt.bench.models.classifiers import CNN, MLP, WORKLOADS, build
+from hilt.bench.tasks.train import accuracy, load_workload, save_workload, train, train_run
+from hilt.cim_sim.training import NoisyTraining
+from hilt.errors import HiltError
 
 FILES = ("train-images-idx3-ubyte.gz", "train-labels-idx1-ubyte.gz",
          "t10k-images-idx3-ubyte.gz", "t10k-labels-idx1-ubyte.gz")
@@ -68,7 +59,7 @@ def test_loader_shapes_dtypes_labels(fmnist):
     # Normalised with the training statistics: mean 0 and std 1 on the training split.
     assert abs(x.double().mean().item()) < 1e-4
     assert abs(x.double().std().item() - 1) < 1e-4
-    mean, std = fashion.train_stats()
+    mean, std = fashion_mnist.train_stats()
     assert 0.28 < mean < 0.29 and 0.35 < std < 0.36  # the published Fashion-MNIST statistics
     assert x.min().item() == pytest.approx(-mean / std, abs=1e-5)
     assert x.max().item() == pytest.approx((1 - mean) / std, abs=1e-5)
@@ -207,7 +198,7 @@ def test_train_run_saves_and_refuses_overwrite(fmnist, tmp_path):
     assert result["workload"] == "mlp" and result["method"] == "standard" and result["epochs"] == 1
     assert result["train_images"] == 1000 and result["checkpoint"] == str(out)
     assert 0.3 < result["test_accuracy"] <= 1 and len(result["history"]) == 1
-    model, meta = load_checkpoint(out)
+    model, meta = load_workload(out)
     _, (xt, yt) = fmnist
     assert accuracy(model, xt, yt) == result["test_accuracy"]
     assert meta["workload"] == "mlp" and meta["method"] == "standard" and meta["seed"] == "0"
@@ -227,9 +218,9 @@ def test_checkpoint_round_trip(tmp_path, name):
     torch.manual_seed(7)
     model = build(name).eval()
     path = tmp_path / f"{name}.safetensors"
-    save_checkpoint(model, path, name, {"seed": 7, "note": "hello"})
+    save_workload(model, path, name, {"seed": 7, "note": "hello"})
     assert [p.name for p in tmp_path.iterdir()] == [path.name]
-    loaded, meta = load_checkpoint(path)
+    loaded, meta = load_workload(path)
     assert isinstance(loaded, WORKLOADS[name]) and not loaded.training
     assert meta["workload"] == name and meta["seed"] == "7" and meta["note"] == "hello"
     x = torch.randn(16, 1, 28, 28, generator=torch.Generator().manual_seed(0))
@@ -279,7 +270,7 @@ def test_bad_checkpoint_raises_naming_file(tmp_path, case):
     path = tmp_path / "bad.safetensors"
     save_file(tensors, str(path), metadata=metadata)
     with pytest.raises(HiltError, match=expect) as e:
-        load_checkpoint(path, name)
+        load_workload(path, name)
     assert str(path) in str(e.value) and "\n" not in str(e.value)
 
 
@@ -287,7 +278,7 @@ def test_checkpoint_without_metadata_loads_with_name(tmp_path):
     tensors = mlp_tensors()
     path = tmp_path / "plain.safetensors"
     save_file(tensors, str(path))
-    model, meta = load_checkpoint(path, "mlp")
+    model, meta = load_workload(path, "mlp")
     assert meta["workload"] == "mlp"
     assert all(torch.equal(model.state_dict()[k], tensors[k]) for k in tensors)
 
@@ -299,8 +290,8 @@ def test_unreadable_checkpoints(tmp_path):
     bad_json.write_bytes((10).to_bytes(8, "little") + b"{notjson}!")
     for path in (garbage, bad_json, tmp_path / "absent.safetensors"):
         with pytest.raises(HiltError) as e:
-            load_checkpoint(path)
+            load_workload(path)
         assert str(path) in str(e.value) and "\n" not in str(e.value)
     with pytest.raises(HiltError) as e:
-        save_checkpoint(build("mlp"), tmp_path / "no" / "such" / "dir.safetensors", "mlp", {})
+        save_workload(build("mlp"), tmp_path / "no" / "such" / "dir.safetensors", "mlp", {})
     assert "dir.safetensors" in str(e.value)

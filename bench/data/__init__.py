@@ -1,0 +1,1 @@
+"""Real data read offline: Fashion-MNIST and Shakespeare text."""

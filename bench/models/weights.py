@@ -1,0 +1,40 @@
+"""Filling a bench model with weights from its checkpoint file."""
+
+from collections.abc import Mapping
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+
+from hilt.errors import HiltError
+from hilt.quant.sources import open_source
+
+
+def load_weights_(model: nn.Module, path: Path, tensors: Mapping[str, torch.Tensor] | None, kind: str) -> nn.Module:
+    """Load every parameter of ``model`` (built on the meta device) from ``path``, as float32.
+
+    ``tensors`` (name -> tensor) replaces the file's tensors of those names; a
+    name that is not a model tensor is an error, so a wrongly named mapping
+    cannot silently fall back to the file. Returns the model in eval mode.
+    """
+    want = {k: v.shape for k, v in model.state_dict().items()}
+    tensors = dict(tensors or {})
+    unknown = sorted(set(tensors) - set(want))
+    if unknown:
+        raise HiltError(f"tensors not in the {kind} model: {', '.join(unknown[:5])}"
+                        + (f" (and {len(unknown) - 5} more)" if len(unknown) > 5 else ""))
+    state = {}
+    with open_source(path) as src:
+        in_file = set(src.names())
+        for name, shape in want.items():
+            if name in tensors:
+                t = tensors[name]
+            elif name in in_file:
+                t = src.get(name)
+            else:
+                raise HiltError(f"{path}: tensor {name!r} is missing")
+            if tuple(t.shape) != tuple(shape):
+                raise HiltError(f"tensor {name!r} has shape {tuple(t.shape)}, the model needs {tuple(shape)}")
+            state[name] = t.detach().to(torch.float32).contiguous()
+    model.load_state_dict(state, strict=True, assign=True)
+    return model.eval().requires_grad_(False)

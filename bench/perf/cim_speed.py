@@ -1,0 +1,58 @@
+"""`hilt bench cim`: the simulator's analog forward and drift step against the digital forward."""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from hilt.bench.tasks.drift import workload_model
+from hilt.cim_sim import convert_to_analog, drift_to, preset
+
+
+def speed(rounds: int = 7, repeats: int = 20, log=print) -> dict:
+    """Forward time of each preset against the digital forward of the same model, and of a drift step.
+
+    The committed trained checkpoints on the first 256 Fashion-MNIST test images: an untrained
+    model on Gaussian inputs saturates the ADC on most rows and measures bound management instead.
+    Each round times ``repeats`` calls of each and takes medians; the ratios are the median over
+    rounds after the first (a warm-up), which keeps them steady on a machine whose speed wanders.
+    """
+    import statistics
+
+    from hilt.bench.data.fashion_mnist import load_fashion_mnist
+
+    def median_time(fn):
+        fn()
+        times = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - start)
+        return statistics.median(times)
+
+    x, _ = load_fashion_mnist("test", limit=256)
+    rows = []
+    for name in ("mlp", "cnn"):
+        model, path = workload_model(name, None)
+        n_rounds = rounds if name == "mlp" else 3  # the CNN's forward is 40x longer
+        for p in ("ideal", "pcm", "pcm-hwa", "rram"):
+            analog = convert_to_analog(model, preset(p))
+            per_round = []
+            for _ in range(n_rounds):
+                with torch.inference_mode():
+                    digital = median_time(lambda model=model: model(x))
+                    fwd = median_time(lambda analog=analog: analog(x))
+                drift = median_time(lambda analog=analog: drift_to(analog, 86400.0, gdc="global"))
+                per_round.append((digital, fwd, drift))
+            kept = per_round[1:] if len(per_round) > 1 else per_round
+            digital, fwd, drift = (statistics.median(r[i] for r in kept) for i in range(3))
+            ratio = statistics.median(r[1] / r[0] for r in kept)
+            drift_ratio = statistics.median(r[2] / r[1] for r in kept)
+            rows.append({"model": name, "checkpoint": path.name, "preset": p, "digital_ms": digital * 1e3,
+                         "analog_ms": fwd * 1e3, "forward_ratio": ratio, "drift_ms": drift * 1e3,
+                         "drift_over_forward": drift_ratio})
+            log(f"{name} {p:<8} digital {digital * 1e3:7.2f} ms  analog {fwd * 1e3:8.2f} ms  x{ratio:5.2f}  "
+                f"drift step {drift * 1e3:7.2f} ms ({drift_ratio:.2f} of a forward)")
+    return {"batch": 256, "inputs": "Fashion-MNIST test[:256]", "threads": torch.get_num_threads(),
+            "method": f"median over rounds (first dropped) of medians of {repeats} calls", "rows": rows}

