@@ -1,4 +1,7 @@
-"""FP8Attention: what the SmolLM2 and MiniLM forwards call instead of scaled_dot_product_attention.
+"""FP8Attention: what an attention layer calls instead of scaled_dot_product_attention.
+
+A model opts in by yielding an :class:`AttentionSite` per attention layer from a method
+``fp8_attention_sites()``; :func:`use_fp8_attention` then sets each layer's ``attend``.
 
 Before the E4M3 casts of the kernel (kernels.fp8_attention), two exact rewrites that make
 the casts cheaper in accuracy (measured on SmolLM2-135M, `hilt fp8 attention`):
@@ -23,6 +26,7 @@ it are cut off, and padded queries, whose outputs nothing reads, get zeros.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -109,28 +113,43 @@ def attention_bounds(w_q, w_k, n_heads: int, n_kv_heads: int, radius: float, b_q
     return q * r, k * r
 
 
+@dataclass
+class AttentionSite:
+    """One attention layer as FP8 attention sees it: what a model's ``fp8_attention_sites()`` yields.
+
+    ``module`` calls ``module.attend(q, k, v, causal=..., key_mask=...)`` when ``attend`` is set
+    (q (B, H, T, d_h); k, v (B, G, T, d_h); key_mask (B, T), True for real tokens) and its own
+    attention when ``attend`` is None. ``w_q``, ``w_k`` (and biases ``b_q``, ``b_k``) project the
+    output of the normalisation ``norm_weight``/``norm_bias`` (RMSNorm without a bias, LayerNorm
+    with one) that precedes the layer, from which geometry-aware scales bound |q| and |k|.
+    """
+
+    module: nn.Module
+    w_q: torch.Tensor
+    w_k: torch.Tensor
+    n_heads: int
+    n_kv_heads: int
+    norm_weight: torch.Tensor
+    norm_bias: torch.Tensor | None = None
+    b_q: torch.Tensor | None = None
+    b_k: torch.Tensor | None = None
+
+
 def use_fp8_attention(model: nn.Module, scales: str = "current", v_fp8: bool = True, rotate: bool = True,
                       split_qk: bool = False) -> nn.Module:
-    """Route every attention layer of a bench SmolLM2 (Llama) or MiniLM (Bert) model through
-    FP8Attention; with ``scales="geometry"`` the per-head bounds come from its weights."""
-    from hilt.bench.models.bert import Bert
-    from hilt.bench.models.llama import Llama
+    """Route every attention layer of ``model`` through FP8Attention; with ``scales="geometry"``
+    the per-head bounds come from its weights.
 
-    if isinstance(model, Llama):
-        cfg = model.cfg
-        for blk in model.blk:
-            qb, kb = attention_bounds(blk.attn_q.weight, blk.attn_k.weight, cfg.n_heads, cfg.n_kv_heads,
-                                      norm_radius(blk.attn_norm.weight))
-            blk.attend = FP8Attention(scales, qb, kb, v_fp8, rotate, split_qk)
-    elif isinstance(model, Bert):
-        cfg, layers = model.cfg, model.encoder.layer
-        for i, layer in enumerate(layers):
-            norm = model.embeddings.LayerNorm if i == 0 else layers[i - 1].output.LayerNorm  # post-norm BERT
-            att = layer.attention["self"]
-            qb, kb = attention_bounds(att.query.weight, att.key.weight, cfg.num_attention_heads,
-                                      cfg.num_attention_heads, norm_radius(norm.weight, norm.bias),
-                                      att.query.bias.double(), att.key.bias.double())
-            layer.attend = FP8Attention(scales, qb, kb, v_fp8, rotate, split_qk)
-    else:
-        raise HiltError(f"FP8 attention knows SmolLM2 (Llama) and MiniLM (Bert) models, not {type(model).__name__}")
+    The model opts in with a method ``fp8_attention_sites()`` that yields one
+    :class:`AttentionSite` per attention layer (the built-in SmolLM2 and MiniLM models do)."""
+    sites_of = getattr(model, "fp8_attention_sites", None)
+    if not callable(sites_of):
+        raise HiltError(f"{type(model).__name__} has no fp8_attention_sites() method: FP8 attention needs the model "
+                        f"to name its attention layers (see hilt.fp8.attention.AttentionSite)")
+    for site in sites_of():
+        b_q = None if site.b_q is None else site.b_q.double()
+        b_k = None if site.b_k is None else site.b_k.double()
+        qb, kb = attention_bounds(site.w_q, site.w_k, site.n_heads, site.n_kv_heads,
+                                  norm_radius(site.norm_weight, site.norm_bias), b_q, b_k)
+        site.module.attend = FP8Attention(scales, qb, kb, v_fp8, rotate, split_qk)
     return model

@@ -72,5 +72,45 @@ def test_smollm2_perplexity_with_fp8_attention_within_one_percent(smollm2_gguf):
     base = perplexity(model, ids, 512)
     fp8 = perplexity(use_fp8_attention(model), ids, 512)
     assert abs(fp8 / base - 1) < 0.01, (base, fp8)
-    with pytest.raises(HiltError, match="knows SmolLM2"):
+    with pytest.raises(HiltError, match="Linear has no fp8_attention_sites"):
         use_fp8_attention(torch.nn.Linear(2, 2))
+
+
+class _OneHeadAttention(torch.nn.Module):
+    """A model from outside the toolkit that opts in through the documented hook."""
+
+    def __init__(self, d=64):
+        super().__init__()
+        self.norm = torch.nn.LayerNorm(d)
+        self.q, self.k, self.v = (torch.nn.Linear(d, d) for _ in range(3))
+        self.attend = None
+
+    def forward(self, x):
+        h = self.norm(x)
+        q, k, v = (lin(h)[:, None] for lin in (self.q, self.k, self.v))  # one head
+        if self.attend is None:
+            return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)[:, 0]
+        return self.attend(q, k, v, causal=True)[:, 0]
+
+    def fp8_attention_sites(self):
+        from hilt.fp8.attention import AttentionSite
+
+        yield AttentionSite(self, self.q.weight, self.k.weight, 1, 1, self.norm.weight, self.norm.bias,
+                            self.q.bias, self.k.bias)
+
+
+def test_any_model_implementing_the_hook_gets_fp8_attention():
+    torch.manual_seed(0)
+    model = _OneHeadAttention()
+    x = torch.randn(2, 16, 64)
+    ref = model(x)
+    use_fp8_attention(model, scales="geometry")
+    assert isinstance(model.attend, FP8Attention)
+    qb, kb = attention_bounds(model.q.weight, model.k.weight, 1, 1,
+                              float(model.norm.weight.abs().max()) * 8 + float(model.norm.bias.norm()),
+                              model.q.bias.double(), model.k.bias.double())
+    torch.testing.assert_close(model.attend.q_bound, qb)
+    torch.testing.assert_close(model.attend.k_bound, kb)
+    out = model(x)
+    assert torch.isfinite(out).all()
+    assert 0 < (out - ref).norm() / ref.norm() < 0.1  # FP8 rounding: close, not equal

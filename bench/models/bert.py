@@ -78,7 +78,7 @@ class BertLayer(nn.Module):
         })
         self.intermediate = _group(dense=nn.Linear(d, f))
         self.output = _group(dense=nn.Linear(f, d), LayerNorm=nn.LayerNorm(d, eps=eps))
-        self.attend = None  # None: scaled_dot_product_attention; fp8.attention.use_fp8_attention sets FP8Attention
+        self.attend = None  # None: scaled_dot_product_attention; hilt.fp8.use_fp8_attention sets FP8Attention
 
     def forward(self, x: torch.Tensor, key_mask: torch.Tensor) -> torch.Tensor:
         """x [B, T, d]; key_mask [B, 1, 1, T] bool, True where a token may be attended to."""
@@ -127,6 +127,18 @@ class Bert(nn.Module):
         for layer in self.encoder.layer:
             x = layer(x, key_mask)
         return x
+
+    def fp8_attention_sites(self):
+        """The hook of hilt.fp8.use_fp8_attention: each layer's self-attention, whose input is the
+        previous layer's output LayerNorm (post-norm BERT; the embeddings' LayerNorm for layer 0)."""
+        from hilt.fp8.attention import AttentionSite
+
+        layers = self.encoder.layer
+        for i, layer in enumerate(layers):
+            norm = self.embeddings.LayerNorm if i == 0 else layers[i - 1].output.LayerNorm
+            att = layer.attention["self"]
+            yield AttentionSite(layer, att.query.weight, att.key.weight, self.cfg.num_attention_heads,
+                                self.cfg.num_attention_heads, norm.weight, norm.bias, att.query.bias, att.key.bias)
 
 
 def load_minilm(path=None, tensors: Mapping[str, torch.Tensor] | None = None) -> tuple[Bert, Tokenizer]:

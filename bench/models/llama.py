@@ -187,7 +187,7 @@ class Block(nn.Module):
         self.ffn_gate = nn.Linear(d, cfg.ffn_dim, bias=False)
         self.ffn_up = nn.Linear(d, cfg.ffn_dim, bias=False)
         self.ffn_down = nn.Linear(cfg.ffn_dim, d, bias=False)
-        self.attend = None  # None: scaled_dot_product_attention; fp8.attention.use_fp8_attention sets FP8Attention
+        self.attend = None  # None: scaled_dot_product_attention; hilt.fp8.use_fp8_attention sets FP8Attention
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 cache: list | None = None) -> torch.Tensor:
@@ -240,6 +240,14 @@ class Llama(nn.Module):
         for i, block in enumerate(self.blk):
             x = block(x, cos, sin, None if cache is None else cache[i])
         return F.linear(self.output_norm(x), self.token_embd.weight)  # tied LM head
+
+    def fp8_attention_sites(self):
+        """The hook of hilt.fp8.use_fp8_attention: each block's attention, behind its RMSNorm."""
+        from hilt.fp8.attention import AttentionSite
+
+        for blk in self.blk:
+            yield AttentionSite(blk, blk.attn_q.weight, blk.attn_k.weight, self.cfg.n_heads, self.cfg.n_kv_heads,
+                                blk.attn_norm.weight)
 
     def new_cache(self) -> list:
         """An empty key/value cache: one [keys, values] list per block, filled by forward."""
