@@ -246,9 +246,10 @@ def fp8_attention(q, k, v, q_scale, k_scale, v_scale=None, causal=False, sm_scal
     for the logits; for activations with outliers). Returns (B, H, Tq, D) in q's dtype. See
     the module docstring for what is computed."""
     if isinstance(q, torch.Tensor) and q.is_cuda and q.ndim == 4 and triton_unsupported(q) is None:
-        from hilt.kernels.fp8_attention_triton import fp8_attention_triton
+        from hilt.kernels.backends import triton_kernels
 
-        return fp8_attention_triton(q, k, v, q_scale, k_scale, v_scale, causal, sm_scale, split_qk=split_qk)
+        kernel = triton_kernels("fp8_attention_triton").fp8_attention_triton
+        return kernel(q, k, v, q_scale, k_scale, v_scale, causal, sm_scale, split_qk=split_qk)
     (q_scale, k_scale, v_scale), sm_scale = validate(q, k, v, q_scale, k_scale, v_scale, causal, sm_scale)
     return fp8_attention_reference(q, k, v, q_scale, k_scale, v_scale, causal, sm_scale, split_qk)
 

@@ -197,3 +197,28 @@ def test_installed_beside_hugging_face_kernels(built, tmp_path):
                        capture_output=True, text=True, cwd=work, env=env, timeout=300)
     assert r.returncode == 0, r.stderr
     assert (work / "q" / "hilt.json").exists()
+
+
+def test_without_triton_the_cpu_path_runs_and_gpu_kernels_say_why(tmp_path):
+    """As on macOS or Windows, where Triton has no wheels: everything on CPU tensors works, and
+    asking for the Triton kernels is one clear error."""
+    code = (
+        "import sys\n"
+        "sys.modules['triton'] = None  # import triton now raises ImportError\n"
+        "import torch\n"
+        "from hilt.errors import HiltError\n"
+        "from hilt.quant import QuantConfig, QuantLinear, quantize_model_\n"
+        "from hilt.kernels.backends import triton_kernels\n"
+        "torch.manual_seed(0)\n"
+        "model = torch.nn.Sequential(torch.nn.Linear(128, 64))\n"
+        "x = torch.randn(3, 128)\n"
+        "ref = model(x)\n"
+        "quantize_model_(model, QuantConfig('kmeans', 4))\n"
+        "assert isinstance(model[0], QuantLinear)\n"
+        "err = float((model(x) - ref).norm() / ref.norm())\n"
+        "assert 0 < err < 0.2, err\n"
+        "try:\n    triton_kernels('lut_matmul_triton')\nexcept HiltError as e:\n    print(e)\n"
+    )
+    r = _python(code, tmp_path)
+    assert r.returncode == 0, r.stderr
+    assert "Triton is not installed" in r.stdout

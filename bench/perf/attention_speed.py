@@ -23,13 +23,11 @@ from __future__ import annotations
 import platform
 
 import torch
-import triton
 
 from hilt.errors import HiltError
-
 from hilt.kernels import fp8_attention
+from hilt.kernels.backends import triton_kernels
 from hilt.kernels.fp8_attention import E4M3_MAX
-from hilt.kernels.fp8_attention_triton import attention_from_fp8, quantize_inputs
 
 MIN_COSINE = 0.99  # FP8 vs bf16 on random inputs measures ~0.998; below this something is broken
 
@@ -44,6 +42,8 @@ def run(seqs=(1024, 2048, 4096, 8192, 16384), head_dim=128, heads=16, batch=None
     """Time FP8 attention against bf16 flash SDPA; ``batch=None`` means 16384 // seq per length."""
     if not torch.cuda.is_available():
         raise HiltError("FP8 attention timings need a CUDA GPU; none is present")
+    kernels = triton_kernels("fp8_attention_triton")
+    import triton
     from torch.nn.attention import SDPBackend, sdpa_kernel
     from triton.testing import do_bench
 
@@ -67,7 +67,7 @@ def run(seqs=(1024, 2048, 4096, 8192, 16384), head_dim=128, heads=16, batch=None
         q_scale = E4M3_MAX / q.float().abs().amax(dim=(0, 2, 3))
         k_scale = E4M3_MAX / k.float().abs().amax(dim=(0, 2, 3))
         v_scale = E4M3_MAX / v.float().abs().amax(dim=(0, 2))
-        q8, k8, v8 = quantize_inputs(q, k, v, q_scale, k_scale, v_scale)
+        q8, k8, v8 = kernels.quantize_inputs(q, k, v, q_scale, k_scale, v_scale)
         out = torch.empty_like(q)
         for is_causal in causal:
             def sdpa(is_causal=is_causal, q=q, k=k, v=v):
@@ -78,7 +78,7 @@ def run(seqs=(1024, 2048, 4096, 8192, 16384), head_dim=128, heads=16, batch=None
                 return fp8_attention(q, k, v, qs, ks, vs, causal=is_causal)
 
             def fp8_kernel(is_causal=is_causal, q8=q8, k8=k8, v8=v8, qs=q_scale, ks=k_scale, vs=v_scale, out=out):
-                return attention_from_fp8(q8, k8, v8, qs, ks, vs, is_causal, sm_scale, out)
+                return kernels.attention_from_fp8(q8, k8, v8, qs, ks, vs, is_causal, sm_scale, out)
 
             cosine = _cosine(fp8(), sdpa())  # also compiles and autotunes before the timing
             if not cosine >= MIN_COSINE:  # not timed; the other lengths still are, and the command fails
