@@ -4,23 +4,19 @@
 # bf16 flash SDPA. Results, with the GPU's name, clocks and versions, go to bench/results/ (or
 # $OUT when set). Exit 1 if any check fails or cannot run.
 #
-# With this project's .venv (scripts/setup.sh) it does everything in one run. A bare machine
-# (python3 with torch and triton, nothing else of ours) that receives at most 64 MiB and runs
-# at most 10 minutes per call: run `bash bench/perf/gpu_pack.sh` here, then two calls on the same
-# machine (files from the first stay while it is held), each with .gpu/common and one half of
-# the SmolLM2 GGUF:
-#   1. .gpu/common + .gpu/smollm2.gguf.part-aa:  bash bench/perf/gpu_check.sh kernels
-#        tuning and timings, saved after every layer shape (kernels-gpu.json, kernels-gpu.png)
-#   2. .gpu/common + .gpu/smollm2.gguf.part-ab:  bash bench/perf/gpu_check.sh rest
-#        the kernel check (kernels-check-gpu.json), the decode check on the joined halves
-#        (kernels-decode-gpu.json; float32 activations, so it tunes keys of its own), then
-#        FP8 attention (attention-gpu.json)
-# Each call compiles a few hundred kernel variants; the script prints its elapsed seconds. If
-# the machine was replaced between the two, call 2 says so (the decode check needs both
-# halves) and still runs the check and the attention timings; send part-aa again, then
-# repeat call 2.
+# With this project's .venv (scripts/setup.sh) it does everything in one run. On a GPU machine
+# without network whose python3 has torch and triton: run `bash bench/perf/gpu_pack.sh` where the
+# project is set up, copy the repository with its .gpu/ folder there, and run this script; it
+# installs hilt and gguf from .gpu/common/ into a scratch folder. The check also runs in two parts
+# on the same machine, for when one run must stay short:
+#   bash bench/perf/gpu_check.sh kernels   tuning and timings, saved after every layer shape
+#                                          (kernels-gpu.json, kernels-gpu.png)
+#   bash bench/perf/gpu_check.sh rest      the kernel check (kernels-check-gpu.json), the decode
+#                                          check (kernels-decode-gpu.json), FP8 attention
+#                                          (attention-gpu.json)
+# The SmolLM2 GGUF travels as two halves (.gpu/smollm2.gguf.part-aa/ab) checked against its sha256.
 set -uo pipefail
-cd "$(dirname "$0")/.." || exit 1
+cd "$(dirname "$0")/../.." || exit 1
 stage="${1:-all}"
 case "$stage" in
     all | kernels | rest) ;;
@@ -35,8 +31,12 @@ if compgen -G ".gpu/common/*.whl" >/dev/null; then
         .gpu/common/*.whl; then
         export PYTHONPATH=/tmp/hilt-site${PYTHONPATH:+:$PYTHONPATH}
     else
-        echo "gpu_check: could not install .gpu/common/*.whl; the decode check will fail" >&2
+        echo "gpu_check: could not install .gpu/common/*.whl" >&2
     fi
+fi
+if ! "$py" -c "import hilt.kernels" 2>/dev/null; then
+    echo "gpu_check: hilt is not installed for $py: pip install -e . (or bench/perf/gpu_pack.sh's wheels)" >&2
+    exit 1
 fi
 export TRITON_INTERPRET=0 PYTHONUNBUFFERED=1
 
@@ -53,7 +53,7 @@ if [ -f .gpu/smollm2.gguf.part-aa ] && [ -f .gpu/smollm2.gguf.part-ab ]; then
     fi
 elif [ "$stage" != kernels ] && compgen -G ".gpu/smollm2.gguf.part-*" >/dev/null; then
     echo "gpu_check: only $(basename .gpu/smollm2.gguf.part-*) is here; the decode check needs both halves" \
-        "on this machine (the two calls: this script's header)" >&2
+        "on this machine (this script's header)" >&2
     decode_ready=0
 fi
 
@@ -82,5 +82,5 @@ if [ "$stage" != kernels ]; then
     echo "gpu_check: ${SECONDS} s so far; FP8 attention next" >&2
     "$py" -m hilt.cli bench attention --json "$out/attention-gpu.json" || status=1
 fi
-echo "gpu_check: stage '$stage' done in ${SECONDS} s, status $status" >&2  # sizes the next session's device time
+echo "gpu_check: stage '$stage' done in ${SECONDS} s, status $status" >&2
 exit $status
