@@ -4,7 +4,7 @@ All functions work on whole tensors of conductances (µS) at once and take a
 ``torch.Generator`` for every random draw (the same seed gives the same numbers).
 
 PCM follows the statistical model fitted to measured phase-change devices that
-IBM's aihwkit ships as ``PCMLikeNoiseModel`` (REFERENCES.md §4), with
+IBM's aihwkit ships as ``PCMLikeNoiseModel`` (docs/references.md §4), with
 g_max = 25 µS, t0 = 20 s, t_read = 250 ns.
 """
 

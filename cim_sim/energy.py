@@ -16,7 +16,7 @@ inference (1 for a Linear on one sample, oh * ow for a Conv2d):
     adc_fj(b) = readout_fj * 2^(b - 8)    (the Walden figure of merit: energy doubles per bit)
     dac_fj(b) = dac_fj_per_bit * b
 
-The chip constants come from NeuroSim V1.4's published chip-level energies (REFERENCES.md §4:
+The chip constants come from NeuroSim V1.4's published chip-level energies (docs/references.md §4:
 VGG8 on CIFAR-10, 8-bit, 128x128 arrays, ADC, buffers, interconnect and leakage included)
 in femtojoules per MAC with 32 and 64 rows read per conversion: E(r) = a + b / r. Two points
 give the per-MAC part a and the per-read-out part b, which we use as ``mac_fj`` and

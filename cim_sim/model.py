@@ -21,6 +21,7 @@ from torch import nn
 
 from hilt.cim_sim.analog import AnalogConfig, AnalogConv2d, AnalogLinear, AnalogMixin
 from hilt.errors import HiltError
+from hilt.quant.nn import replace_modules
 
 GDC_MODES = ("global", "column", "exact", "none")
 _UNITS = {"s": 1, "m": 60, "min": 60, "h": 3600, "d": 86400, "w": 604800, "mo": 2629800, "y": 31557600}
@@ -46,16 +47,18 @@ def convert_to_analog(model: nn.Module, config: AnalogConfig, inplace: bool = Fa
     """
     config.device_model()  # validates the device name
     model = model if inplace else copy.deepcopy(model)
-    converted, digital = 0, []
-    for name, module in list(model.named_modules()):
-        if isinstance(module, (nn.Linear, nn.Conv2d)):
-            new = AnalogLinear(module, config) if isinstance(module, nn.Linear) else AnalogConv2d(module, config)
-            parent, _, attr = name.rpartition(".")
-            setattr(model.get_submodule(parent) if parent else model, attr, new)
-            converted += 1
-        elif name and not list(module.children()) and any(True for _ in module.parameters(recurse=False)):
+    digital = []
+
+    def analog(name, module):
+        if isinstance(module, nn.Linear):
+            return AnalogLinear(module, config)
+        if isinstance(module, nn.Conv2d):
+            return AnalogConv2d(module, config)
+        if name and not list(module.children()) and any(True for _ in module.parameters(recurse=False)):
             digital.append(name)
-    if converted == 0:
+        return None
+
+    if replace_modules(model, analog) == 0:
         raise HiltError("the model has no Linear or Conv2d layer to put on analog hardware")
     model.digital_layers = digital
     model.eval()

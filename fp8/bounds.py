@@ -14,7 +14,7 @@ RoPE rotates q and k by different angles, q_i^T Rot(j - i) k_j, so its bound use
 ||W_Q,h||_2 ||W_K,g||_2 instead of ||W_Q,h^T W_K,g||_2 (safe, looser). These bounds hold
 for every input: they are what the observed maxima on real text are checked against.
 
-The rank-aware prediction (REFERENCES.md section 3) is probabilistic. For unit inputs u, v
+The rank-aware prediction (docs/references.md section 3) is probabilistic. For unit inputs u, v
 spread evenly over the sphere in R^d and M of rank r, Mv lies in an r-dimensional space,
 so |Mv| ~ sigma sqrt(r/d) and u^T Mv ~ sigma sqrt(r)/d N(0, 1): P(|u^T M v| > alpha sigma)
 <= 2 exp(-d^2 alpha^2 / (2 gamma r)). A union bound over the n^2 pairs of a sequence gives

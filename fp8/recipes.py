@@ -82,7 +82,7 @@ class Current(ScaleRecipe):
 
 # Between 448 and 464 (half-way to the next step, 480, were there one) round-to-nearest gives
 # 448 anyway: clipping changes a value only from 464 on, so only those count as overflow.
-OVERFLOW_FROM = 464.0
+OVERFLOW_FROM = E4M3_MAX + 16.0  # 464
 
 
 def fp8_cast(x: torch.Tensor, scale: float) -> tuple[torch.Tensor, int]:

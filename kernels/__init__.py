@@ -10,10 +10,10 @@ TRITON_INTERPRET=1 in the environment before those modules are imported.
 """
 
 from hilt.kernels.fp8_attention import E4M3_MAX, attention_reference, fp8_attention
-from hilt.kernels.lut_matmul import byte_table, dequantize_lut, lut_matmul, uses_byte_table
+from hilt.kernels.lut_matmul import PackedWeight, byte_table, dequantize_lut, lut_matmul, uses_byte_table
 from hilt.kernels.packing import pack_codes, packed_row_bytes, unpack_codes
 
 __all__ = [
-    "E4M3_MAX", "attention_reference", "byte_table", "dequantize_lut", "fp8_attention", "lut_matmul", "pack_codes",
+    "E4M3_MAX", "PackedWeight", "attention_reference", "byte_table", "dequantize_lut", "fp8_attention", "lut_matmul", "pack_codes",
     "packed_row_bytes", "unpack_codes", "uses_byte_table",
 ]

@@ -44,8 +44,9 @@ interpreter also gets bfloat16 ``tl.dot`` wrong, so there a bfloat16 P V runs in
 
 Dispatch: :func:`fp8_attention` validates once, then sends CUDA tensors on sm89+ with head_dim
 64 or 128 to Triton and anything else (CPU, older GPUs, other head dims) to the reference. On
-the CPU the Triton code runs under the interpreter through :func:`kernels.fp8_attention_triton.fp8_attention_triton`
-(TRITON_INTERPRET=1 set before it is imported): that is how the tests check it.
+the CPU the Triton code runs under the interpreter through
+``kernels.backends.triton_kernels("fp8_attention_triton", interpret=True).fp8_attention_triton``:
+that is how the tests check it.
 """
 
 import math

@@ -1,6 +1,6 @@
 """The Triton kernels of kernels.fp8_attention (see that module for what they compute and how the
 interpreter's roundings are emulated). Imported only when a kernel runs: on CUDA tensors, or
-under Triton's CPU interpreter when asked for (TRITON_INTERPRET=1, set before this import)."""
+under Triton's CPU interpreter when asked for (kernels.backends.triton_kernels)."""
 
 import math
 
@@ -9,8 +9,12 @@ import triton
 import triton.language as tl
 
 from hilt.errors import HiltError
-from hilt.kernels.fp8_attention import P_SCALE, triton_unsupported, validate
+from hilt.kernels.fp8_attention import E4M3_MAX, P_SCALE, triton_unsupported, validate
 from hilt.kernels.triton_util import autotune, interpreting, to_dtype
+
+# Triton kernels read module-level numbers only as constexprs
+E4M3_LIMIT = tl.constexpr(E4M3_MAX)
+P_RANGE = tl.constexpr(P_SCALE)
 
 
 @triton.jit
@@ -57,7 +61,7 @@ def _quantize_kernel(
     x = tl.load(x_ptr + b * stride_xb + h * stride_xh + offs_t[:, None] * stride_xt + offs_d[None, :] * stride_xd,
                 mask=mask, other=0.0).to(tl.float32)
     s = tl.load(s_ptr + h * stride_sh + offs_d * stride_sd)
-    y = tl.minimum(tl.maximum(x * s[None, :], -448.0), 448.0)
+    y = tl.minimum(tl.maximum(x * s[None, :], -E4M3_LIMIT), E4M3_LIMIT)
     y_offs = b * stride_yb + h * stride_yh + offs_t[:, None] * stride_yt + offs_d[None, :] * stride_yd
     hi = _to_e4m3(y, EMULATE)
     tl.store(y_ptr + y_offs, hi, mask=mask)
@@ -105,7 +109,7 @@ def _attn_tile(
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None]
         if V_FP8:
-            acc += tl.dot(_to_e4m3(p * 448.0, EMULATE), v)
+            acc += tl.dot(_to_e4m3(p * P_RANGE, EMULATE), v)
         elif PV_FP32:
             acc += tl.dot(to_dtype(p, v.dtype, EMULATE).to(tl.float32), v.to(tl.float32), input_precision="ieee")
         else:
@@ -163,7 +167,7 @@ def _attn_fwd_kernel(
                                HEAD_DIM, BLOCK_N, True, CAUSAL, V_FP8, EMULATE, PV_FP32, SPLIT)
     out = acc / l_i[:, None]
     if V_FP8:
-        out = out / (tl.load(vs_ptr + g * HEAD_DIM + offs_d) * 448.0)[None, :]
+        out = out / (tl.load(vs_ptr + g * HEAD_DIM + offs_d) * P_RANGE)[None, :]
     tl.store(o_ptr + b * stride_ob + h.to(tl.int64) * stride_oh + offs_m[:, None] * stride_om
              + offs_d[None, :] * stride_od, to_dtype(out, o_ptr.dtype.element_ty, EMULATE), mask=(offs_m < Tq)[:, None])
 

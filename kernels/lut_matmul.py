@@ -34,10 +34,11 @@ one. The weights are read in their on-disk layout (no repacking).
 
 Dispatch: :func:`lut_matmul` runs CUDA tensors through Triton and CPU tensors
 through the reference. On the CPU the Triton code itself runs under
-``TRITON_INTERPRET=1`` (set before importing kernels.lut_matmul_triton, whose
-:func:`lut_matmul_triton` runs it): that is how
-the tests check it.
+Triton's interpreter (``kernels.backends.triton_kernels("lut_matmul_triton",
+interpret=True).lut_matmul_triton``): that is how the tests check it.
 """
+
+from dataclasses import dataclass
 
 import torch
 
@@ -45,43 +46,111 @@ from hilt.errors import HiltError
 from hilt.kernels.packing import packed_row_bytes, unpack_codes
 
 
-def dequantize_lut(
-    codes: torch.Tensor,
-    codebook: torch.Tensor,
-    scales: torch.Tensor,
-    offsets: torch.Tensor | None,
-    bits: int,
-    block_size: int,
-    in_features: int,
-) -> torch.Tensor:
+@dataclass(frozen=True, eq=False)  # eq: tensors have no single truth value
+class PackedWeight:
+    """The kernel's weight argument: packed codes, codebook, block scales (and offsets), as in the
+    formula above. Checked when made, so one that exists is consistent: the kernel reads it
+    unchecked. ``QuantizedWeight.packed`` (hilt.quant) gives a quantized weight's."""
+
+    codes: torch.Tensor  # uint8 (N, packed_row_bytes(in_features, bits)), see kernels.packing
+    codebook: torch.Tensor  # (2**bits,) per layer, or (N, n_blocks, 2**bits) per block
+    scales: torch.Tensor  # (N, n_blocks)
+    offsets: torch.Tensor | None  # like scales, or None
+    bits: int
+    block_size: int
+    in_features: int
+
+    def __post_init__(self):
+        if not 1 <= self.bits <= 8:
+            raise HiltError(f"bits must be between 1 and 8, got {self.bits}")
+        if self.block_size < 1 or self.in_features % self.block_size:
+            raise HiltError(f"in_features {self.in_features} is not a multiple of block size {self.block_size}")
+        n, row_bytes, blocks = self.out_features, packed_row_bytes(self.in_features, self.bits), self.n_blocks
+        if self.codes.dtype != torch.uint8 or tuple(self.codes.shape) != (n, row_bytes):
+            raise HiltError(f"codes must be uint8 ({n}, {row_bytes}), got {self.codes.dtype} "
+                            f"{tuple(self.codes.shape)}")
+        if tuple(self.scales.shape) != (n, blocks):
+            raise HiltError(f"scales have shape {tuple(self.scales.shape)}, expected {(n, blocks)}")
+        if self.codebook.shape[-1] != 1 << self.bits:
+            raise HiltError(f"codebook has {self.codebook.shape[-1]} levels, {self.bits} bits need {1 << self.bits}")
+        if self.per_block_codebook and tuple(self.codebook.shape) != (n, blocks, 1 << self.bits):
+            raise HiltError(f"codebook has shape {tuple(self.codebook.shape)}, expected {(1 << self.bits,)} or "
+                            f"{(n, blocks, 1 << self.bits)}")
+        if self.offsets is not None and self.offsets.shape != self.scales.shape:
+            raise HiltError(f"offsets have shape {tuple(self.offsets.shape)}, expected {tuple(self.scales.shape)}")
+
+    @property
+    def out_features(self) -> int:
+        return self.codes.shape[0]
+
+    @property
+    def n_blocks(self) -> int:
+        return self.in_features // self.block_size
+
+    @property
+    def per_block_codebook(self) -> bool:
+        return self.codebook.ndim > 1
+
+    def rows(self, start: int, stop: int) -> "PackedWeight":
+        """Output rows [start, stop) (views)."""
+        band = lambda t: None if t is None else t[start:stop]  # noqa: E731
+        return PackedWeight(band(self.codes), band(self.codebook) if self.per_block_codebook else self.codebook,
+                            band(self.scales), band(self.offsets), self.bits, self.block_size, self.in_features)
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """The tensors by field name (offsets only when there are some)."""
+        parts = {"codes": self.codes, "codebook": self.codebook, "scales": self.scales, "offsets": self.offsets}
+        return {k: v for k, v in parts.items() if v is not None}
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of every tensor: what one pass over the weight reads."""
+        return sum(t.numel() * t.element_size() for t in self.tensors().values())
+
+
+def dequantize_lut(w: PackedWeight) -> torch.Tensor:
     """Reference dequantization to float32 of shape (N, in_features)."""
-    n_rows = codes.shape[0]
-    if in_features % block_size:
-        raise HiltError(f"in_features {in_features} is not a multiple of block size {block_size}")
-    n_blocks = in_features // block_size
-    if tuple(scales.shape) != (n_rows, n_blocks):
-        raise HiltError(f"scales have shape {tuple(scales.shape)}, expected {(n_rows, n_blocks)}")
-    idx = unpack_codes(codes, bits, in_features)
-    book = codebook.float()
+    n_rows, n_blocks = w.out_features, w.n_blocks
+    idx = unpack_codes(w.codes, w.bits, w.in_features)
+    book = w.codebook.float()
     if book.ndim == 1:  # one codebook per layer: every block's own, as a view
         book = book.expand(n_rows, n_blocks, -1)
     # gather: a third of the time of book[idx] on the CPU
-    values = torch.gather(book, 2, idx.view(n_rows, n_blocks, block_size))
-    w = values * scales.float().unsqueeze(-1)
-    if offsets is not None:
-        w = w + offsets.float().unsqueeze(-1)
-    return w.view(n_rows, in_features)
+    values = torch.gather(book, 2, idx.view(n_rows, n_blocks, w.block_size))
+    deq = values * w.scales.float().unsqueeze(-1)
+    if w.offsets is not None:
+        deq = deq + w.offsets.float().unsqueeze(-1)
+    return deq.view(n_rows, w.in_features)
 
 
-def lut_matmul_reference(x, codes, codebook, scales, offsets, bits, block_size, in_features, bias=None):
+def check_input(x: torch.Tensor, w: PackedWeight) -> None:
+    if x.shape[-1] != w.in_features:
+        raise HiltError(f"input has {x.shape[-1]} features, the weight expects {w.in_features}")
+
+
+def lut_matmul_reference(x, w: PackedWeight, bias=None):
     """The definition: dequantize to float32, matmul in float32, cast back to x's dtype."""
-    if x.shape[-1] != in_features:
-        raise HiltError(f"input has {x.shape[-1]} features, the weight expects {in_features}")
-    w = dequantize_lut(codes, codebook, scales, offsets, bits, block_size, in_features)
-    y = x.float() @ w.T
+    check_input(x, w)
+    y = x.float() @ dequantize_lut(w).T
     if bias is not None:
         y = y + bias.float()
     return y.to(x.dtype)
+
+
+# Rounding unit of x's dtype. float32 as float16: tensor cores take it as TF32 (10-bit mantissa).
+_ROUNDING = {torch.float16: 2.0**-10, torch.bfloat16: 2.0**-7, torch.float32: 2.0**-10}
+
+
+def error_ratio(y: torch.Tensor, x: torch.Tensor, ref: torch.Tensor, w_abs: torch.Tensor) -> float:
+    """Largest |y - ref| over the error the kernel may make: output rounding plus, on tensor cores,
+    weights rounded to x's dtype, ``eps * (|x| @ |W|.T + |ref|) + 1e-6`` (``w_abs``: |W|, ``ref``:
+    :func:`lut_matmul_reference` in float64). At most 1 for a correct kernel; inf when y has a NaN
+    or infinity."""
+    if not torch.isfinite(y).all():
+        return float("inf")
+    magnitude = x.double().abs().reshape(-1, x.shape[-1]) @ w_abs.double().T
+    bound = _ROUNDING[x.dtype] * (magnitude.reshape(ref.shape) + ref.abs()) + 1e-6
+    return float(((y.double() - ref) / bound).abs().max()) if ref.numel() else 0.0
 
 
 def choose_path(m: int) -> str:
@@ -102,40 +171,17 @@ def byte_table(codebook: torch.Tensor, bits: int) -> torch.Tensor:
     return codebook.float()[(byte[:, None] >> shift[None, :]) & ((1 << bits) - 1)].contiguous()
 
 
-def uses_byte_table(codebook: torch.Tensor, bits: int, block_size: int) -> bool:
+def uses_byte_table(w: PackedWeight) -> bool:
     """Whether the one-row path reads codes through a byte table for this format: 1, 2 or 4
     bits, one codebook, blocks of 8-64 (a power of two, so whole blocks tile BLOCK_K)."""
-    return bits in (1, 2, 4) and codebook.ndim == 1 and block_size in (8, 16, 32, 64)
+    return w.bits in (1, 2, 4) and not w.per_block_codebook and w.block_size in (8, 16, 32, 64)
 
 
-def check_args(x, codes, codebook, scales, offsets, bits, block_size, in_features):
-    if not 1 <= bits <= 8:
-        raise HiltError(f"bits must be between 1 and 8, got {bits}")
-    if x.shape[-1] != in_features:
-        raise HiltError(f"input has {x.shape[-1]} features, the weight expects {in_features}")
-    if block_size < 1 or in_features % block_size:
-        raise HiltError(f"in_features {in_features} is not a multiple of block size {block_size}")
-    n = codes.shape[0]
-    if codes.dtype != torch.uint8 or codes.shape[1] != packed_row_bytes(in_features, bits):
-        raise HiltError(f"codes must be uint8 ({n}, {packed_row_bytes(in_features, bits)}), got "
-                        f"{codes.dtype} {tuple(codes.shape)}")
-    if tuple(scales.shape) != (n, in_features // block_size):
-        raise HiltError(f"scales have shape {tuple(scales.shape)}, expected {(n, in_features // block_size)}")
-    if codebook.shape[-1] != 1 << bits:
-        raise HiltError(f"codebook has {codebook.shape[-1]} levels, {bits} bits need {1 << bits}")
-    if offsets is not None and offsets.shape != scales.shape:
-        raise HiltError(f"offsets have shape {tuple(offsets.shape)}, expected {tuple(scales.shape)}")
-
-
-def lut_matmul(x, codes, codebook, scales, offsets, bits, block_size, in_features, bias=None, path=None,
-               table=None):
+def lut_matmul(x, w: PackedWeight, bias=None, path=None, table=None):
     """Public entry: CUDA tensors -> Triton kernel (``path`` overrides the choice; ``table``: the
     codebook's :func:`byte_table` if the caller keeps one), CPU -> reference."""
     if x.is_cuda:
-        from hilt.kernels.lut_matmul_triton import lut_matmul_triton
+        from hilt.kernels.backends import triton_kernels
 
-        return lut_matmul_triton(x, codes, codebook, scales, offsets, bits, block_size, in_features, bias, path,
-                                 table=table)
-    check_args(x, codes, codebook, scales, offsets, bits, block_size, in_features)
-    return lut_matmul_reference(x, codes, codebook, scales, offsets, bits, block_size, in_features, bias)
-
+        return triton_kernels("lut_matmul_triton").lut_matmul_triton(x, w, bias, path, table=table)
+    return lut_matmul_reference(x, w, bias)

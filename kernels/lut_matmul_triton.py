@@ -1,13 +1,13 @@
 """The Triton kernel of kernels.lut_matmul (see that module for what it computes and how the
 paths and tuning work). Imported only when a kernel runs: on CUDA tensors, or under Triton's
-CPU interpreter when asked for (TRITON_INTERPRET=1, set before this module is imported)."""
+CPU interpreter when asked for (kernels.backends.triton_kernels)."""
 
 import torch
 import triton
 import triton.language as tl
 
 from hilt.errors import HiltError
-from hilt.kernels.lut_matmul import check_args, byte_table, choose_path, uses_byte_table
+from hilt.kernels.lut_matmul import PackedWeight, byte_table, check_input, choose_path, uses_byte_table
 from hilt.kernels.triton_util import autotune, interpreting, to_dtype
 
 
@@ -269,23 +269,24 @@ def split_count(n: int, k: int) -> int:
     return max(1, min(triton.cdiv(k, 256), 256 // triton.cdiv(n, 32)))
 
 
-def kernel_args(x2, codes, codebook, scales, offsets, bias, target, bits, block_size, path, split_k, table=None,
-                emulate=False):
+def kernel_args(x2, w: PackedWeight, bias, target, path, split_k, table=None, emulate=False):
     """(positional arguments, constexpr flags) of ``_lut_matmul_kernel`` for a 2-D x and the
     output or partial-sum buffer ``target``, less the tile configuration. Builds the byte table
     when the one-row path uses it and ``table`` is None."""
-    m, n, k = x2.shape[0], codes.shape[0], x2.shape[1]
-    by_bytes = path == "gemv" and m == 1 and uses_byte_table(codebook, bits, block_size)
+    m, n, k = x2.shape[0], w.out_features, x2.shape[1]
+    by_bytes = path == "gemv" and m == 1 and uses_byte_table(w)
     if by_bytes and table is None:
-        table = byte_table(codebook, bits)
-    elif by_bytes and (tuple(table.shape) != (256, 8 // bits) or table.dtype != torch.float32):
-        raise HiltError(f"table must be float32 (256, {8 // bits}) (byte_table), got {table.dtype} {tuple(table.shape)}")
-    args = (x2, codes.contiguous(), codebook.contiguous(), table if by_bytes else codebook, scales.contiguous(),
-            scales if offsets is None else offsets.contiguous(), scales if bias is None else bias.contiguous(), target,
-            m, n, k, codes.shape[1], k // block_size, split_k, triton.next_power_of_2(m),
+        table = byte_table(w.codebook, w.bits)
+    elif by_bytes and (tuple(table.shape) != (256, 8 // w.bits) or table.dtype != torch.float32):
+        raise HiltError(f"table must be float32 (256, {8 // w.bits}) (byte_table), got {table.dtype} "
+                        f"{tuple(table.shape)}")
+    scales = w.scales.contiguous()
+    args = (x2, w.codes.contiguous(), w.codebook.contiguous(), table if by_bytes else w.codebook, scales,
+            scales if w.offsets is None else w.offsets.contiguous(), scales if bias is None else bias.contiguous(),
+            target, m, n, k, w.codes.shape[1], w.n_blocks, split_k, triton.next_power_of_2(m),
             x2.stride(0), target.stride(-2), target.stride(0) if split_k > 1 else 0)
-    flags = {"BITS": bits, "BLOCK": block_size, "PER_BLOCK_BOOK": codebook.ndim > 1, "BYTE_TABLE": by_bytes,
-             "HAS_OFFSETS": offsets is not None, "HAS_BIAS": bias is not None,
+    flags = {"BITS": w.bits, "BLOCK": w.block_size, "PER_BLOCK_BOOK": w.per_block_codebook, "BYTE_TABLE": by_bytes,
+             "HAS_OFFSETS": w.offsets is not None, "HAS_BIAS": bias is not None,
              # Triton's interpreter computes tl.dot on bfloat16 wrongly (checked: values of 1e10
              # for unit inputs), so there the dot runs in float32; GPUs use bf16 tensor cores.
              "DOT_FP32": x2.dtype == torch.float32 or (x2.dtype == torch.bfloat16 and emulate),
@@ -293,8 +294,8 @@ def kernel_args(x2, codes, codebook, scales, offsets, bias, target, bits, block_
     return args, flags
 
 
-def lut_matmul_triton(x, codes, codebook, scales, offsets, bits, block_size, in_features, bias=None,
-                      path=None, split_k=None, config=None, out=None, partial=None, table=None):
+def lut_matmul_triton(x, w: PackedWeight, bias=None, path=None, split_k=None, config=None, out=None, partial=None,
+                      table=None):
     """The Triton kernel (any device Triton runs on, including the CPU interpreter).
 
     ``path``: "gemv" (split-K, M <= 16) or "gemm" (default: :func:`choose_path`).
@@ -306,18 +307,18 @@ def lut_matmul_triton(x, codes, codebook, scales, offsets, bits, block_size, in_
     to catch unwritten elements. ``table``: the codebook's :func:`byte_table` for one-row
     inputs (built here when needed and not given).
     """
-    check_args(x, codes, codebook, scales, offsets, bits, block_size, in_features)
+    check_input(x, w)
     if x.dtype not in (torch.float16, torch.bfloat16, torch.float32):
         raise HiltError(f"input dtype {x.dtype} is not supported (float16, bfloat16, float32)")
-    if bias is not None and tuple(bias.shape) != (codes.shape[0],):
-        raise HiltError(f"bias has shape {tuple(bias.shape)}, expected ({codes.shape[0]},)")
-    for name, t in (("codes", codes), ("codebook", codebook), ("scales", scales), ("offsets", offsets),
-                    ("bias", bias), ("table", table), ("out", out), ("partial", partial)):
+    n, k = w.out_features, w.in_features
+    if bias is not None and tuple(bias.shape) != (n,):
+        raise HiltError(f"bias has shape {tuple(bias.shape)}, expected ({n},)")
+    for name, t in (*w.tensors().items(), ("bias", bias), ("table", table), ("out", out), ("partial", partial)):
         if t is not None and t.device != x.device:
             raise HiltError(f"{name} is on {t.device}, the input on {x.device}")
     lead = x.shape[:-1]
-    x2 = x.reshape(-1, in_features).contiguous()
-    m, n, k = x2.shape[0], codes.shape[0], in_features
+    x2 = x.reshape(-1, k).contiguous()
+    m = x2.shape[0]
     path = path or choose_path(m)
     if path not in ("gemv", "gemm"):
         raise HiltError(f"unknown kernel path {path!r}; choose gemv or gemm")
@@ -345,8 +346,7 @@ def lut_matmul_triton(x, codes, codebook, scales, offsets, bits, block_size, in_
             config = default_config(path, m)
         elif config is not None and path == "gemv" and not split_k_fits(config, m):
             raise HiltError(f"configuration {config} does not serve {m} rows on the split-K path")
-        args, flags = kernel_args(x2, codes, codebook, scales, offsets, bias, target, bits, block_size, path, split_k,
-                                  table, emulate)
+        args, flags = kernel_args(x2, w, bias, target, path, split_k, table, emulate)
 
         def grid(meta):
             return (triton.cdiv(m, meta["BLOCK_M"]), triton.cdiv(n, meta["BLOCK_N"]), split_k)

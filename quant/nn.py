@@ -14,6 +14,7 @@ from torch import nn
 from hilt.errors import HiltError
 
 from hilt.kernels import byte_table, lut_matmul, uses_byte_table
+from hilt.kernels.lut_matmul import PackedWeight
 from hilt.quant.checkpoint import KEEP_DENSE, load_checkpoint
 from hilt.quant.quantize import QuantConfig, quantize_tensor
 from hilt.quant.qweight import QuantizedWeight
@@ -42,20 +43,26 @@ class QuantLinear(nn.Module):
             self.weight_dtype, self.bits, self.block_size, self.method,
         )
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return lut_matmul(x, self.codes, self.codebook, self.scales, self.offsets, self.bits,
-                          self.block_size, self.in_features, self.bias, table=self._byte_table(x))
+    @property
+    def packed(self) -> PackedWeight:
+        """The kernel's argument, from the buffers as they are now (moved, loaded)."""
+        return PackedWeight(self.codes, self.codebook, self.scales, self.offsets, self.bits, self.block_size,
+                            self.in_features)
 
-    def _byte_table(self, x: torch.Tensor) -> torch.Tensor | None:
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        w = self.packed
+        return lut_matmul(x, w, self.bias, table=self._byte_table(x, w))
+
+    def _byte_table(self, x: torch.Tensor, w: PackedWeight) -> torch.Tensor | None:
         """The codebook's byte table for the kernel's one-row path, kept between calls (decode
         would otherwise rebuild it every token) and rebuilt when the codebook is another tensor
         (moved, loaded) or was changed in place (its version; inference tensors have none)."""
-        book = self.codebook
-        if not (x.is_cuda and uses_byte_table(book, self.bits, self.block_size)):
+        book = w.codebook
+        if not (x.is_cuda and uses_byte_table(w)):
             return None
         version = None if torch.is_inference(book) else book._version
         if self._table is None or self._table_source is not book or self._table_version != version:
-            self._table, self._table_source, self._table_version = byte_table(book, self.bits), book, version
+            self._table, self._table_source, self._table_version = byte_table(book, w.bits), book, version
         return self._table
 
     def extra_repr(self) -> str:
@@ -63,30 +70,45 @@ class QuantLinear(nn.Module):
                 f"bits={self.bits}, block_size={self.block_size}, bias={self.bias is not None}")
 
 
-def _replace(model: nn.Module, path: str, new: nn.Module) -> None:
+def replace_module(model: nn.Module, path: str, new: nn.Module) -> None:
+    """Put ``new`` at ``path`` (dotted, as ``named_modules`` names it) in ``model``."""
     parent_path, _, attr = path.rpartition(".")
-    parent = model.get_submodule(parent_path) if parent_path else model
-    setattr(parent, attr, new)
+    setattr(model.get_submodule(parent_path) if parent_path else model, attr, new)
+
+
+def replace_modules(model: nn.Module, make) -> int:
+    """Replace each module for which ``make(path, module)`` returns one (None: keep it), in place;
+    returns how many were replaced."""
+    replaced = 0
+    for path, module in list(model.named_modules()):
+        new = make(path, module)
+        if new is not None:
+            replace_module(model, path, new)
+            replaced += 1
+    return replaced
+
+
+def eligible(module: nn.Module, path: str, config: QuantConfig, filter_fn=None) -> bool:
+    """Whether quantize_model_ and prepare_qat_ swap ``module``: an nn.Linear that
+    ``filter_fn(module, path)`` accepts or, without one, whose ``<path>.weight`` is not an
+    embedding or LM head name (as ``hilt quantize``) and whose input size the block size divides."""
+    if not isinstance(module, nn.Linear):
+        return False
+    if filter_fn is not None:
+        return bool(filter_fn(module, path))
+    return not KEEP_DENSE.search(f"{path}.weight") and module.in_features % config.block_size == 0
 
 
 def quantize_model_(model: nn.Module, config: QuantConfig, filter_fn=None) -> nn.Module:
-    """Swap every eligible ``nn.Linear`` of ``model`` for a QuantLinear, in place.
+    """Swap every eligible ``nn.Linear`` of ``model`` for a QuantLinear, in place (eligible: see
+    :func:`eligible`; ``filter_fn(module, path) -> bool`` overrides). Returns the model."""
 
-    Eligible by default: Linear layers whose ``<path>.weight`` is not an
-    embedding or LM head name (same rule as ``hilt quantize``) and whose input
-    size the block size divides. ``filter_fn(module, path) -> bool`` overrides.
-    Returns the model.
-    """
-    config.validate()
-    for path, module in list(model.named_modules()):
-        if not isinstance(module, nn.Linear):
-            continue
-        ok = filter_fn(module, path) if filter_fn else (
-            not KEEP_DENSE.search(f"{path}.weight") and module.in_features % config.block_size == 0
-        )
-        if ok:
-            q = quantize_tensor(module.weight.detach(), config, name=f"{path}.weight")
-            _replace(model, path, QuantLinear(q, module.bias))
+    def make(path, module):
+        if eligible(module, path, config, filter_fn):
+            return QuantLinear(quantize_tensor(module.weight.detach(), config, name=f"{path}.weight"), module.bias)
+        return None
+
+    replace_modules(model, make)
     return model
 
 
@@ -115,7 +137,7 @@ def load_quantized_(model: nn.Module, dst, strict: bool = True) -> nn.Module:
             if (module.out_features, module.in_features) != value.shape:
                 raise HiltError(f"{dst}: tensor '{name}' has shape {value.shape}, layer '{path}' expects "
                                 f"{(module.out_features, module.in_features)}")
-            _replace(model, path, QuantLinear(value, module.bias))
+            replace_module(model, path, QuantLinear(value, module.bias))
         else:
             dense[name] = value
     unknown = [n for n in dense if n not in own]

@@ -18,7 +18,7 @@ dL/dc = sum over the weights snapped to c of scale x dL/dQ, so the levels go whe
 wants them rather than where the latent weights' squared error does (under the
 straight-through estimator the latent weights are not what the model computes with).
 Without it they are refitted by k-means every ``refit_every`` steps, the published procedure
-(REFERENCES.md section 1). Measured with bench/studies/qat_scaling.py (README, "Quantization-aware training").
+(docs/references.md section 1). Measured with bench/studies/qat_scaling.py (docs/results/qat.md).
 Integer and 1-bit grids are fixed. Exporting quantizes W with the layer's own codebook, so the
 saved model computes exactly what QAT trained.
 """
@@ -37,7 +37,8 @@ from torch import nn
 
 from hilt.errors import HiltError
 from hilt.quant import kmeans
-from hilt.quant.checkpoint import KEEP_DENSE, quantize_checkpoint
+from hilt.quant.checkpoint import quantize_checkpoint
+from hilt.quant.nn import eligible, replace_modules
 from hilt.quant.quantize import QuantConfig, fixed_codebook, normalise_blocks
 
 
@@ -60,7 +61,6 @@ class FakeQuantLinear(nn.Module):
 
     def __init__(self, linear: nn.Linear, config: QuantConfig, name: str = "linear", learn_codebook: bool = True):
         super().__init__()
-        config.validate()
         if linear.in_features % config.block_size:
             raise HiltError(f"layer '{name}' has {linear.in_features} inputs, not a multiple of block size "
                             f"{config.block_size}")
@@ -118,18 +118,8 @@ def prepare_qat_(model: nn.Module, config: QuantConfig, filter_fn=None, learn_co
     """Swap every eligible nn.Linear for a FakeQuantLinear, in place (the same layers that
     ``quantize_model_`` and ``hilt quantize`` would quantize, unless ``filter_fn(module, path)`` says).
     ``learn_codebook``: k-means levels trained by the loss after their fit, or only refitted (module docstring)."""
-    config.validate()
-    swapped = 0
-    for path, module in list(model.named_modules()):
-        if not isinstance(module, nn.Linear):
-            continue
-        ok = filter_fn(module, path) if filter_fn else (
-            not KEEP_DENSE.search(f"{path}.weight") and module.in_features % config.block_size == 0)
-        if ok:
-            parent_path, _, attr = path.rpartition(".")
-            setattr(model.get_submodule(parent_path) if parent_path else model, attr,
-                    FakeQuantLinear(module, config, path, learn_codebook))
-            swapped += 1
+    swapped = replace_modules(model, lambda path, module: FakeQuantLinear(module, config, path, learn_codebook)
+                              if eligible(module, path, config, filter_fn) else None)
     if not swapped:
         raise HiltError(f"no Linear layer of {type(model).__name__} can take block size {config.block_size}")
     return model

@@ -1,6 +1,6 @@
 """Quantize one weight tensor into a QuantizedWeight.
 
-Formats (REFERENCES.md §1), all on blocks of ``block_size`` along the input
+Formats (docs/references.md §1), all on blocks of ``block_size`` along the input
 dimension with one bf16 scale per block:
 
 * ``kmeans``: 2**bits centroids over the block-normalised weights, one
@@ -41,7 +41,11 @@ class QuantConfig:
     solver: str = "optimal"  # kmeans only: "optimal" (certified DP) or "lloyd" (k-means++ + Lloyd)
     seed: int = 0
 
+    def __post_init__(self):  # a QuantConfig that exists is valid
+        self.validate()
+
     def validate(self) -> "QuantConfig":
+        """Raise HiltError naming the bad setting; returns self. Run when made: no need to call it."""
         if self.method not in METHODS:
             raise HiltError(f"unknown method {self.method!r}; choose one of {', '.join(METHODS)}")
         if not 1 <= self.bits <= 8:
@@ -72,8 +76,10 @@ def check_quantizable(name: str, shape, config: QuantConfig) -> None:
         )
 
 
-def _block_scales(blocks: torch.Tensor, config: QuantConfig):
-    """(scales, offsets) per block, rounded to bf16 storage."""
+def _block_scales(w: torch.Tensor, config: QuantConfig):
+    """(scales, offsets) per block of the 2-D ``w``, rounded to bf16 storage."""
+    n, k = w.shape
+    blocks = w.float().view(n, k // config.block_size, config.block_size)
     if config.method == "int-asym":
         lo, hi = blocks.amin(-1), blocks.amax(-1)
         return ((hi - lo) / ((1 << config.bits) - 1)).to(torch.bfloat16), lo.to(torch.bfloat16)
@@ -111,10 +117,8 @@ def normalise_blocks(w: torch.Tensor, config: QuantConfig):
 
     ``u`` is what the codebook quantizes: W = codebook[code] * scale (+ offset).
     """
-    n, k = w.shape
-    B = config.block_size
-    scales, offsets = _block_scales(w.float().view(n, k // B, B), config)
-    return scales, offsets, _normalised(w, scales, offsets, B)
+    scales, offsets = _block_scales(w, config)
+    return scales, offsets, _normalised(w, scales, offsets, config.block_size)
 
 
 def floor_importance(importance: torch.Tensor) -> torch.Tensor:
@@ -142,7 +146,6 @@ def quantize_tensor(
     ``codebook`` (k-means, one per layer): use these 2**bits levels instead of fitting them
     (a QAT export keeps the codebook the model was trained with).
     """
-    config.validate()
     check_quantizable(name, w.shape, config)
     if not torch.isfinite(w).all():
         raise HiltError(f"tensor '{name}' contains NaN or Inf values")
@@ -160,7 +163,7 @@ def quantize_tensor(
         importance = floor_importance(importance)
     n, k = w.shape
     B = config.block_size
-    scales, offsets = _block_scales(w.float().view(n, k // B, B), config)
+    scales, offsets = _block_scales(w, config)
     levels = 1 << config.bits
 
     if codebook is not None:
@@ -221,10 +224,9 @@ def relative_error(w: torch.Tensor, q: QuantizedWeight) -> float:
     n, k = q.shape
     rows = max(1, _ROWS_BYTES // (k * 8))
     diff2 = ref2 = 0.0
+    packed = q.packed
     for r in range(0, n, rows):
-        book = q.codebook if q.codebook.ndim == 1 else q.codebook[r : r + rows]
-        offsets = None if q.offsets is None else q.offsets[r : r + rows]
-        d = dequantize_lut(q.codes[r : r + rows], book, q.scales[r : r + rows], offsets, q.bits, q.block_size, k)
+        d = dequantize_lut(packed.rows(r, r + rows))
         band = w[r : r + rows].float()
         diff2 += float(((band - d) ** 2).sum(dtype=torch.float64))
         ref2 += float((band**2).sum(dtype=torch.float64))

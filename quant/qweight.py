@@ -1,7 +1,7 @@
 """The one in-memory type for every quantized weight format.
 
 The same object is written to disk (quant.checkpoint), run by QuantLinear,
-taken by the kernels and lowered by the ONNX export. k-means with 2 levels is
+taken by the kernels (as ``.packed``) and lowered by the ONNX export. k-means with 2 levels is
 the 1-bit format; integer formats are uniform codebooks; asymmetric integers
 add a per-block offset.
 
@@ -14,7 +14,8 @@ from dataclasses import dataclass
 
 import torch
 
-from hilt.kernels import dequantize_lut, packed_row_bytes
+from hilt.errors import HiltError
+from hilt.kernels.lut_matmul import PackedWeight, dequantize_lut
 
 METHODS = ("kmeans", "int", "int-asym", "binary")
 
@@ -33,18 +34,17 @@ class QuantizedWeight:
 
     def __post_init__(self):
         self.shape = tuple(int(s) for s in self.shape)
-        n, k = self.shape
-        expected = {
-            "codes": (self.codes.dtype == torch.uint8 and tuple(self.codes.shape) == (n, packed_row_bytes(k, self.bits))),
-            "scales": tuple(self.scales.shape) == (n, k // self.block_size),
-            "codebook": self.codebook.shape[-1] == 1 << self.bits
-            and (self.codebook.ndim == 1 or tuple(self.codebook.shape[:2]) == (n, k // self.block_size)),
-            "offsets": self.offsets is None or tuple(self.offsets.shape) == tuple(self.scales.shape),
-            "method": self.method in METHODS,
-        }
-        bad = [name for name, ok in expected.items() if not ok]
-        if bad or k % self.block_size:
-            raise ValueError(f"inconsistent QuantizedWeight for shape {self.shape}: {', '.join(bad) or 'block size'}")
+        if self.method not in METHODS:
+            raise HiltError(f"unknown quantization method {self.method!r}; one of {', '.join(METHODS)}")
+        rows = self.packed.out_features  # making the PackedWeight checks the parts against in_features
+        if rows != self.shape[0]:
+            raise HiltError(f"codes have {rows} rows, the weight's shape is {self.shape}")
+
+    @property
+    def packed(self) -> PackedWeight:
+        """The kernel's argument (kernels.lut_matmul)."""
+        return PackedWeight(self.codes, self.codebook, self.scales, self.offsets, self.bits, self.block_size,
+                            self.shape[1])
 
     @property
     def codebook_scope(self) -> str:
@@ -56,8 +56,7 @@ class QuantizedWeight:
 
     def storage_bits(self) -> int:
         """Every bit the format stores: packed codes (with row padding), scales, offsets, codebooks."""
-        parts = [self.codes, self.codebook, self.scales] + ([self.offsets] if self.offsets is not None else [])
-        return sum(t.numel() * t.element_size() * 8 for t in parts)
+        return self.packed.nbytes * 8
 
     @property
     def bits_per_weight(self) -> float:
@@ -65,8 +64,7 @@ class QuantizedWeight:
 
     def dequantize(self) -> torch.Tensor:
         """The weight this format represents, in the original dtype."""
-        w = dequantize_lut(self.codes, self.codebook, self.scales, self.offsets, self.bits, self.block_size, self.shape[1])
-        return w.to(self.dtype)
+        return dequantize_lut(self.packed).to(self.dtype)
 
     def to(self, device) -> "QuantizedWeight":
         move = lambda t: None if t is None else t.to(device)  # noqa: E731

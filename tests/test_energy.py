@@ -1,7 +1,5 @@
 """The CIM/GPU energy model: its arithmetic on hand-computed layers, and the command."""
 
-import math
-
 import pytest
 import torch
 from torch import nn
@@ -37,6 +35,11 @@ def test_conv_counts_output_positions_and_analog_layers_match():
     x = torch.randn(2, 3, 10, 10)
     shapes = layer_shapes(model, x)
     assert [(s["n_in"], s["n_out"], s["vectors"]) for s in shapes] == [(27, 8, 25), (200, 4, 1)]
+    conv = estimate(model, x, chip("sram-5nm"), GPUEnergy(batch=1))["layers"][0]
+    # 25 output positions, each a 27-input, 8-output product on one tile
+    assert conv["cim"]["counts"] == {"macs": 25 * 27 * 8, "adc": 25 * 8, "dac": 25 * 27, "digital": 25 * 8 * 4,
+                                     "bytes": 25 * (27 + 8)}
+    assert conv["gpu"]["bytes"] == 8 * 27 * 2 + (3 * 10 * 10 + 8 * 5 * 5) * 2  # weights, one sample's input and output
     analog = convert_to_analog(model, preset("pcm"))
     assert [(s["n_in"], s["n_out"], s["vectors"]) for s in layer_shapes(analog, x)] == [(27, 8, 25), (200, 4, 1)]
 
@@ -54,4 +57,19 @@ def test_fewer_adc_bits_cost_less_and_bad_input_is_refused():
         estimate(model, x, chip("sram-5nm"), GPUEnergy(batch=0))
     with pytest.raises(HiltError, match="no Linear or Conv2d"):
         estimate(nn.Sequential(nn.ReLU()), x, chip("sram-5nm"))
-    assert math.isfinite(chip("rram-22nm", mac_fj=1.0).mac_fj)
+
+
+def test_overridden_constants_by_hand():
+    """A preset with constants overridden: the override and the preset's other constants both
+    reach every component (64 inputs, 32 outputs, one 512 x 512 tile, one vector per sample)."""
+    custom = chip("rram-22nm", mac_fj=1.0, digital_op_fj=0.0)
+    assert (custom.name, custom.readout_fj, custom.buffer_byte_fj) == ("rram-22nm", pytest.approx(4928.0), 100.0)
+    r = estimate(nn.Sequential(nn.Linear(64, 32)), torch.randn(1, 64), custom, GPUEnergy(batch=4), adc_bits=6,
+                 dac_bits=3)
+    cim = r["layers"][0]["cim"]
+    assert cim["counts"] == {"macs": 2048, "adc": 32, "dac": 64, "digital": 128, "bytes": 96}
+    # ADC: 4928 fJ at 8 bits, halved per bit below; DAC: 1 fJ per bit per row
+    assert cim["joules"] == pytest.approx({"array": 2048 * 1.0e-15, "adc": 32 * 4928.0 / 4 * 1e-15,
+                                           "dac": 64 * 3 * 1.0e-15, "digital": 0.0, "movement": 96 * 100.0e-15})
+    gpu_pj = 2 * 2048 * (700 / 989.4) + (64 * 32 * 2 / 4 + (64 + 32) * 2) * 31.2
+    assert r["gpu_joules"] == pytest.approx(gpu_pj * 1e-12)

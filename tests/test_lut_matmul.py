@@ -1,5 +1,6 @@
 """The Triton LUT matmul kernel itself (interpreter on the CPU) against its PyTorch reference."""
 
+import dataclasses
 import json
 
 import pytest
@@ -8,30 +9,23 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from hilt.errors import HiltError
-from hilt.kernels.lut_matmul import choose_path, lut_matmul, lut_matmul_reference
+from hilt.kernels.lut_matmul import choose_path, error_ratio, lut_matmul, lut_matmul_reference
 from hilt.kernels.lut_matmul_triton import GEMM_CONFIGS, SPLIT_K_CONFIGS, lut_matmul_triton, split_k_fits
 from hilt.quant import QuantConfig, quantize_tensor
 
-EPS = {torch.float16: 2.0**-10, torch.bfloat16: 2.0**-7, torch.float32: 2.0**-10}
-
-
 def _weights(n, k, method, bits, block, scope, seed):
+    """A quantized weight (``.packed``: the kernel's argument)."""
     w = torch.randn(n, k, generator=torch.Generator().manual_seed(seed)) * 0.05
     return quantize_tensor(w, QuantConfig(method, bits, block, codebook=scope))
 
 
 def _check_against_reference(q, x, path, split_k=None):
-    args = (q.codes, q.codebook, q.scales, q.offsets, q.bits, q.block_size, q.shape[1])
-    lead, m = x.shape[:-1], x[..., 0].numel()
-    y = lut_matmul_triton(x, *args, path=path, split_k=split_k)
-    assert y.dtype == x.dtype and y.shape == (*lead, q.shape[0])
+    y = lut_matmul_triton(x, q.packed, path=path, split_k=split_k)
+    assert y.dtype == x.dtype and y.shape == (*x.shape[:-1], q.shape[0])
     assert torch.isfinite(y).all()
-    ref = lut_matmul_reference(x.float(), *args).double()
-    # error allowed: output rounding plus, on the tensor-core path, weights rounded to x's dtype
-    w = q.dequantize().double()
-    magnitude = x.double().abs().reshape(m, -1) @ w.abs().T
-    bound = EPS[x.dtype] * (magnitude.reshape(ref.shape) + ref.abs()) + 1e-6
-    assert torch.all((y.double() - ref).abs() <= bound), float(((y.double() - ref).abs() / bound).max())
+    ref = lut_matmul_reference(x.float(), q.packed).double()
+    ratio = error_ratio(y, x, ref, q.dequantize().double().abs())
+    assert ratio <= 1.0, ratio
 
 
 @settings(max_examples=60, deadline=None)
@@ -66,10 +60,9 @@ def test_wide_codes(bits):
 def test_poisoned_output_is_fully_written(split_k):
     q = _weights(70, 320, "kmeans", 3, 64, "layer", 0)
     x = torch.randn(3, 320).half()
-    args = (q.codes, q.codebook, q.scales, q.offsets, q.bits, q.block_size, 320)
     out = torch.full((3, 70), float("nan")).half()
     partial = torch.full((split_k, 3, 70), float("nan")) if split_k > 1 else None
-    y = lut_matmul_triton(x, *args, path="gemv", split_k=split_k, out=out, partial=partial)
+    y = lut_matmul_triton(x, q.packed, path="gemv", split_k=split_k, out=out, partial=partial)
     assert y.data_ptr() == out.data_ptr() and torch.isfinite(out).all()
     assert partial is None or torch.isfinite(partial).all()
 
@@ -81,17 +74,15 @@ def test_split_k_configs_cover_every_decode_batch():
     assert not split_k_fits(SPLIT_K_CONFIGS[0], 2) and SPLIT_K_CONFIGS[0].kwargs["BLOCK_M"] == 1
     with pytest.raises(HiltError, match="does not serve 2 rows"):
         q = _weights(8, 128, "kmeans", 2, 64, "layer", 0)
-        lut_matmul_triton(torch.randn(2, 128).half(), q.codes, q.codebook, q.scales, None, 2, 64, 128,
-                          path="gemv", config=SPLIT_K_CONFIGS[0])
+        lut_matmul_triton(torch.randn(2, 128).half(), q.packed, path="gemv", config=SPLIT_K_CONFIGS[0])
 
 
 def test_batched_input_and_bias():
     q = _weights(24, 128, "kmeans", 4, 64, "layer", 3)
     x = torch.randn(2, 3, 128).half()
     bias = torch.randn(24)
-    args = (q.codes, q.codebook, q.scales, q.offsets, q.bits, q.block_size, 128)
-    y = lut_matmul_triton(x, *args, bias=bias)
-    ref = lut_matmul_reference(x.float(), *args, bias=bias)
+    y = lut_matmul_triton(x, q.packed, bias=bias)
+    ref = lut_matmul_reference(x.float(), q.packed, bias=bias)
     assert y.shape == (2, 3, 24)
     assert torch.allclose(y.float(), ref, atol=0.05, rtol=0.01)
 
@@ -113,34 +104,61 @@ def test_byte_table_holds_the_levels_of_every_code_in_a_byte(bits):
 
 def test_empty_input_and_bias_shape():
     q = _weights(24, 128, "kmeans", 2, 64, "layer", 4)
-    args = (q.codes, q.codebook, q.scales, q.offsets, q.bits, q.block_size, 128)
     for path in ("gemv", "gemm"):
-        assert lut_matmul_triton(torch.randn(0, 128).half(), *args, path=path).shape == (0, 24)
+        assert lut_matmul_triton(torch.randn(0, 128).half(), q.packed, path=path).shape == (0, 24)
     with pytest.raises(HiltError, match=r"bias has shape \(23,\), expected \(24,\)"):
-        lut_matmul_triton(torch.randn(1, 128).half(), *args, bias=torch.zeros(23))
+        lut_matmul_triton(torch.randn(1, 128).half(), q.packed, bias=torch.zeros(23))
 
 
 def test_path_choice_and_refusals():
     assert choose_path(1) == choose_path(16) == "gemv" and choose_path(17) == "gemm"
     q = _weights(8, 128, "kmeans", 2, 64, "layer", 0)
-    args = (q.codes, q.codebook, q.scales, q.offsets, q.bits, q.block_size, 128)
     with pytest.raises(HiltError, match="input has 100 features"):
-        lut_matmul_triton(torch.randn(1, 100).half(), *args)
+        lut_matmul_triton(torch.randn(1, 100).half(), q.packed)
+    with pytest.raises(HiltError, match="input has 100 features"):
+        lut_matmul(torch.randn(1, 100), q.packed)
     with pytest.raises(HiltError, match="unknown kernel path"):
-        lut_matmul_triton(torch.randn(1, 128).half(), *args, path="fast")
-    with pytest.raises(HiltError, match="not a multiple of block size"):
-        lut_matmul(torch.randn(1, 128), q.codes, q.codebook, q.scales, None, 2, 48, 128)
-    with pytest.raises(HiltError, match="codebook has 8 levels, 2 bits need 4"):
-        lut_matmul(torch.randn(1, 128), q.codes, torch.zeros(8), q.scales, None, 2, 64, 128)
+        lut_matmul_triton(torch.randn(1, 128).half(), q.packed, path="fast")
+    # a PackedWeight that exists is consistent: the kernel never sees one that is not
+    for change, match in (({"block_size": 48}, "not a multiple of block size"),
+                          ({"codebook": torch.zeros(8)}, "codebook has 8 levels, 2 bits need 4"),
+                          ({"codebook": torch.zeros(8, 3, 4)}, r"codebook has shape \(8, 3, 4\), expected"),
+                          ({"in_features": 192}, r"codes must be uint8 \(8, 48\)"),
+                          ({"offsets": torch.zeros(8, 1)}, r"offsets have shape \(8, 1\), expected \(8, 2\)"),
+                          ({"bits": 9}, "bits must be between 1 and 8")):
+        with pytest.raises(HiltError, match=match):
+            dataclasses.replace(q.packed, **change)
+
+
+def test_packed_weight_rows_and_bytes():
+    q = _weights(8, 128, "kmeans", 2, 64, "block", 0)
+    band = q.packed.rows(2, 5)
+    assert band.out_features == 3 and torch.equal(band.codebook, q.codebook[2:5])
+    assert torch.equal(lut_matmul_reference(torch.eye(128), band), q.dequantize()[2:5].T)
+    assert q.packed.nbytes == 8 * 32 + 8 * 2 * 4 * 2 + 8 * 2 * 2  # codes, fp16 codebooks, bf16 scales
+    assert q.packed.tensors().keys() == {"codes", "codebook", "scales"}
+
+
+def test_error_bound_passes_the_reference_and_fails_a_wrong_output():
+    q = _weights(16, 128, "kmeans", 3, 64, "layer", 2)
+    x = torch.randn(4, 128).half()
+    w_abs = q.dequantize().double().abs()
+    ref = lut_matmul_reference(x.float(), q.packed).double()
+    y = ref.half()  # rounded once to x's dtype: within the bound
+    assert error_ratio(y, x, ref, w_abs) <= 0.5
+    wrong = y.clone()
+    wrong[1, 3] += 0.05 * (x[1].double().abs() @ w_abs[3]).item()  # 5% of |x| |w|: far beyond fp16 rounding
+    assert error_ratio(wrong, x, ref, w_abs) > 1
+    wrong[0, 0] = float("nan")
+    assert error_ratio(wrong, x, ref, w_abs) == float("inf")
 
 
 def test_float32_inputs_keep_full_precision():
     q = _weights(40, 256, "kmeans", 4, 64, "layer", 9)
     x = torch.randn(20, 256)
-    args = (q.codes, q.codebook, q.scales, q.offsets, q.bits, q.block_size, 256)
-    ref = lut_matmul_reference(x, *args)
+    ref = lut_matmul_reference(x, q.packed)
     for path in ("gemv", "gemm"):
-        assert torch.allclose(lut_matmul_triton(x, *args, path=path), ref, rtol=1e-5, atol=1e-5)
+        assert torch.allclose(lut_matmul_triton(x, q.packed, path=path), ref, rtol=1e-5, atol=1e-5)
 
 
 def test_bench_kernels_check_passes_on_cpu(tmp_path):
@@ -162,17 +180,16 @@ def test_check_records_a_kernel_that_raises_and_goes_on(monkeypatch):
     from hilt.bench.perf import lut_kernels
 
     monkeypatch.setattr(lut_kernels, "CHECK_SHAPES", [(3, 40, 128)])
-    monkeypatch.setattr(lut_kernels, "SPLIT_K_CONFIGS", SPLIT_K_CONFIGS[:1])
-    monkeypatch.setattr(lut_kernels, "GEMM_CONFIGS", GEMM_CONFIGS[:1])
-    real = lut_kernels.lut_matmul_triton
+    kt = lut_kernels._kernels("cpu")
+    real = kt.lut_matmul_triton
 
     def flaky(*args, config=None, **kw):
         if config is GEMM_CONFIGS[0] and kw.get("bias") is not None:
             raise RuntimeError("out of resources: shared memory\nmore detail")
         return real(*args, config=config, **kw)
 
-    monkeypatch.setattr(lut_kernels, "lut_matmul_triton", flaky)
-    result = lut_kernels.check(log=lambda *a: None)
+    monkeypatch.setattr(kt, "lut_matmul_triton", flaky)
+    result = lut_kernels.check(log=lambda *a: None, configs=[("gemv", SPLIT_K_CONFIGS[0]), ("gemm", GEMM_CONFIGS[0])])
     assert result["cases"] == 4 * 3 * 2 * 2 + 2 + 1
     assert [f["error"] for f in result["failures"]] == ["RuntimeError: out of resources: shared memory"]
 
@@ -308,5 +325,5 @@ def test_quant_linear_on_gpu_runs_the_kernel():
     layer = QuantLinear(q).cuda()
     for m in (1, 16, 17, 100):
         x = torch.randn(m, 512, device="cuda", dtype=torch.float16)
-        ref = lut_matmul_reference(x.cpu().float(), q.codes, q.codebook, q.scales, None, 2, 64, 512)
+        ref = lut_matmul_reference(x.cpu().float(), q.packed)
         assert torch.allclose(layer(x).float().cpu(), ref, rtol=1e-2, atol=1e-2)

@@ -24,12 +24,11 @@ def test_quant_linear_matches_dense_matmul_on_dequantized_weight():
 def test_dispatch_equals_reference_and_keeps_dtype():
     q = quantize_tensor(torch.randn(32, 64), QuantConfig("kmeans", 4))
     x = torch.randn(2, 5, 64, dtype=torch.bfloat16)
-    args = (q.codes, q.codebook, q.scales, q.offsets, q.bits, q.block_size, 64)
-    y = lut_matmul(x, *args)
+    y = lut_matmul(x, q.packed)
     assert y.dtype == torch.bfloat16 and y.shape == (2, 5, 32)
-    assert torch.equal(y, lut_matmul_reference(x, *args))
+    assert torch.equal(y, lut_matmul_reference(x, q.packed))
     with pytest.raises(HiltError, match="input has 63 features"):
-        lut_matmul(torch.randn(1, 63), *args)
+        lut_matmul(torch.randn(1, 63), q.packed)
 
 
 class Tiny(nn.Module):
@@ -93,14 +92,14 @@ def test_quant_linear_keeps_its_byte_table_until_the_codebook_changes():
 
     layer = QuantLinear(quantize_tensor(torch.randn(8, 64), QuantConfig("kmeans", 2, 32)))
     on_gpu = SimpleNamespace(is_cuda=True)  # only the device matters to the table
-    assert layer._byte_table(torch.zeros(1, 64)) is None  # the CPU reference has no use for it
-    first = layer._byte_table(on_gpu)
-    assert layer._byte_table(on_gpu) is first and torch.equal(first, byte_table(layer.codebook, 2))
+    assert layer._byte_table(torch.zeros(1, 64), layer.packed) is None  # the CPU reference has no use for it
+    first = layer._byte_table(on_gpu, layer.packed)
+    assert layer._byte_table(on_gpu, layer.packed) is first and torch.equal(first, byte_table(layer.codebook, 2))
     with torch.no_grad():
         layer.codebook.mul_(2)  # e.g. a checkpoint loaded into the buffers
-    assert torch.equal(layer._byte_table(on_gpu), 2 * first)
+    assert torch.equal(layer._byte_table(on_gpu, layer.packed), 2 * first)
     per_block = QuantLinear(quantize_tensor(torch.randn(8, 64), QuantConfig("kmeans", 2, 32, codebook="block")))
-    assert per_block._byte_table(on_gpu) is None
+    assert per_block._byte_table(on_gpu, per_block.packed) is None
     with torch.inference_mode():  # a model moved under inference_mode has codebooks without versions
         layer.codebook = layer.codebook.clone()
-        assert torch.equal(layer._byte_table(on_gpu), 2 * first)
+        assert torch.equal(layer._byte_table(on_gpu, layer.packed), 2 * first)

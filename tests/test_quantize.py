@@ -1,3 +1,5 @@
+import dataclasses
+
 import pytest
 import torch
 
@@ -122,16 +124,26 @@ def test_restores_dtype():
     assert quantize_tensor(w, QuantConfig("kmeans", 4)).dequantize().dtype == torch.bfloat16
 
 
-@pytest.mark.parametrize("cfg,match", [
-    (QuantConfig("kmeans", 9), "between 1 and 8"),
-    (QuantConfig("kmeans", 0), "between 1 and 8"),
-    (QuantConfig("int", 1), "at least 2 bits"),
-    (QuantConfig("binary", 2), "binary is 1 bit"),
-    (QuantConfig("kmeans", 4, block_size=48), "'layer.w' has 256 input columns, not a multiple"),
+@pytest.mark.parametrize("settings,match", [
+    ({"bits": 9}, "between 1 and 8"),
+    ({"bits": 0}, "between 1 and 8"),
+    ({"method": "int", "bits": 1}, "at least 2 bits"),
+    ({"method": "binary", "bits": 2}, "binary is 1 bit"),
+    ({"method": "lloyd"}, "unknown method 'lloyd'"),
+    ({"block_size": 0}, "block-size must be positive"),
+    ({"method": "int", "codebook": "block"}, "block applies to --method kmeans only"),
+    ({"solver": "fast"}, "unknown k-means solver"),
 ])
-def test_bad_config_names_the_problem(cfg, match):
+def test_a_bad_config_cannot_be_made(settings, match):
     with pytest.raises(HiltError, match=match):
-        quantize_tensor(weight(), cfg, name="layer.w")
+        QuantConfig(**settings)
+    with pytest.raises(HiltError, match=match):  # nor made by changing a good one
+        dataclasses.replace(QuantConfig(), **settings)
+
+
+def test_a_block_size_that_does_not_divide_the_weight_names_it():
+    with pytest.raises(HiltError, match="'layer.w' has 256 input columns, not a multiple"):
+        quantize_tensor(weight(), QuantConfig("kmeans", 4, block_size=48), name="layer.w")
 
 
 def test_nan_names_the_tensor():
@@ -152,3 +164,15 @@ def test_block_codebooks_in_several_batches_match_one():
         opt = kmeans_optimal(u[row, blk], 4).cost
         got = clustering_cost(u[row, blk], q.codebook[row, blk].double())
         assert got == pytest.approx(opt, rel=1e-2, abs=1e-6)  # fp16 codebook rounding only
+
+
+def test_relative_error_by_row_bands_equals_one_pass(monkeypatch):
+    from hilt.quant import quantize as quantize_module
+
+    w = weight(n=40, k=128, seed=3)
+    for cfg in (QuantConfig("kmeans", 2, codebook="block"), QuantConfig("int-asym", 3)):
+        q = quantize_tensor(w, cfg)
+        whole = float((w - q.dequantize()).norm() / w.norm())
+        with monkeypatch.context() as m:
+            m.setattr(quantize_module, "_ROWS_BYTES", 128 * 8 * 7)  # bands of 7 rows, the last one short
+            assert relative_error(w, q) == pytest.approx(whole, rel=1e-5)

@@ -20,14 +20,14 @@
 ``python -m hilt.bench.perf.lut_kernels --all --cuda-graphs --json bench/results/kernels-gpu.json
 --plot bench/results/kernels-gpu.png`` is the whole GPU check in one call
 (correctness, timings, decode; minutes); ``--check``, ``--timings``, ``--decode`` run
-those alone (bench/perf/gpu_check.sh splits them over two calls on a machine that receives at
-most 64 MiB and runs at most 10 minutes per call). ``--table`` prints the README table of
+those alone (bench/perf/gpu_check.sh can run them in two parts). ``--table`` prints the README table of
 a results file; ``--sass`` compiles the kernels for an sm_90 GPU without one (bench/perf/sass.py).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import platform
 import statistics
@@ -41,8 +41,8 @@ import torch
 from hilt.errors import HiltError
 
 from hilt.kernels import byte_table, uses_byte_table
-from hilt.kernels.lut_matmul import choose_path, dequantize_lut, lut_matmul_reference
-from hilt.kernels.lut_matmul_triton import GEMM_CONFIGS, SPLIT_K_CONFIGS, TUNED_KERNELS, default_config, lut_matmul_triton, split_k_fits
+from hilt.kernels.lut_matmul import PackedWeight, choose_path, dequantize_lut, error_ratio, lut_matmul_reference
+from hilt.kernels.backends import triton_kernels
 from hilt.kernels.packing import packed_row_bytes
 from hilt.quant import QuantConfig, quantize_tensor
 
@@ -55,45 +55,42 @@ LAYER_SHAPES = {  # (N, K) = (out_features, in_features)
     "llama70b.down_proj": (8192, 28672),
 }
 BATCHES = (1, 16, 64, 256)
-EPS = {torch.float16: 2.0**-10, torch.bfloat16: 2.0**-7}
 # Issue 3's targets: (layer, M, bits) -> least speedup over bf16 cuBLAS
 TARGETS = {("llama70b.q_proj", 1, 4): 3.8, ("llama70b.q_proj", 1, 2): 6.0, ("llama70b.q_proj", 1, 1): 10.0,
            ("llama70b.q_proj", 16, 4): 3.0, ("llama70b.q_proj", 256, 4): 0.9, ("llama70b.q_proj", 256, 2): 0.9,
            ("llama70b.q_proj", 256, 1): 0.9}
 
 
-def _error_ratio(y, x, ref, w_abs, dtype) -> float:
-    """Largest |y - ref| over what the input dtype allows (output rounding, plus weights rounded
-    to x's dtype on tensor cores); inf when y has a NaN or infinity."""
-    if not torch.isfinite(y).all():
-        return float("inf")
-    bound = EPS[dtype] * (x.double().abs() @ w_abs.T + ref.abs()) + 1e-6
-    return float(((y.double() - ref) / bound).abs().max())
+def _kernels(device: str):
+    """The Triton kernel module: natively on a GPU; on the CPU, where Triton runs only in its
+    interpreter, the interpreter (chosen here, before the module is first imported)."""
+    return triton_kernels("lut_matmul_triton", interpret=device == "cpu")
 
 
-def check(device: str = "cpu", log=print) -> dict:
+def check(device: str = "cpu", log=print, configs=None) -> dict:
     """Triton vs reference; returns {"cases", "failures", "max_error_ratio", "configs_checked"}.
 
     Fixed shapes x bits x formats x dtypes x paths with :func:`default_config` (tuning every
     case would cost minutes on a GPU), then each of ``SPLIT_K_CONFIGS`` and ``GEMM_CONFIGS``
     (what the tuning may pick) on one awkward shape with a bias."""
+    kt = _kernels(device)
     failures, cases, worst = [], 0, 0.0
     g = torch.Generator().manual_seed(0)
 
-    def run(x, q, k, path, config, bias=None, split_k=None, label=None):
+    def run(x, q, path, config, bias=None, split_k=None, label=None):
         nonlocal cases, worst
-        args = (q.codes, q.codebook, q.scales, q.offsets, q.bits, q.block_size, k)
-        out = torch.full((x.shape[0], q.codes.shape[0]), float("nan"), dtype=x.dtype, device=device)
-        case = {"m": x.shape[0], "n": q.codes.shape[0], "k": k, "bits": q.bits, "path": path, "dtype": str(x.dtype),
-                "case": label}
+        w = q.packed
+        out = torch.full((x.shape[0], w.out_features), float("nan"), dtype=x.dtype, device=device)
+        case = {"m": x.shape[0], "n": w.out_features, "k": w.in_features, "bits": w.bits, "path": path,
+                "dtype": str(x.dtype), "case": label}
         cases += 1
         try:
-            y = lut_matmul_triton(x, *args, bias=bias, path=path, split_k=split_k, config=config, out=out)
+            y = kt.lut_matmul_triton(x, w, bias=bias, path=path, split_k=split_k, config=config, out=out)
         except Exception as e:  # noqa: BLE001 - recorded as a failure (exit 1); a config this GPU cannot compile must not stop the rest
             failures.append({**case, "error": f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"})
             return
-        ref = lut_matmul_reference(x.float(), *args, bias=bias).double()
-        ratio = _error_ratio(y, x, ref, q.dequantize().double().abs(), x.dtype)
+        ref = lut_matmul_reference(x.float(), w, bias=bias).double()
+        ratio = error_ratio(y, x, ref, q.dequantize().double().abs())
         worst = max(worst, ratio)
         if not ratio <= 1.0:
             failures.append({**case, "error_ratio": ratio})
@@ -106,10 +103,11 @@ def check(device: str = "cpu", log=print) -> dict:
                 for dtype in (torch.float16, torch.bfloat16):
                     x = torch.randn(m, k, generator=g).to(dtype).to(device)
                     for path in ("gemv", "gemm"):
-                        run(x, q, k, path, default_config(path, m), label=f"{method}/{scope}")
-    configs = [("gemv", c) for c in SPLIT_K_CONFIGS] + [("gemm", c) for c in GEMM_CONFIGS]
+                        run(x, q, path, kt.default_config(path, m), label=f"{method}/{scope}")
+    if configs is None:  # (path, config) pairs: by default every one the tuning may pick
+        configs = [("gemv", c) for c in kt.SPLIT_K_CONFIGS] + [("gemm", c) for c in kt.GEMM_CONFIGS]
     for i, (path, config) in enumerate(configs):
-        m = next(m for m in (5, 7, 3, 1, 2, 16) if split_k_fits(config, m)) if path == "gemv" else 37
+        m = next(m for m in (5, 7, 3, 1, 2, 16) if kt.split_k_fits(config, m)) if path == "gemv" else 37
         reads = config.kwargs["CODES"]
         bits = (1, 2, 4)[i % 3] if reads != "code" else 1 + i % 4  # the bit widths this way of reading serves
         scope = "layer" if reads == "table" or i % 2 == 0 else "block"  # the table serves one codebook per layer
@@ -118,7 +116,7 @@ def check(device: str = "cpu", log=print) -> dict:
         x = torch.randn(m, 320, generator=g).to((torch.float16, torch.bfloat16)[i % 2]).to(device)
         bias = torch.randn(70, generator=g).to(device)
         for split_k in ((1, 2) if path == "gemv" else (None,)):
-            run(x, q, 320, path, config, bias, split_k, label=f"config {config}")
+            run(x, q, path, config, bias, split_k, label=f"config {config}")
     log(f"kernel check on {device}: {cases} cases ({len(configs)} tuning configurations), {len(failures)} failures, "
         f"worst error {worst:.3f} of the bound")
     return {"device": device, "cases": cases, "configs_checked": len(configs), "failures": failures,
@@ -180,6 +178,7 @@ def timings(quick: bool = False, cuda_graphs: bool = False, log=print, progress=
     (the command saves there: a run stopped midway keeps what it measured)."""
     if not torch.cuda.is_available():
         raise HiltError("kernel timings need a CUDA GPU; this machine has none (use --check for correctness)")
+    kt = _kernels("cuda")
     from triton.testing import do_bench
 
     dev = "cuda"
@@ -203,24 +202,24 @@ def timings(quick: bool = False, cuda_graphs: bool = False, log=print, progress=
             codes = torch.randint(0, 256, (n, packed_row_bytes(k, bits)), dtype=torch.uint8, device=dev, generator=gen)
             book = torch.randn(1 << bits, device=dev, generator=gen).to(torch.float16)
             scales = (torch.rand(n, k // 64, device=dev, generator=gen) * 0.05).to(torch.bfloat16)
-            w_deq = dequantize_lut(codes, book, scales, None, bits, 64, k).double()  # the reference's weights
+            packed = PackedWeight(codes, book, scales, None, bits, 64, k)
+            w_deq = dequantize_lut(packed).double()  # the reference's weights
             w_abs = w_deq.abs()
-            table = byte_table(book, bits) if uses_byte_table(book, bits, 64) else None  # kept, as QuantLinear does
+            table = byte_table(book, bits) if uses_byte_table(packed) else None  # kept, as QuantLinear does
             for m in BATCHES:
                 x = torch.randn(m, k, device=dev, dtype=torch.bfloat16, generator=gen)
                 path = choose_path(m)
                 torch.cuda.synchronize()
                 start = time.perf_counter()
-                y = lut_matmul_triton(x, codes, book, scales, None, bits, 64, k, table=table)
+                y = kt.lut_matmul_triton(x, packed, table=table)
                 torch.cuda.synchronize()
                 first_call_s = time.perf_counter() - start
-                ratio = _error_ratio(y, x, x.double() @ w_deq.T, w_abs, torch.bfloat16)
+                ratio = error_ratio(y, x, x.double() @ w_deq.T, w_abs)
                 ms_ref = do_bench(lambda x=x, w=w: torch.matmul(x, w.T))
-                ms_q = do_bench(lambda x=x, c=codes, b=book, s=scales, bits=bits, k=k, t=table:
-                                lut_matmul_triton(x, c, b, s, None, bits, 64, k, table=t))
-                weight_bytes = codes.numel() + scales.numel() * 2 + book.numel() * 2
+                ms_q = do_bench(lambda x=x, p=packed, t=table: kt.lut_matmul_triton(x, p, table=t))
+                weight_bytes = packed.nbytes
                 moved = weight_bytes + x.numel() * 2 + m * n * 2
-                best = TUNED_KERNELS[path].best_config
+                best = kt.TUNED_KERNELS[path].best_config
                 row = {"layer": name, "n": n, "k": k, "m": m, "bits": bits, "path": path,
                        "config": {**best.kwargs, "num_warps": best.num_warps, "num_stages": best.num_stages},
                        "first_call_s": first_call_s, "error_ratio": ratio,
@@ -229,7 +228,7 @@ def timings(quick: bool = False, cuda_graphs: bool = False, log=print, progress=
                        "share_of_copy_bw": moved / ms_q / 1e6 / copy_gbs}
                 if cuda_graphs:
                     try:
-                        row.update(_graph_row(x, w, codes, book, scales, bits, k, l2, table))
+                        row.update(_graph_row(x, w, packed, l2, table))
                     except Exception as e:  # noqa: BLE001 - recorded, exit 1 at the end; the do_bench numbers stay
                         row["graph_error"] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
                         try:
@@ -256,14 +255,15 @@ def timings(quick: bool = False, cuda_graphs: bool = False, log=print, progress=
     return result
 
 
-def _graph_row(x, w, codes, book, scales, bits, k, l2, table) -> dict:
+def _graph_row(x, w, packed, l2, table) -> dict:
     """Both sides inside CUDA graphs, each cycling through its own copies of the weights."""
-    lut_bytes = codes.numel() + scales.numel() * 2 + book.numel() * 2
+    lut_bytes = packed.nbytes
     ref_copies = [w.clone() for _ in range(_copies(w.numel() * 2, l2))]
-    lut_copies = [(codes.clone(), scales.clone()) for _ in range(_copies(lut_bytes, l2))]
+    lut_copies = [dataclasses.replace(packed, codes=packed.codes.clone(), scales=packed.scales.clone())
+                  for _ in range(_copies(lut_bytes, l2))]
     bf16_us = _graph_us([lambda w=c: torch.matmul(x, w.T) for c in ref_copies])
-    lut_us = _graph_us([lambda c=c, s=s: lut_matmul_triton(x, c, book, s, None, bits, 64, k, table=table)
-                        for c, s in lut_copies])
+    kernel = _kernels("cuda").lut_matmul_triton
+    lut_us = _graph_us([lambda p=p: kernel(x, p, table=table) for p in lut_copies])
     return {"bf16_graph_us": bf16_us, "lut_graph_us": lut_us, "graph_speedup": bf16_us / lut_us,
             "graph_copies": [len(ref_copies), len(lut_copies)],
             "graph_lut_in_l2": len(lut_copies) * lut_bytes < 2 * l2}

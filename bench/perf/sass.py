@@ -124,16 +124,17 @@ def compile_case(path: str, m: int, bits: int, config, block_size: int = 64, sha
     """Compile one LUT matmul case for sm_90 (x in bf16, one codebook per layer)."""
     import torch
 
+    from hilt.kernels.lut_matmul import PackedWeight
     from hilt.kernels.lut_matmul_triton import _lut_matmul_kernel, kernel_args
     from hilt.kernels.packing import packed_row_bytes
 
     n, k = shape
     x = torch.empty(m, k, dtype=torch.bfloat16)
     codes = torch.empty(n, packed_row_bytes(k, bits), dtype=torch.uint8)
-    book = torch.zeros(1 << bits, dtype=torch.float16)
     scales = torch.empty(n, k // block_size, dtype=torch.bfloat16)
+    w = PackedWeight(codes, torch.zeros(1 << bits, dtype=torch.float16), scales, None, bits, block_size, k)
     out = torch.empty(m, n, dtype=torch.bfloat16)
-    args, flags = kernel_args(x, codes, book, scales, None, None, out, bits, block_size, path, 1)
+    args, flags = kernel_args(x, w, None, out, path, 1)
     row = compile_launch(_lut_matmul_kernel, args, {**flags, **config.kwargs}, config.num_warps, config.num_stages)
     kw = config.kwargs
     weights = kw["BLOCK_N"] * kw["BLOCK_K"] / (32 * config.num_warps)  # per thread per loop iteration
@@ -150,11 +151,10 @@ def attention_report(quick=False, log=print) -> list[dict]:
     split_qk, grouped queries, head dim 128 (``quick``: two of these, the first configuration).
     Launches are captured from the public function on CPU tensors, so the arguments are exactly
     what it passes."""
-    import importlib
-
     import torch
 
-    attention = importlib.import_module("kernels.fp8_attention")  # the module (kernels exports a function of its name)
+    from hilt.kernels import fp8_attention_triton as attention
+
     launches = []
 
     class Capture:  # stands in for a kernel: records what the launch would pass
