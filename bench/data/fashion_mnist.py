@@ -1,4 +1,4 @@
-"""Fashion-MNIST, read from the Debian package `dataset-fashion-mnist` (shared/ASSETS.md).
+"""Fashion-MNIST, read from the Debian package `dataset-fashion-mnist` (docs/assets.md).
 
 The package installs the original gzip-compressed IDX files under
 /usr/share/datasets/fashion-mnist:

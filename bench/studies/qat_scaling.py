@@ -1,4 +1,4 @@
-"""`hilt bench qat`: validation loss against weight memory under QAT (REFERENCES.md section 1).
+"""`hilt bench qat`: validation loss against weight memory under QAT (docs/references.md section 1).
 
 Character GPTs (bench/models/gpt.py, 4 layers) of several widths are trained from scratch on
 Shakespeare with the same token budget, in 16-bit (full precision) and with QAT at 1, 2 and
@@ -42,7 +42,7 @@ QUICK = {"widths": (64, 128), "steps": 300, "batch": 32, "block": 64, "layers": 
 BITS = (1, 2, 4)
 METHODS = ("kmeans", "int")
 BLOCK_SIZE = 32
-# Peak learning rate per width: each width's best 16-bit rate of those tried (README): 3e-3
+# Peak learning rate per width: each width's best 16-bit rate of those tried (docs/results/qat.md): 3e-3
 # undertrains every width, 9e-3 beats 6e-3 at widths 64 and 96 (the highest tried at 96) and is
 # unstable at 128, which diverges at 1.2e-2. Other widths get DEFAULT_LR.
 LR_BY_WIDTH, DEFAULT_LR = {64: 9e-3, 96: 9e-3, 128: 6e-3}, 6e-3
