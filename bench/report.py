@@ -7,6 +7,9 @@ study, accuracy in real models), the CNN on PCM over a year, standard vs noise-i
 DWP training under mismatch and drift, energy per inference against a GPU, and the two ONNX
 exports checked in ONNX Runtime. A section that fails is reported as failed (with its
 error) and the command exits non-zero at the end; the other sections still run.
+
+`hilt report` runs the quick budgets (QUICK: about 10 minutes on 2 CPU cores); `hilt report
+--full` the full ones (FULL: about 45 minutes on 2 cores).
 """
 
 from __future__ import annotations
@@ -19,16 +22,13 @@ from pathlib import Path
 
 from hilt.bench import RESULTS
 from hilt.errors import HiltError
+from hilt.progress import Progress
 
 QUICK = {"drift_chips": 2, "drift_images": 2000, "energy_images": 500}
 FULL = {"drift_chips": 5, "drift_images": 10_000, "energy_images": 2000}
 
 
-def _dump(path: Path, obj) -> None:
-    path.write_text(json.dumps(obj, indent=1) + "\n")
-
-
-def _section(name: str, out: Path, sections: list, log, fn):
+def _section(name: str, out: Path, sections: list, log, fn, progress: Progress):
     start = time.perf_counter()
     log(f"== {name}")
     try:
@@ -40,6 +40,7 @@ def _section(name: str, out: Path, sections: list, log, fn):
         sections.append({"name": name, "ok": False, "seconds": time.perf_counter() - start,
                          "markdown": f"**This section failed:** {e}\n"})
         log(f"   failed: {e}")
+    progress.done(name, "ok" if sections[-1]["ok"] else "FAILED")
 
 
 def kernel_section(out: Path, log=print) -> str:
@@ -48,6 +49,7 @@ def kernel_section(out: Path, log=print) -> str:
     import torch
 
     from hilt.bench.perf import lut_kernels
+    from hilt.quant.checkpoint import write_json
 
     gpu = torch.cuda.is_available()
     result = {"check": lut_kernels.check("cuda" if gpu else "cpu", log=log), "decode": lut_kernels.decode(log=log)}
@@ -73,18 +75,21 @@ def kernel_section(out: Path, log=print) -> str:
         lines += ["", "Timings against cuBLAS need a GPU: `bash bench/perf/gpu_check.sh` (see the README)."]
     lines += ["", ("1-bit weights quantized after training decode noise; the check is that the kernel gives the "
               "same noise as the dequantized matmul (`hilt bench qat` trains models that survive 1 bit).")]
-    _dump(out / "lut_kernels.json", result)
+    write_json(out / "lut_kernels.json", result)
     if lut_kernels.failed(result):
         raise HiltError(f"the kernels disagree with their reference (details in {out / 'lut_kernels.json'})")
     return "\n".join(lines) + "\n"
 
 
-def run(out="report", quick: bool = False, log=print) -> dict:
+def run(out="report", quick: bool = True, log=print, progress: bool = False) -> dict:
+    """Every section into OUT (report.md, JSON and PNG per section); ``quick=False`` is `--full`.
+    ``progress``: a line per finished section (see hilt.progress)."""
     from hilt.bench.tasks import drift
     from hilt.bench.tasks import energy
     from hilt.bench.tasks import export
     from hilt.bench.studies import quant_table
     from hilt.bench.studies import robustness
+    from hilt.quant.checkpoint import write_json
 
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
@@ -97,10 +102,10 @@ def run(out="report", quick: bool = False, log=print) -> dict:
         quant_table.run(out=out, quick=quick, log=log)
         return ((out / "quant_table.md").read_text() + "\n![quantization](quant_table.png)\n")
 
-    def drift():
+    def cim_drift():  # not `drift`: that name is the module
         result = drift.drift_study("cnn", preset_name="pcm", repeats=plan["drift_chips"],
                                  test_images=plan["drift_images"], log=log)
-        _dump(out / "drift.json", result)
+        write_json(out / "drift.json", result)
         drift.plot_drift(result, out / "drift.png")
         lines = [(f"The Fashion-MNIST CNN (digital accuracy {result['digital_accuracy']:.4f} on these "
                  f"{result['test_images']} test images) on the `pcm` preset, {result['repeats']} programmed chips:"), "",
@@ -112,7 +117,7 @@ def run(out="report", quick: bool = False, log=print) -> dict:
 
     def robust():
         result = robustness.study(quick=quick, log=log)
-        _dump(out / "robustness.json", result)
+        write_json(out / "robustness.json", result)
         robustness.plot(result, out / "robustness.png")
         return (f"Mismatch w(1 + eta N(0,1)), {result['plan']['draws']} draws per level on "
                 f"{result['plan']['test_images']} test images; PCM drift with global compensation.\n\n"
@@ -124,7 +129,7 @@ def run(out="report", quick: bool = False, log=print) -> dict:
             checkpoint = RESULTS / f"cnn-{method}.safetensors"
             result = energy.run("cnn", checkpoint if checkpoint.exists() else None, sweep=True,
                                 test_images=plan["energy_images"], log=log)
-            _dump(out / f"energy-{method}.json", result)
+            write_json(out / f"energy-{method}.json", result)
             energy.plot(result, out / f"energy-{method}.png")
             kept = result["precision"]["adc_bits"]
             lines.append(f"- CNN trained with **{method}**: lowest ADC resolution within 1 point of the 9-bit "
@@ -145,7 +150,7 @@ def run(out="report", quick: bool = False, log=print) -> dict:
                  "rank-agnostic / rank-aware | exceeded |"), "|---|---|---|---|---|"]
         for model in ("minilm", "smollm2"):
             rows = fp8_scales.run(model, log=log)["rows"]
-            _dump(out / f"fp8-scales-{model}.json", rows)
+            write_json(out / f"fp8-scales-{model}.json", rows)
             lines.append(f"| {model} | {min(r['max_observed_over_bound'] for r in rows):.3f} – "
                          f"{max(r['max_observed_over_bound'] for r in rows):.3f} | "
                          f"{min(r['max_observed_over_rank_aware'] for r in rows):.2f} – "
@@ -153,7 +158,7 @@ def run(out="report", quick: bool = False, log=print) -> dict:
                          f"{min(r['agnostic_over_aware'] for r in rows):.2f}x | "
                          f"{'yes' if any(r['exceeded'] for r in rows) else 'never'} |")
         result = fp8_transient.study(quick=quick, log=log)
-        _dump(out / "fp8-transient.json", result)
+        write_json(out / "fp8-transient.json", result)
         fp8_transient.plot(result, out / "fp8-transient.png")
         lines += ["", ("Transients (`hilt fp8 transient`): a character GPT fine-tuned with its attention logits in "
                   "E4M3; steps after the event with logits clipped at ±448 (logits clipped):"), "",
@@ -165,7 +170,7 @@ def run(out="report", quick: bool = False, log=print) -> dict:
         variants = ("fp8", "fp8 geometry scales") if quick else tuple(fp8_accuracy.VARIANTS)
         acc = fp8_accuracy.run(tokens=2048 if quick else 4096, sentences=128 if quick else 256, variants=variants,
                                log=log)
-        _dump(out / "fp8-attention.json", acc)
+        write_json(out / "fp8-attention.json", acc)
         lines += ["", "![fp8 transients](fp8-transient.png)", "",
                   (f"FP8 attention in real models (`hilt fp8 attention`; SmolLM2-135M perplexity on {acc['tokens']} "
                   f"tokens of Hamlet, float32 {acc['float32_perplexity']:.3f}; MiniLM embedding cosine vs float32):"),
@@ -183,30 +188,35 @@ def run(out="report", quick: bool = False, log=print) -> dict:
         q = export.export_quantized(ckpt, out / "minilm-kmeans4.onnx", overwrite=True, log=log)
         shutil.rmtree(ckpt)
         c = export.export_cim("cnn", None, out / "cnn-pcm-1y.onnx", "pcm", "1y", overwrite=True, log=log)
-        _dump(out / "onnx.json", {"quantized": q, "cim": c})
+        write_json(out / "onnx.json", {"quantized": q, "cim": c})
         return (f"- all-MiniLM-L6-v2, 4-bit k-means: `minilm-kmeans4.onnx`, {q['onnx_bytes'] / 1e6:.1f} MB "
                 f"({q['size_ratio']:.3f}x the quantized safetensors); ONNX Runtime vs PyTorch on {q['sentences']} "
                 f"sentences: max relative error {q['max_rel_error']:.1e}.\n"
                 f"- CNN on PCM one year after programming: `cnn-pcm-1y.onnx`; test accuracy ONNX Runtime "
                 f"{c['accuracy_onnx']:.4f} vs PyTorch {c['accuracy_torch']:.4f} on {c['test_images']} images.\n")
 
-    _section("Quantization: SmolLM2-135M and all-MiniLM-L6-v2", out, sections, log, quantization)
-    _section("LUT matmul kernels: correctness and decode", out, sections, log, lambda: kernel_section(out, log))
-    _section("FP8 attention: scales from the weights, transients, accuracy", out, sections, log, fp8_section)
-    _section("Compute-in-memory: a year on PCM", out, sections, log, drift)
-    _section("Training for noisy hardware: standard, noise injection, DWP", out, sections, log, robust)
-    _section("Energy per inference: CIM against a GPU", out, sections, log, energies)
-    _section("ONNX export", out, sections, log, onnx_exports)
+    plan_sections = [
+        ("Quantization: SmolLM2-135M and all-MiniLM-L6-v2", quantization),
+        ("LUT matmul kernels: correctness and decode", lambda: kernel_section(out, log)),
+        ("FP8 attention: scales from the weights, transients, accuracy", fp8_section),
+        ("Compute-in-memory: a year on PCM", cim_drift),
+        ("Training for noisy hardware: standard, noise injection, DWP", robust),
+        ("Energy per inference: CIM against a GPU", energies),
+        ("ONNX export", onnx_exports),
+    ]
+    with Progress(len(plan_sections), "report", "section", enabled=progress) as bar:
+        for name, fn in plan_sections:
+            _section(name, out, sections, log, fn, bar)
 
     total = time.perf_counter() - started
     md = [f"# hilt report{' (quick)' if quick else ''}", "",
-          f"Generated by `hilt report{' --quick' if quick else ''}` in {total / 60:.1f} minutes.", ""]
+          f"Generated by `hilt report{'' if quick else ' --full'}` in {total / 60:.1f} minutes.", ""]
     for s in sections:
         md += [f"## {s['name']}", "", s["markdown"], ""]
     (out / "report.md").write_text("\n".join(md))
     summary = {"quick": quick, "seconds": total,
                "sections": [{k: s[k] for k in ("name", "ok", "seconds")} for s in sections]}
-    _dump(out / "report.json", summary)
+    write_json(out / "report.json", summary)
     log(f"wrote {out / 'report.md'} ({total / 60:.1f} min)")
     failed = [s["name"] for s in sections if not s["ok"]]
     if failed:

@@ -1,48 +1,96 @@
 """The `hilt` command: parses arguments, calls the packages, prints.
 
-Every user mistake arrives as a HiltError and is printed as one line on
-stderr with a non-zero exit (the traceback only with --debug).
+Every user mistake arrives as a HiltError and is printed as one line on stderr with a non-zero
+exit (the traceback only with --debug); a bad flag is one line too, with exit 2. Results go to
+stdout; informational lines go through the `hilt` logger (-v, -q) to stdout as well, except
+under `--json -`, where stdout carries the JSON alone and everything else goes to stderr.
+Nothing heavy is imported here: each command imports what it runs.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
-import os
+import logging
+import math
+import re
 import sys
 from pathlib import Path
 
 from hilt.errors import HiltError
+from hilt.progress import Handler, Progress, interactive
 
-EXIT_ERROR, EXIT_INTERRUPTED = 1, 130
-
-
-def _write_json(path: str, obj) -> None:
-    """Write JSON atomically: a temporary name, renamed when complete."""
-    target = Path(path)
-    if not target.parent.is_dir():
-        raise HiltError(f"{target}: folder {target.parent} does not exist")
-    tmp = target.with_name(target.name + ".tmp")
-    try:
-        tmp.write_text(json.dumps(obj, indent=1) + "\n")
-        os.replace(tmp, target)
-    except OSError as e:
-        tmp.unlink(missing_ok=True)
-        raise HiltError(f"{target}: cannot write ({e.strerror})") from None
+EXIT_ERROR, EXIT_USAGE, EXIT_INTERRUPTED = 1, 2, 130
+LOG = logging.getLogger("hilt")
 
 
-def _write_outputs(args, result, plot=None) -> None:
-    """--json (atomic) and, where the command has one, --plot FILE drawn by ``plot(result, path)``."""
-    if args.json:
-        _write_json(args.json, result)
-    if plot is not None and args.plot:
-        plot(result, args.plot)
-        print(f"wrote {args.plot}")
+class UsageError(HiltError):
+    """Flags that contradict each other: reported like a bad flag (exit 2)."""
 
 
-_COMMON = argparse.ArgumentParser(add_help=False)
-# SUPPRESS: a subcommand's default must not undo `hilt --debug CMD`
-_COMMON.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help="show tracebacks")
+# ------------------------------------------------------------------ parsing
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse with one-line errors (`hilt quantize: error: --bits: expected an integer 1..8,
+    got 'abc'`, exit 2) instead of the usage block."""
+
+    def error(self, message):
+        message = re.sub(r"^argument (?:\S+/)?([^\s/]+): ", r"\1: ", message)  # -q/--quiet: the long name
+        self.exit(EXIT_USAGE, f"{self.prog}: error: {message}\n")
+
+    def parse_args(self, args=None, namespace=None):
+        parsed, extra = self.parse_known_args(args, namespace)
+        if extra:  # named after the command they were given to, not just `hilt`
+            self.exit(EXIT_USAGE, f"{getattr(parsed, '_prog', self.prog)}: error: unrecognized arguments: "
+                                  f"{' '.join(extra)}\n")
+        return parsed
+
+    def add_argument(self, *args, **kwargs):
+        if isinstance(kwargs.get("choices"), _Names) and "metavar" not in kwargs:
+            # a metavar keeps add_argument from formatting (so reading) the choices for every `hilt` run
+            action = super().add_argument(*args, metavar="NAME", **kwargs)
+            action.metavar = None  # help shows {a,b,c}
+            return action
+        return super().add_argument(*args, **kwargs)
+
+    def _check_value(self, action, value):  # argparse's hook; a bad choice reads like a bad number
+        if action.choices is not None and value not in action.choices:
+            raise argparse.ArgumentError(action, f"expected one of {', '.join(map(str, action.choices))}, "
+                                                 f"got {value!r}")
+
+
+def _int(lo: int | None = None, hi: int | None = None):
+    what = ("an integer" if lo is None else f"an integer {lo}..{hi}" if hi is not None
+            else "a positive integer" if lo == 1 else f"an integer >= {lo}")
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            value = None
+        if value is None or (lo is not None and value < lo) or (hi is not None and value > hi):
+            raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}")
+        return value
+    return parse
+
+
+def _number(positive: bool = False):
+    what = "a positive number" if positive else "a number"
+
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            value = math.nan
+        if not math.isfinite(value) or (positive and value <= 0):
+            raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}")
+        return value
+    return parse
+
+
+_POSITIVE, _NON_NEGATIVE, _ANY_INT, _POSITIVE_NUMBER = _int(1), _int(0), _int(), _number(positive=True)
 
 
 def _float_pair(text: str) -> tuple[float, float]:
@@ -53,9 +101,188 @@ def _float_pair(text: str) -> tuple[float, float]:
     return lo, hi
 
 
-def _parser_with_example(sub, name, help_text, example):
-    return sub.add_parser(name, help=help_text, description=help_text, parents=[_COMMON],
-                          epilog=f"example:\n  {example}", formatter_class=argparse.RawDescriptionHelpFormatter)
+class _Names:
+    """Choices named by a library constant (a dict's keys or a tuple's items), looked up only when
+    argparse needs them. Read from the module's source where it spells the constant as a literal:
+    importing the module imports torch, which `hilt CMD --help` must not; imported otherwise."""
+
+    def __init__(self, module: str, constant: str):
+        self.module, self.constant, self._names = module, constant, None
+
+    def _load(self) -> tuple:
+        if self._names is None:
+            loaded = sys.modules.get(self.module)
+            names = None if loaded is not None else _literal_names(self.module, self.constant)
+            if names is None:
+                import importlib
+
+                names = tuple(getattr(loaded or importlib.import_module(self.module), self.constant))
+            self._names = names
+        return self._names
+
+    def __iter__(self):
+        return iter(self._load())
+
+    def __contains__(self, value) -> bool:
+        return value in self._load()
+
+    def __len__(self) -> int:
+        return len(self._load())
+
+
+def _literal_names(module: str, constant: str) -> tuple[str, ...] | None:
+    """The string keys/items of ``constant = {...}`` or ``(...)`` in ``module``'s source, or None."""
+    import ast
+    import importlib.util
+
+    package, _, leaf = module.rpartition(".")
+    try:
+        spec = importlib.util.find_spec(package)  # imports the parents of `package` only
+        tree = ast.parse(Path(spec.submodule_search_locations[0], f"{leaf}.py").read_text())
+    except (ImportError, AttributeError, TypeError, IndexError, OSError, SyntaxError):
+        return None
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and len(node.targets) == 1:
+            target = node.targets[0]
+        elif isinstance(node, ast.AnnAssign):
+            target = node.target
+        else:
+            continue
+        if isinstance(target, ast.Name) and target.id == constant:
+            items = node.value.keys if isinstance(node.value, ast.Dict) else getattr(node.value, "elts", None)
+            try:
+                names = tuple(ast.literal_eval(item) for item in items or ())
+            except (ValueError, TypeError):  # not literals: import the module
+                return None
+            return names if names and all(isinstance(n, str) for n in names) else None
+    return None
+
+
+QUANT_METHODS = _Names("hilt.quant.qweight", "METHODS")
+CIM_PRESETS = _Names("hilt.cim_sim.analog", "PRESETS")
+DRIFT_COMPENSATION = _Names("hilt.cim_sim.model", "GDC_MODES")
+ENERGY_CHIPS = _Names("hilt.cim_sim.energy", "CHIPS")
+WORKLOADS = _Names("hilt.bench.models.classifiers", "WORKLOADS")
+TRAINING_METHODS = _Names("hilt.cim_sim.training", "METHODS")
+NOISE_MODELS = _Names("hilt.cim_sim.training", "NOISE_MODELS")
+WEIGHTINGS = _Names("hilt.cim_sim.training", "WEIGHTINGS")
+
+
+class _Renamed(argparse.Action):
+    """A flag that was renamed: says to what, rather than 'unrecognized arguments'."""
+
+    def __init__(self, option_strings, dest, new: str, why: str = "", **kwargs):
+        super().__init__(option_strings, dest, default=argparse.SUPPRESS, help=argparse.SUPPRESS, **kwargs)
+        self.new, self.why = new, why
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        parser.error(f"{option_string}: renamed to {self.new}{self.why}")
+
+
+class _Version(argparse.Action):
+    """--version, looked up in the package metadata only when asked for."""
+
+    def __init__(self, option_strings, dest=argparse.SUPPRESS, default=argparse.SUPPRESS, help=None):
+        super().__init__(option_strings, dest, nargs=0, default=default, help=help)
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        from hilt import __version__
+
+        print(f"hilt {__version__}")
+        parser.exit()
+
+
+# Flags that several commands share come from these parents, so they read the same everywhere.
+# SUPPRESS: a flag absent after the command name keeps what `hilt -v CMD` set before it.
+_COMMON = argparse.ArgumentParser(add_help=False)
+_COMMON.add_argument("-v", "--verbose", action="count", default=argparse.SUPPRESS,
+                     help="more detail: the libraries' own log lines too (-vv: their debug lines)")
+_COMMON.add_argument("-q", "--quiet", action="count", default=argparse.SUPPRESS,
+                     help="no progress or informational lines, only results and errors (-qq: no warnings)")
+_COMMON.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help="show tracebacks")
+_OUTPUT = argparse.ArgumentParser(add_help=False)
+_OUTPUT.add_argument("--json", metavar="FILE", help="write the results as JSON (written whole); '-': to stdout, "
+                     "everything else then goes to stderr")
+_PLOT = argparse.ArgumentParser(add_help=False)
+_PLOT.add_argument("--plot", metavar="FILE", help="draw the results as a PNG image")
+_SEED = argparse.ArgumentParser(add_help=False)
+_SEED.add_argument("--seed", type=_ANY_INT, default=0, help="seed of the random draws (default 0)")
+
+
+def _command(sub, name: str, help_text: str, example: str | None = None, parents=(), plot: str = ""):
+    """A subcommand; ``plot``: what its --plot draws (said in its own help only)."""
+    extra = {"epilog": f"example:\n  {example}", "formatter_class": argparse.RawDescriptionHelpFormatter} \
+        if example else {}
+    p = sub.add_parser(name, help=help_text, description=help_text + (f"\n\n--plot: {plot}" if plot else ""),
+                       parents=[_COMMON, *parents], **extra)
+    p.set_defaults(_prog=p.prog)
+    return p
+
+
+def _group(sub, name: str, help_text: str, dest: str):
+    p = _command(sub, name, help_text)
+    return p.add_subparsers(dest=dest, required=True, metavar=dest.upper())
+
+
+# ------------------------------------------------------------------ output
+
+
+def _configure_logging(verbosity: int, stream) -> None:
+    """The `hilt` logger: INFO and DEBUG to ``stream`` as plain lines, warnings and errors to stderr."""
+    for old in [h for h in LOG.handlers if getattr(h, "hilt_cli", False)]:
+        LOG.removeHandler(old)  # main() may run more than once in a process (tests)
+    lines = Handler(stream)
+    lines.addFilter(lambda record: record.levelno < logging.WARNING)
+    warnings = Handler(sys.stderr)
+    warnings.setLevel(logging.WARNING)
+    warnings.setFormatter(_WarningFormat())
+    for h in (lines, warnings):
+        h.hilt_cli = True
+        LOG.addHandler(h)
+    LOG.setLevel(min(logging.ERROR, max(logging.DEBUG, logging.INFO - 10 * verbosity)))
+    LOG.propagate = False
+    if verbosity > 0:  # other libraries (torch, onnx, ...) otherwise only show their warnings
+        logging.basicConfig(level=logging.INFO if verbosity == 1 else logging.DEBUG, format="%(name)s: %(message)s")
+
+
+class _WarningFormat(logging.Formatter):
+    def format(self, record):
+        return f"hilt: {record.levelname.lower()}: {record.getMessage()}"
+
+
+def _bars() -> bool:
+    """Whether a library's own progress bar may be drawn: on a terminal, unless -q."""
+    return interactive() and LOG.getEffectiveLevel() <= logging.INFO
+
+
+def _write_json(args, obj) -> None:
+    """--json FILE (atomic, as every JSON file hilt writes), or --json - (stdout)."""
+    if not getattr(args, "json", None):
+        return
+    if args.json == "-":
+        args.stdout.write(json.dumps(obj, indent=1) + "\n")
+        args.stdout.flush()
+    else:
+        from hilt.quant.checkpoint import write_json
+
+        write_json(args.json, obj)
+
+
+def _write_outputs(args, result, plot=None) -> None:
+    """--json and, where the command has one, --plot FILE drawn by ``plot(result, path)``."""
+    _write_json(args, result)
+    if plot is not None and args.plot:
+        plot(result, args.plot)
+        LOG.info(f"wrote {args.plot}")
+
+
+def _resolve_bits(args, default: int) -> int:
+    """--bits may be left out: --method binary is 1 bit, the others take ``default``."""
+    if args.method == "binary":
+        if args.bits not in (None, 1):
+            raise UsageError(f"--method binary is 1 bit, but --bits {args.bits} was given (leave --bits out)")
+        return 1
+    return default if args.bits is None else args.bits
 
 
 # ------------------------------------------------------------------ quantize
@@ -63,46 +290,49 @@ def _parser_with_example(sub, name, help_text, example):
 
 def cmd_quantize(args) -> int:
     from hilt.quant import QuantConfig, open_source, quantize_checkpoint
-    from hilt.quant.checkpoint import select_targets
+    from hilt.quant.checkpoint import PROGRESS, select_targets
     from hilt.quant.quantize import check_quantizable, expected_bits_per_weight
 
-    method = "int-asym" if args.method == "int" and args.asymmetric else args.method
-    if args.asymmetric and args.method != "int":
-        raise HiltError("--asymmetric applies to --method int only")
-    config = QuantConfig(method=method, bits=args.bits, block_size=args.block_size, codebook=args.codebook,
-                         solver=args.solver, seed=args.seed).validate()
-    if args.dry_run:
-        with open_source(args.src) as source:
-            targets = select_targets(source, args.only, args.ignore)
+    if args.asymmetric and args.method not in ("int", "int-asym"):
+        raise UsageError(f"--asymmetric applies to --method int only, not --method {args.method}")
+    method = "int-asym" if args.asymmetric else args.method
+    config = QuantConfig(method=method, bits=_resolve_bits(args, 4), block_size=args.block_size,
+                         codebook=args.codebook, solver=args.solver, seed=args.seed)
+    with open_source(args.src) as source:
+        targets = select_targets(source, args.only, args.ignore)
+        if args.dry_run:
             rows = []
             for name in targets:
                 check_quantizable(name, source.shape(name), config)
                 rows.append({"name": name, "shape": list(source.shape(name)),
                              "bits_per_weight": round(expected_bits_per_weight(source.shape(name), config), 4)})
             kept = len(source.names()) - len(targets)
+    if args.dry_run:
         for r in rows:
             print(f"would quantize {r['name']:<48} {str(tuple(r['shape'])):>14}  {r['bits_per_weight']:.3f} bits/weight")
         print(f"{len(rows)} tensors to quantize, {kept} kept as they are; nothing written (--dry-run)")
-        if args.json:
-            _write_json(args.json, {"dry_run": True, "tensors": rows})
+        _write_json(args, {"dry_run": True, "tensors": rows})
         return 0
 
-    from tqdm import tqdm
-
+    done_before = 0
+    if args.resume:  # what the interrupted run quantized counts toward [i/N]
+        with contextlib.suppress(OSError, ValueError, KeyError, TypeError, AttributeError):
+            state = json.loads((Path(str(args.dst) + ".partial") / PROGRESS).read_text())
+            done_before = sum(e["kind"] == "quantized" for e in state["tensors"].values())
     records = []
+    progress = Progress(len(targets), "quantize", "tensor", initial=done_before, echo=True)
 
     def on_tensor(entry):
         if entry["kind"] == "quantized":
             records.append({"name": entry["name"], "bits_per_weight": entry["bits_per_weight"],
                             "rel_error": entry["rel_error"], "shape": entry["shape"]})
-            if not args.quiet:
-                tqdm.write(f"{entry['name']:<48} {entry['bits_per_weight']:7.3f} bits/weight  "
-                           f"rel. error {entry['rel_error']:.4f}")
+            progress.done(entry["name"], f"{entry['bits_per_weight']:.3f} bits/weight, "
+                                         f"rel. error {entry['rel_error']:.4f}")
 
-    header = quantize_checkpoint(args.src, args.dst, config, only=args.only, ignore=args.ignore,
-                                 overwrite=args.overwrite, resume=args.resume, importance=args.importance,
-                                 shard_bytes=int(args.shard_size * (1 << 20)), on_tensor=on_tensor,
-                                 progress=not args.quiet and sys.stderr.isatty())
+    with progress:
+        header = quantize_checkpoint(args.src, args.dst, config, only=args.only, ignore=args.ignore,
+                                     overwrite=args.overwrite, resume=args.resume, importance=args.importance,
+                                     shard_bytes=int(args.shard_size * (1 << 20)), on_tensor=on_tensor)
     totals = header["totals"]
     size = sum((Path(args.dst) / s).stat().st_size for s in header["shards"])
     print(f"wrote {args.dst}: {totals['quantized_tensors']} of {totals['tensors']} tensors quantized "
@@ -116,8 +346,8 @@ def cmd_quantize(args) -> int:
             if e["kind"] == "quantized" and name not in done:
                 records.append({"name": name, "bits_per_weight": e["bits_per_weight"],
                                 "rel_error": e["rel_error"], "shape": e["shape"]})
-        _write_json(args.json, {"dst": str(args.dst), "config": header["config"], "tensors": records,
-                                "totals": {**totals, "bytes": size}})
+        _write_json(args, {"dst": str(args.dst), "config": header["config"], "tensors": records,
+                           "totals": {**totals, "bytes": size}})
     return 0
 
 
@@ -144,8 +374,7 @@ def cmd_inspect(args) -> int:
                 print(f"  {name:<48} {str(tuple(e['shape'])):>14} {e['bits_per_weight']:7.3f} b/w  err {e['rel_error']:.4f}")
             else:
                 print(f"  {name:<48} {str(tuple(e['shape'])):>14} {e['dtype']} (kept)")
-    if args.json:
-        _write_json(args.json, {**h, "bytes": size})
+    _write_json(args, {**h, "bytes": size})
     return 0
 
 
@@ -156,12 +385,11 @@ def cmd_eval_ppl(args) -> int:
     from hilt.bench.tasks import evaluate
 
     result = evaluate.perplexity_run(args.model, quantized=args.quantized, text=args.text, tokens=args.tokens,
-                                     context=args.context, progress=sys.stderr.isatty())
+                                     context=args.context, progress=_bars())
     label = args.quantized or "unquantized"
     print(f"perplexity {result['perplexity']:.3f} over {result['tokens']} tokens "
           f"(context {result['context']}) of {result['text']} — {label}")
-    if args.json:
-        _write_json(args.json, result)
+    _write_json(args, result)
     return 0
 
 
@@ -172,20 +400,18 @@ def cmd_eval_embed(args) -> int:
     label = args.quantized or "unquantized"
     print(f"mean cosine similarity to fp32 embeddings {result['cosine_similarity']:.5f} "
           f"(min {result['cosine_similarity_min']:.5f}) over {result['sentences']} sentences — {label}")
-    if args.json:
-        _write_json(args.json, result)
+    _write_json(args, result)
     return 0
 
 
-# ------------------------------------------------------------------- report
+# ------------------------------------------------------------------- others
 
 
 def cmd_report(args) -> int:
     from hilt.bench import report
 
-    summary = report.run(out=args.out, quick=args.quick)
-    if args.json:
-        _write_json(args.json, summary)
+    summary = report.run(out=args.out, quick=not args.full, log=LOG.info, progress=True)
+    _write_json(args, summary)
     return 0
 
 
@@ -195,6 +421,7 @@ def cmd_calibrate(args) -> int:
     r = calibrate(args.model, args.out, work=args.work, tokens=args.tokens, sentences=args.sentences,
                   overwrite=args.overwrite)
     print(f"wrote {r['out']}: input importance of {r['layers']} linear layers from {r['calibration']}")
+    _write_json(args, r)
     return 0
 
 
@@ -210,11 +437,10 @@ def cmd_train(args) -> int:
                              copies=defaults.copies if args.copies is None else args.copies,
                              weighting=args.weighting)
     r = train_run(args.workload, training=training, epochs=args.epochs, seed=args.seed, out=args.out,
-                  progress=sys.stderr.isatty(), overwrite=args.overwrite)
+                  progress=True, overwrite=args.overwrite)
     print(f"{args.workload} ({args.method}): test accuracy {r['test_accuracy']:.4f} after {r['epochs']} epochs, "
           f"{r['train_seconds']:.0f} s" + (f"; wrote {args.out}" if args.out else ""))
-    if args.json:
-        _write_json(args.json, r)
+    _write_json(args, r)
     return 0
 
 
@@ -222,7 +448,7 @@ def cmd_drift(args) -> int:
     from hilt.bench.tasks import drift
 
     result = drift.drift_study(args.workload, args.checkpoint, args.preset, args.times, args.repeats, args.gdc,
-                             args.test_images, progress=sys.stderr.isatty())
+                               args.test_images, progress=True, log=LOG.info)
     _write_outputs(args, result, drift.plot_drift)
     return 0
 
@@ -230,8 +456,8 @@ def cmd_drift(args) -> int:
 def cmd_energy(args) -> int:
     from hilt.bench.tasks import energy
 
-    result = energy.run(args.workload, args.checkpoint, args.preset, args.adc_bits, args.dac_bits, args.gpu_batch,
-                        sweep=args.sweep)
+    result = energy.run(args.workload, args.checkpoint, args.chip, args.adc_bits, args.dac_bits, args.gpu_batch,
+                        sweep=args.sweep, log=LOG.info)
     _write_outputs(args, result, energy.plot)
     return 0
 
@@ -243,34 +469,31 @@ def cmd_export_onnx(args) -> int:
     if (src / "hilt.json").is_file():
         if args.cim_preset:
             raise HiltError(f"{src} is a quantized checkpoint; --cim-preset applies to workload checkpoints")
-        result = export.export_quantized(src, args.out, overwrite=args.overwrite)
+        result = export.export_quantized(src, args.out, overwrite=args.overwrite, log=LOG.info)
     elif src.suffix == ".safetensors" and src.is_file():
         from hilt.bench.tasks.train import load_workload
 
         _, meta = load_workload(src)
         result = export.export_cim(meta["workload"], src, args.out, args.cim_preset or "pcm", args.time,
-                                   seed=args.seed, gdc=args.gdc, overwrite=args.overwrite)
+                                   seed=args.seed, gdc=args.gdc, overwrite=args.overwrite, log=LOG.info)
     else:
         raise HiltError(f"{src}: expected a hilt quantized checkpoint folder (from `hilt quantize`) or a workload "
                         f"checkpoint .safetensors (from `hilt train`)")
-    if args.json:
-        _write_json(args.json, result)
+    _write_json(args, result)
     return 0
 
 
 def cmd_fp8_scales(args) -> int:
     from hilt.bench.studies import fp8_scales
 
-    result = fp8_scales.run(args.model)
-    if args.json:
-        _write_json(args.json, result)
+    _write_json(args, fp8_scales.run(args.model, log=LOG.info))
     return 0
 
 
 def cmd_fp8_transient(args) -> int:
     from hilt.bench.studies import fp8_transient
 
-    result = fp8_transient.study(quick=args.quick, seed=args.seed)
+    result = fp8_transient.study(quick=args.quick, seed=args.seed, log=LOG.info)
     _write_outputs(args, result, fp8_transient.plot)
     return 0
 
@@ -278,8 +501,7 @@ def cmd_fp8_transient(args) -> int:
 def cmd_fp8_attention(args) -> int:
     from hilt.bench.studies import fp8_accuracy
 
-    result = fp8_accuracy.run(tokens=args.tokens)
-    _write_outputs(args, result)
+    _write_json(args, fp8_accuracy.run(tokens=args.tokens, log=LOG.info))
     return 0
 
 
@@ -287,7 +509,7 @@ def cmd_bench_attention(args) -> int:
     from hilt.bench.perf import attention_speed
 
     result = attention_speed.run()
-    _write_outputs(args, result)
+    _write_json(args, result)
     if result["mismatches"]:  # saved above with the timings of the other configurations
         bad = ", ".join(f"T={m['seq']}{' causal' if m['causal'] else ''} (cosine {m['cosine_vs_bf16']:.4f})"
                         for m in result["mismatches"])
@@ -298,20 +520,18 @@ def cmd_bench_attention(args) -> int:
 def cmd_bench_cim(args) -> int:
     from hilt.bench.perf import cim_speed
 
-    result = cim_speed.speed()
-    if args.json:
-        _write_json(args.json, result)
+    _write_json(args, cim_speed.speed(log=LOG.info))
     return 0
 
 
 def cmd_bench_robustness(args) -> int:
     from hilt.bench.studies import robustness
 
-    result = robustness.study(quick=args.quick)
+    result = robustness.study(quick=args.quick, log=LOG.info)
     _write_outputs(args, result, robustness.plot)
     if args.markdown:
         Path(args.markdown).write_text(robustness.render(result))
-        print(f"wrote {args.markdown}")
+        LOG.info(f"wrote {args.markdown}")
     return 0
 
 
@@ -320,18 +540,19 @@ def cmd_qat(args) -> int:
 
     if args.model != "smollm2":
         raise HiltError(f"QAT fine-tuning knows the packaged 'smollm2', not {args.model!r}")
-    result = qat_finetune.finetune(args.dst, args.method, args.bits, args.block_size, args.steps, args.lr, args.batch,
-                                   args.context, args.refit_every, args.save_every, args.seed, args.resume,
-                                   args.overwrite, args.only, learn_codebook=args.learn_codebook,
-                                   progress=sys.stderr.isatty())
-    _write_outputs(args, result)
+    result = qat_finetune.finetune(args.dst, args.method, _resolve_bits(args, 2), args.block_size, args.steps,
+                                   args.lr, args.batch, args.context, args.refit_every, args.save_every, args.seed,
+                                   args.resume, args.overwrite, args.only, learn_codebook=args.learn_codebook,
+                                   log=LOG.info, progress=True)
+    _write_json(args, result)
     return 0
 
 
 def cmd_bench_qat(args) -> int:
     from hilt.bench.studies import qat_scaling
 
-    result = qat_scaling.study(quick=args.quick, seeds=args.seeds, lr=args.lr, learn_codebook=args.learn_codebook)
+    result = qat_scaling.study(quick=args.quick, seeds=args.seeds, lr=args.lr, learn_codebook=args.learn_codebook,
+                               log=LOG.info)
     _write_outputs(args, result, qat_scaling.plot)
     return 0
 
@@ -339,40 +560,51 @@ def cmd_bench_qat(args) -> int:
 def cmd_bench_quantize(args) -> int:
     from hilt.bench.perf import quantize_speed
 
-    argv = ["--quick"] if args.quick else []
-    argv += ["--json", args.json] if args.json else []
-    return quantize_speed.main(argv)
+    _write_json(args, quantize_speed.run(quick=args.quick, log=LOG.info))
+    return 0
 
 
 def cmd_bench_kernels(args) -> int:
+    import tempfile
+
     from hilt.bench.perf import lut_kernels
 
     flags = (("--check", args.check), ("--timings", args.timings), ("--all", args.all), ("--decode", args.decode),
              ("--quick", args.quick), ("--cuda-graphs", args.cuda_graphs), ("--sass", args.sass))
     argv = [flag for flag, on in flags if on]
-    for option, value in (("--smollm2", args.smollm2), ("--json", args.json), ("--plot", args.plot),
-                          ("--table", args.table)):
+    for option, value in (("--smollm2", args.smollm2), ("--plot", args.plot), ("--table", args.table)):
         argv += [option, value] if value else []
-    return lut_kernels.main(argv)
+    if args.json != "-":
+        return lut_kernels.main(argv + (["--json", args.json] if args.json else []))
+    with tempfile.TemporaryDirectory() as tmp:  # it writes a file as it goes: pass it on whole at the end
+        path = Path(tmp) / "kernels.json"
+        try:
+            return lut_kernels.main(argv + ["--json", str(path)])
+        finally:
+            if path.exists():
+                args.stdout.write(path.read_text())
+                args.stdout.flush()
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="hilt", description="hilt: low-precision inference, from checkpoint to hardware.")
-    p.add_argument("--debug", action="store_true", help="show tracebacks")
-    sub = p.add_subparsers(dest="command", required=True)
+    p = _Parser(prog="hilt", description="hilt: low-precision inference, from checkpoint to hardware.",
+                parents=[_COMMON])
+    p.add_argument("--version", action=_Version, help="print the version and exit")
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    q = _parser_with_example(sub, "quantize", "quantize a checkpoint (safetensors file or folder, GGUF)",
-                             "hilt quantize model.safetensors out-2bit --method kmeans --bits 2")
+    q = _command(sub, "quantize", "quantize a checkpoint (safetensors file or folder, GGUF)",
+                 "hilt quantize model.safetensors out-2bit --method kmeans --bits 2", [_OUTPUT, _SEED])
     q.add_argument("src", help="safetensors file, Hugging Face-style folder, or GGUF file")
     q.add_argument("dst", help="output folder (hilt format: safetensors shards + hilt.json)")
-    q.add_argument("--method", choices=["kmeans", "int", "binary"], default="kmeans",
-                   help="kmeans codebook (default), integer grid, or sign x absmean (1 bit)")
-    q.add_argument("--bits", type=int, default=4, help="bits per code, 1-8 (default 4)")
-    q.add_argument("--block-size", type=int, default=64, help="weights per scale along the input dim (default 64)")
+    q.add_argument("--method", choices=QUANT_METHODS, default="kmeans",
+                   help="kmeans codebook (default), integer grid (int, int-asym: min/max with an offset), "
+                        "or sign x absmean (binary, 1 bit)")
+    q.add_argument("--bits", type=_int(1, 8), help="bits per code, 1-8 (default 4; binary: 1)")
+    q.add_argument("--block-size", type=_POSITIVE, default=64, help="weights per scale along the input dim (default 64)")
     q.add_argument("--codebook", choices=["layer", "block"], default="layer", help="kmeans: one codebook per layer or per block")
     q.add_argument("--solver", choices=["optimal", "lloyd"], default="optimal",
-                   help="kmeans: certified-optimal DP (default) or k-means++ + Lloyd")
-    q.add_argument("--asymmetric", action="store_true", help="int: min/max grid with a per-block offset")
+                   help="kmeans: certified-optimal DP (default) or k-means++ + Lloyd (seeded by --seed)")
+    q.add_argument("--asymmetric", action="store_true", help="int: min/max grid with a per-block offset (= int-asym)")
     q.add_argument("--importance", metavar="FILE",
                    help="kmeans: per-column importance from `hilt calibrate` (weights the k-means error)")
     q.add_argument("--only", metavar="RE", help="quantize only 2-D tensors whose name matches RE")
@@ -380,168 +612,149 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("--dry-run", action="store_true", help="list what would be quantized; write nothing")
     q.add_argument("--resume", action="store_true", help="continue an interrupted run (DST.partial)")
     q.add_argument("--overwrite", action="store_true", help="replace an existing DST (only once the new one is complete)")
-    q.add_argument("--shard-size", type=float, default=256, metavar="MB",
+    q.add_argument("--shard-size", type=_POSITIVE_NUMBER, default=256, metavar="MB",
                    help="output shard size (default 256 MB; memory holds one shard)")
-    q.add_argument("--seed", type=int, default=0, help="seed for k-means++ (--solver lloyd)")
-    q.add_argument("--json", metavar="FILE", help="write per-tensor results and totals as JSON")
-    q.add_argument("--quiet", action="store_true", help="no per-tensor lines or progress bar")
     q.set_defaults(func=cmd_quantize)
 
-    i = _parser_with_example(sub, "inspect", "show what is in a quantized checkpoint", "hilt inspect out-2bit --tensors")
+    i = _command(sub, "inspect", "show what is in a quantized checkpoint", "hilt inspect out-2bit --tensors", [_OUTPUT])
     i.add_argument("dst")
     i.add_argument("--tensors", action="store_true", help="one line per tensor")
-    i.add_argument("--json", metavar="FILE")
     i.set_defaults(func=cmd_inspect)
 
-    c = _parser_with_example(sub, "calibrate", "per-column input importance of every linear layer, from real text",
-                             "hilt calibrate smollm2 --out smollm2-importance.safetensors")
+    c = _command(sub, "calibrate", "per-column input importance of every linear layer, from real text",
+                 "hilt calibrate smollm2 --out smollm2-importance.safetensors", [_OUTPUT])
     c.add_argument("model", nargs="?", default="smollm2", help="'smollm2', 'minilm', a GGUF path or a MiniLM folder")
     c.add_argument("--out", required=True, metavar="FILE", help="safetensors file to write")
     c.add_argument("--work", default="macbeth", help="Shakespeare work to calibrate on (default macbeth)")
-    c.add_argument("--tokens", type=int, default=2048, help="tokens for a causal LM (default 2048)")
-    c.add_argument("--sentences", type=int, default=256, help="sentences for an encoder (default 256)")
+    c.add_argument("--tokens", type=_POSITIVE, default=2048, help="tokens for a causal LM (default 2048)")
+    c.add_argument("--sentences", type=_POSITIVE, default=256, help="sentences for an encoder (default 256)")
     c.add_argument("--overwrite", action="store_true")
     c.set_defaults(func=cmd_calibrate)
 
-    t = _parser_with_example(sub, "train", "train a Fashion-MNIST workload (MLP or CNN) and save a safetensors checkpoint",
-                             "hilt train --workload cnn --out cnn.safetensors")
-    t.add_argument("--workload", required=True, help="mlp or cnn")
-    t.add_argument("--method", default="standard",
+    t = _command(sub, "train", "train a Fashion-MNIST workload (MLP or CNN) and save a safetensors checkpoint",
+                 "hilt train --workload cnn --out cnn.safetensors", [_OUTPUT, _SEED])
+    t.add_argument("--workload", required=True, choices=WORKLOADS)
+    t.add_argument("--method", default="standard", choices=TRAINING_METHODS,
                    help="standard, noise (noise injection at --eta) or dwp (--copies noisy copies over --eta-range, "
                         "samples weighted by their disagreement)")
-    t.add_argument("--noise-model", default="mismatch", help="the noise trained under: mismatch, pcm or rram")
-    t.add_argument("--eta", type=float, help="noise: the mismatch level (default 0.3)")
+    t.add_argument("--noise-model", default="mismatch", choices=NOISE_MODELS, help="the noise trained under")
+    t.add_argument("--eta", type=_number(), help="noise: the mismatch level (default 0.3)")
     t.add_argument("--eta-range", type=_float_pair, metavar="MIN,MAX", help="dwp: the copies' levels (default 0.1,0.6)")
-    t.add_argument("--copies", type=int, help="dwp: noisy copies per step (default 4)")
-    t.add_argument("--weighting", default="js", help="dwp: disagreement measure js, error or none (default js)")
-    t.add_argument("--epochs", type=int, help="epochs (default: the workload's)")
-    t.add_argument("--seed", type=int, default=0)
+    t.add_argument("--copies", type=_POSITIVE, help="dwp: noisy copies per step (default 4)")
+    t.add_argument("--weighting", default="js", choices=WEIGHTINGS, help="dwp: disagreement measure (default js)")
+    t.add_argument("--epochs", type=_POSITIVE, help="epochs (default: the workload's)")
     t.add_argument("--out", metavar="FILE", help="checkpoint to write (.safetensors)")
     t.add_argument("--overwrite", action="store_true")
-    t.add_argument("--json", metavar="FILE")
     t.set_defaults(func=cmd_train)
 
-    e = _parser_with_example(sub, "energy", "energy per inference on a CIM chip against a GPU, per layer",
-                             "hilt energy --workload cnn --sweep --plot energy.png")
-    e.add_argument("--workload", required=True, help="mlp or cnn")
+    e = _command(sub, "energy", "energy per inference on a CIM chip against a GPU, per layer",
+                 "hilt energy --workload cnn --sweep --plot energy.png", [_OUTPUT, _PLOT],
+                 plot="energy per inference per layer, CIM against GPU, and where the CIM energy goes")
+    e.add_argument("--workload", required=True, choices=WORKLOADS)
     e.add_argument("--checkpoint", metavar="FILE", help="default: bench/results/WORKLOAD-standard.safetensors")
-    e.add_argument("--preset", default="rram-22nm", help="chip energy constants: rram-22nm, sram-22nm, sram-5nm")
-    e.add_argument("--adc-bits", type=int, help="ADC resolution (default 9, or the lowest that keeps accuracy with --sweep)")
-    e.add_argument("--dac-bits", type=int, default=7)
-    e.add_argument("--gpu-batch", type=int, default=256, help="batch over which the GPU reads its weights once")
+    e.add_argument("--chip", default="rram-22nm", choices=ENERGY_CHIPS,
+                   help="the CIM chip's energy constants (default rram-22nm)")
+    e.add_argument("--preset", action=_Renamed, new="--chip", why=" (--preset names a CIM device preset)")
+    e.add_argument("--adc-bits", type=_POSITIVE,
+                   help="ADC resolution (default 9, or the lowest that keeps accuracy with --sweep)")
+    e.add_argument("--dac-bits", type=_POSITIVE, default=7, help="DAC resolution (default 7)")
+    e.add_argument("--gpu-batch", type=_POSITIVE, default=256, help="batch over which the GPU reads its weights once")
     e.add_argument("--sweep", action="store_true",
                    help="first find the lowest ADC resolution within 1 point of the 9-bit accuracy (pcm, 1 s)")
-    e.add_argument("--json", metavar="FILE")
-    e.add_argument("--plot", metavar="FILE", help="PNG bar chart, per layer")
     e.set_defaults(func=cmd_energy)
 
-    x = sub.add_parser("export", help="export to ONNX that onnxruntime runs", parents=[_COMMON])
-    xsub = x.add_subparsers(dest="format", required=True)
-    xo = _parser_with_example(xsub, "onnx", "a quantized MiniLM checkpoint, or a workload on CIM hardware frozen at a "
-                              "time after programming, as ONNX (checked with onnx.checker and onnxruntime)",
-                              "hilt export onnx minilm-4bit minilm-4bit.onnx\n"
-                              "  hilt export onnx bench/results/cnn-standard.safetensors cnn-pcm-1y.onnx --time 1y")
+    xsub = _group(sub, "export", "export to ONNX that onnxruntime runs", "format")
+    xo = _command(xsub, "onnx", "a quantized MiniLM checkpoint, or a workload on CIM hardware frozen at a time after "
+                  "programming, as ONNX (checked with onnx.checker and onnxruntime)",
+                  "hilt export onnx minilm-4bit minilm-4bit.onnx\n"
+                  "  hilt export onnx bench/results/cnn-standard.safetensors cnn-pcm-1y.onnx --time 1y",
+                  [_OUTPUT, _SEED])
     xo.add_argument("src", help="quantized checkpoint folder, or workload checkpoint .safetensors")
     xo.add_argument("out", help="the .onnx file to write")
-    xo.add_argument("--cim-preset", help="workload checkpoints: the CIM preset (default pcm)")
+    xo.add_argument("--cim-preset", choices=CIM_PRESETS, help="workload checkpoints: the CIM preset (default pcm)")
     xo.add_argument("--time", default="1y", help="workload checkpoints: time after programming (default 1y)")
-    xo.add_argument("--gdc", default="global", help="drift compensation: global, column, exact or none")
-    xo.add_argument("--seed", type=int, default=0, help="which programmed chip")
+    xo.add_argument("--gdc", default="global", choices=DRIFT_COMPENSATION, help="drift compensation (default global)")
     xo.add_argument("--overwrite", action="store_true")
-    xo.add_argument("--json", metavar="FILE")
     xo.set_defaults(func=cmd_export_onnx)
 
-    f8 = sub.add_parser("fp8", help="FP8 attention: logit bounds and scales from the weights", parents=[_COMMON])
-    f8sub = f8.add_subparsers(dest="what", required=True)
-    fs = _parser_with_example(f8sub, "scales", "per layer and head: the weight-only bound on |attention logit| "
-                              "(spectral norm of W_Q,h^T W_K,g) against the largest observed on real text",
-                              "hilt fp8 scales minilm --json minilm-fp8.json")
+    f8sub = _group(sub, "fp8", "FP8 attention: logit bounds and scales from the weights", "what")
+    fs = _command(f8sub, "scales", "per layer and head: the weight-only bound on |attention logit| "
+                  "(spectral norm of W_Q,h^T W_K,g) against the largest observed on real text",
+                  "hilt fp8 scales minilm --json minilm-fp8.json", [_OUTPUT])
     fs.add_argument("model", help="minilm, smollm2, or a checkpoint: a llama GGUF file or a BERT directory "
                                   "(config.json, tokenizer.json, model.safetensors)")
-    fs.add_argument("--json", metavar="FILE")
     fs.set_defaults(func=cmd_fp8_scales)
-    ft = _parser_with_example(f8sub, "transient", "overflow of FP8 attention logits after a load, a resume and a "
-                              "learning-rate spike, per scale recipe (fine-tuning a character GPT on Shakespeare)",
-                              "hilt fp8 transient --quick --json transient.json --plot transient.png")
+    ft = _command(f8sub, "transient", "overflow of FP8 attention logits after a load, a resume and a learning-rate "
+                  "spike, per scale recipe (fine-tuning a character GPT on Shakespeare)",
+                  "hilt fp8 transient --quick --json transient.json --plot transient.png", [_OUTPUT, _PLOT, _SEED],
+                  plot="logits clipped per step, one panel per scenario")
     ft.add_argument("--quick", action="store_true", help="shorter pretraining and fine-tuning (a few minutes)")
-    ft.add_argument("--seed", type=int, default=0)
-    ft.add_argument("--json", metavar="FILE")
-    ft.add_argument("--plot", metavar="FILE", help="PNG: logits clipped per step, one panel per scenario")
     ft.set_defaults(func=cmd_fp8_transient)
-    fa = _parser_with_example(f8sub, "attention", "accuracy of FP8 attention on real models: SmolLM2 perplexity and "
-                              "MiniLM embeddings against float32", "hilt fp8 attention --json fp8_attention.json")
-    fa.add_argument("--tokens", type=int, default=4096, help="tokens of Hamlet for the perplexity (default 4096)")
-    fa.add_argument("--json", metavar="FILE")
+    fa = _command(f8sub, "attention", "accuracy of FP8 attention on real models: SmolLM2 perplexity and MiniLM "
+                  "embeddings against float32", "hilt fp8 attention --json fp8_attention.json", [_OUTPUT])
+    fa.add_argument("--tokens", type=_POSITIVE, default=4096, help="tokens of Hamlet for the perplexity (default 4096)")
     fa.set_defaults(func=cmd_fp8_attention)
 
-    qa = _parser_with_example(sub, "qat", "quantization-aware fine-tuning of SmolLM2-135M, saved in the hilt quantize "
-                              "format (resumable)", "hilt qat smollm2 smollm2-2bit-qat --bits 2 --steps 60")
+    qa = _command(sub, "qat", "quantization-aware fine-tuning of SmolLM2-135M, saved in the hilt quantize format "
+                  "(resumable)", "hilt qat smollm2 smollm2-2bit-qat --bits 2 --steps 60", [_OUTPUT, _SEED])
     qa.add_argument("model", help="smollm2 (the packaged model)")
     qa.add_argument("dst", help="output folder (a hilt checkpoint, as `hilt quantize` writes)")
-    qa.add_argument("--method", default="kmeans", choices=["kmeans", "int", "int-asym", "binary"])
-    qa.add_argument("--bits", type=int, default=2)
-    qa.add_argument("--block-size", type=int, default=64)
-    qa.add_argument("--steps", type=int, default=60)
-    qa.add_argument("--lr", type=float, default=1e-4)
-    qa.add_argument("--batch", type=int, default=4, help="windows per step")
-    qa.add_argument("--context", type=int, default=256, help="tokens per window")
+    qa.add_argument("--method", default="kmeans", choices=QUANT_METHODS)
+    qa.add_argument("--bits", type=_int(1, 8), help="bits per code, 1-8 (default 2; binary: 1)")
+    qa.add_argument("--block-size", type=_POSITIVE, default=64)
+    qa.add_argument("--steps", type=_POSITIVE, default=60)
+    qa.add_argument("--lr", type=_POSITIVE_NUMBER, default=1e-4)
+    qa.add_argument("--batch", type=_POSITIVE, default=4, help="windows per step")
+    qa.add_argument("--context", type=_int(2), default=256, help="tokens per window")
     qa.add_argument("--learn-codebook", action=argparse.BooleanOptionalAction, default=True,
                     help="k-means: train the codebook levels by the loss after their fit (default), or only refit them")
-    qa.add_argument("--refit-every", type=int, default=0,
+    qa.add_argument("--refit-every", type=_NON_NEGATIVE, default=0,
                     help="k-means codebook refit interval in steps (default 0: never; the published procedure "
                          "with --no-learn-codebook refits every few thousand)")
-    qa.add_argument("--save-every", type=int, default=10, help="steps between resumable training states")
-    qa.add_argument("--seed", type=int, default=0)
+    qa.add_argument("--save-every", type=_POSITIVE, default=10, help="steps between resumable training states")
     qa.add_argument("--only", metavar="REGEX", help="quantize only the Linear weights whose name matches")
     qa.add_argument("--resume", action="store_true", help="continue from DST.qat-state/")
     qa.add_argument("--overwrite", action="store_true")
-    qa.add_argument("--json", metavar="FILE")
     qa.set_defaults(func=cmd_qat)
 
-    d = _parser_with_example(sub, "drift", "accuracy on simulated CIM hardware over time after programming",
-                             "hilt drift --workload cnn --preset pcm --times 1s,1h,1d,1mo,1y --repeats 5 --plot drift.png")
-    d.add_argument("--workload", default="cnn", help="mlp or cnn (default cnn)")
+    d = _command(sub, "drift", "accuracy on simulated CIM hardware over time after programming",
+                 "hilt drift --workload cnn --preset pcm --times 1s,1h,1d,1mo,1y --repeats 5 --plot drift.png",
+                 [_OUTPUT, _PLOT], plot="accuracy against log time, bands over chips")
+    d.add_argument("--workload", default="cnn", choices=WORKLOADS, help="default cnn")
     d.add_argument("--checkpoint", metavar="FILE", help="from `hilt train` (default: bench/results/WORKLOAD-standard.safetensors)")
-    d.add_argument("--preset", default="pcm", help="ideal, pcm, pcm-hwa or rram (default pcm)")
+    d.add_argument("--preset", default="pcm", choices=CIM_PRESETS, help="the CIM device preset (default pcm)")
     d.add_argument("--times", default="1s,1h,1d,1mo,1y", help="comma-separated times after programming")
-    d.add_argument("--repeats", type=int, default=5, help="programmed chips (default 5)")
-    d.add_argument("--gdc", default="global", choices=["global", "exact", "column", "none"],
+    d.add_argument("--repeats", type=_POSITIVE, default=5, help="programmed chips (default 5)")
+    d.add_argument("--gdc", default="global", choices=DRIFT_COMPENSATION,
                    help="drift compensation compared with none (default global)")
-    d.add_argument("--test-images", type=int, default=10_000, help="test images per evaluation (default all 10000)")
-    d.add_argument("--json", metavar="FILE")
-    d.add_argument("--plot", metavar="FILE", help="PNG: accuracy against log time, bands over chips")
+    d.add_argument("--test-images", type=_POSITIVE, default=10_000, help="test images per evaluation (default all 10000)")
     d.set_defaults(func=cmd_drift)
 
-    e = sub.add_parser("eval", help="evaluate a model, quantized or not", description="evaluate a model, quantized or not")
-    esub = e.add_subparsers(dest="metric", required=True)
-    pp = _parser_with_example(esub, "ppl", "perplexity of a Llama-architecture GGUF (SmolLM2-135M by default) on text",
-                              "hilt eval ppl smollm2 --quantized out-2bit --tokens 2048")
+    esub = _group(sub, "eval", "evaluate a model, quantized or not", "metric")
+    pp = _command(esub, "ppl", "perplexity of a Llama-architecture GGUF (SmolLM2-135M by default) on text",
+                  "hilt eval ppl smollm2 --quantized out-2bit --tokens 2048", [_OUTPUT])
     pp.add_argument("model", nargs="?", default="smollm2", help="'smollm2' (the packaged model) or a GGUF path")
     pp.add_argument("--quantized", metavar="DST", help="hilt checkpoint made from MODEL by `hilt quantize`")
     pp.add_argument("--text", metavar="FILE", help="UTF-8 text file (default: Shakespeare's Hamlet)")
-    pp.add_argument("--tokens", type=int, default=2048, help="tokens to score (default 2048)")
-    pp.add_argument("--context", type=int, default=512, help="window length (default 512)")
-    pp.add_argument("--json", metavar="FILE")
+    pp.add_argument("--tokens", type=_int(2), default=2048, help="tokens to score (default 2048)")
+    pp.add_argument("--context", type=_POSITIVE, default=512, help="window length (default 512)")
     pp.set_defaults(func=cmd_eval_ppl)
-    em = _parser_with_example(esub, "embed", "cosine similarity of MiniLM sentence embeddings against the fp32 model",
-                              "hilt eval embed minilm --quantized minilm-2bit")
+    em = _command(esub, "embed", "cosine similarity of MiniLM sentence embeddings against the fp32 model",
+                  "hilt eval embed minilm --quantized minilm-2bit", [_OUTPUT])
     em.add_argument("model", nargs="?", default="minilm", help="'minilm' (the packaged model) or its folder")
     em.add_argument("--quantized", metavar="DST")
-    em.add_argument("--sentences", type=int, default=256, help="sentences from Hamlet to embed (default 256)")
-    em.add_argument("--json", metavar="FILE")
+    em.add_argument("--sentences", type=_POSITIVE, default=256, help="sentences from Hamlet to embed (default 256)")
     em.set_defaults(func=cmd_eval_embed)
 
-    b = sub.add_parser("bench", help="benchmarks (ratios against baselines measured in the same run)",
-                       description="benchmarks (ratios against baselines measured in the same run)")
-    bsub = b.add_subparsers(dest="bench", required=True)
-    bq = _parser_with_example(bsub, "quantize", "quantization speed vs the published k-means procedure, and peak memory",
-                              "hilt bench quantize --quick --json speed.json")
+    bsub = _group(sub, "bench", "benchmarks (ratios against baselines measured in the same run)", "bench")
+    bq = _command(bsub, "quantize", "quantization speed vs the published k-means procedure, and peak memory",
+                  "hilt bench quantize --quick --json speed.json", [_OUTPUT])
     bq.add_argument("--quick", action="store_true", help="4 reference tensors and a 1 GB memory checkpoint")
-    bq.add_argument("--json", metavar="FILE")
     bq.set_defaults(func=cmd_bench_quantize)
 
-    bk = _parser_with_example(bsub, "kernels", "LUT matmul kernels: correctness vs reference; GPU timings vs bf16 cuBLAS",
-                              "hilt bench kernels --check")
+    bk = _command(bsub, "kernels", "LUT matmul kernels: correctness vs reference; GPU timings vs bf16 cuBLAS",
+                  "hilt bench kernels --check", [_OUTPUT, _PLOT],
+                  plot="speedup against M per layer shape and bit width (of the timings, or of --table's file)")
     bk.add_argument("--check", action="store_true", help="the correctness check (on the CPU through Triton's "
                     "interpreter); without --check, --timings or --decode: the check, then timings on a GPU")
     bk.add_argument("--timings", action="store_true", help="GPU: the timings alone")
@@ -553,69 +766,73 @@ def build_parser() -> argparse.ArgumentParser:
                     "(no launch overhead; weights cycled so they come from memory, not L2)")
     bk.add_argument("--smollm2", metavar="GGUF", help="SmolLM2 GGUF for the decode check of --all or --decode "
                     "(default: the packaged one)")
-    bk.add_argument("--json", metavar="FILE")
-    bk.add_argument("--plot", metavar="PNG", help="speedup against M per layer shape and bit width (of the timings, "
-                    "or of --table's file)")
     bk.add_argument("--table", metavar="JSON", help="print the markdown table of a results file (no new run)")
     bk.add_argument("--sass", action="store_true", help="no GPU needed: compile the tuning configurations for sm_90 "
                     "and report registers, spills and main-loop instructions per weight (with --quick: a few)")
     bk.set_defaults(func=cmd_bench_kernels)
 
-    ba = _parser_with_example(bsub, "attention", "FP8 attention kernel against bf16 flash SDPA (GPU only), "
-                              "sequences 1k-16k, head dim 128", "hilt bench attention --json attention-gpu.json")
-    ba.add_argument("--json", metavar="FILE")
+    ba = _command(bsub, "attention", "FP8 attention kernel against bf16 flash SDPA (GPU only), sequences 1k-16k, "
+                  "head dim 128", "hilt bench attention --json attention-gpu.json", [_OUTPUT])
     ba.set_defaults(func=cmd_bench_attention)
 
-    bc = _parser_with_example(bsub, "cim", "CIM simulator speed: each preset against the digital forward (batch 256)",
-                              "hilt bench cim --json cim_speed.json")
-    bc.add_argument("--json", metavar="FILE")
+    bc = _command(bsub, "cim", "CIM simulator speed: each preset against the digital forward (batch 256)",
+                  "hilt bench cim --json cim_speed.json", [_OUTPUT])
     bc.set_defaults(func=cmd_bench_cim)
-    br = _parser_with_example(bsub, "robustness",
-                              "standard vs noise-injection vs DWP training on the CNN: mismatch sweep, a year of PCM "
-                              "drift, DWP ablation", "hilt bench robustness --quick --json robustness.json --plot robustness.png")
+    br = _command(bsub, "robustness", "standard vs noise-injection vs DWP training on the CNN: mismatch sweep, a year "
+                  "of PCM drift, DWP ablation",
+                  "hilt bench robustness --quick --json robustness.json --plot robustness.png", [_OUTPUT, _PLOT],
+                  plot="accuracy against mismatch level and over a year of drift")
     br.add_argument("--quick", action="store_true", help="small budget (under 5 minutes on 2 cores)")
-    br.add_argument("--json", metavar="FILE")
-    br.add_argument("--plot", metavar="FILE", help="PNG: accuracy against mismatch level and over a year of drift")
     br.add_argument("--markdown", metavar="FILE", help="the tables as Markdown")
     br.set_defaults(func=cmd_bench_robustness)
 
-    bqat = _parser_with_example(bsub, "qat", "QAT from scratch on Shakespeare: widths x bits {1,2,4,16} x {kmeans,int}, "
-                                "loss against weight memory, gamma fits, memory-matched winners",
-                                "hilt bench qat --quick --json qat_scaling.json --plot qat_scaling.png")
+    bqat = _command(bsub, "qat", "QAT from scratch on Shakespeare: widths x bits {1,2,4,16} x {kmeans,int}, loss "
+                    "against weight memory, gamma fits, memory-matched winners",
+                    "hilt bench qat --quick --json qat_scaling.json --plot qat_scaling.png", [_OUTPUT, _PLOT],
+                    plot="validation loss against weight memory")
     bqat.add_argument("--quick", action="store_true", help="two widths, shorter training (under 10 minutes on 2 cores)")
-    bqat.add_argument("--seeds", type=int, nargs="+", help="default: 0 1 2 (--quick: 0)")
+    bqat.add_argument("--seeds", type=_ANY_INT, nargs="+", help="default: 0 1 2 (--quick: 0)")
     bqat.add_argument("--learn-codebook", action=argparse.BooleanOptionalAction, default=True,
                       help="k-means codebooks trained by the loss after their fit (default), or refitted by k-means")
-    bqat.add_argument("--lr", type=float, default=None, help="peak learning rate for every width (default: per width, "
-                      "bench/qat_scaling.py's LR_BY_WIDTH: 9e-3 at widths 64 and 96, 6e-3 at 128)")
-    bqat.add_argument("--json", metavar="FILE")
-    bqat.add_argument("--plot", metavar="FILE", help="PNG: validation loss against weight memory")
+    bqat.add_argument("--lr", type=_POSITIVE_NUMBER, default=None, help="peak learning rate for every width (default: "
+                      "per width, bench/studies/qat_scaling.py's LR_BY_WIDTH: 9e-3 at widths 64 and 96, 6e-3 at 128)")
     bqat.set_defaults(func=cmd_bench_qat)
 
-    r = _parser_with_example(sub, "report", "the end-to-end run on the embedded defaults (real models): quantization, "
-                             "LUT kernels, FP8 attention, CIM drift, DWP robustness, energy, ONNX; writes DIR/report.md",
-                             "hilt report --out report/")
-    r.add_argument("--out", default="report", help="output folder (default ./report)")
-    r.add_argument("--quick", action="store_true", help="smaller budgets everywhere (about 10 minutes on 2 cores)")
-    r.add_argument("--json", metavar="FILE")
+    r = _command(sub, "report", "the end-to-end run on the embedded defaults (real models): quantization, LUT "
+                 "kernels, FP8 attention, CIM drift, DWP robustness, energy, ONNX; writes DIR/report.md",
+                 "hilt report --out report/", [_OUTPUT])
+    r.add_argument("--out", default="report", metavar="DIR", help="output folder (default ./report)")
+    budget = r.add_mutually_exclusive_group()
+    budget.add_argument("--quick", action="store_true", help="smaller budgets everywhere, about 10 minutes on 2 "
+                        "cores (the default)")
+    budget.add_argument("--full", action="store_true", help="the full budgets (about 45 minutes on 2 cores)")
     r.set_defaults(func=cmd_report)
     return p
 
 
 def main(argv=None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
+    args = build_parser().parse_args(argv)
+    debug = getattr(args, "debug", False)
+    to_stdout = getattr(args, "json", None) == "-"
+    args.stdout = sys.stdout  # --json - writes here; everything else then goes to stderr
+    _configure_logging(getattr(args, "verbose", 0) - getattr(args, "quiet", 0), sys.stderr if to_stdout else sys.stdout)
     try:
-        return args.func(args)
+        with contextlib.redirect_stdout(sys.stderr) if to_stdout else contextlib.nullcontext():
+            return args.func(args)
+    except UsageError as e:
+        if debug:
+            raise
+        print(f"{getattr(args, '_prog', 'hilt')}: error: {e}", file=sys.stderr)
+        return EXIT_USAGE
     except HiltError as e:
-        if args.debug:
+        if debug:
             raise
         print(f"hilt: error: {e}", file=sys.stderr)
         return EXIT_ERROR
     except KeyboardInterrupt:
-        if args.debug:
+        if debug:
             raise
-        hint = " (run the same command with --resume to continue)" if args.command == "quantize" else ""
+        hint = " (run the same command with --resume to continue)" if args.command in ("quantize", "qat") else ""
         print(f"hilt: interrupted{hint}", file=sys.stderr)
         return EXIT_INTERRUPTED
 

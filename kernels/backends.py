@@ -20,7 +20,7 @@ def triton_kernels(name: str, interpret: bool = False):
         raise HiltError(f"no Triton kernel module {name!r}; there are {', '.join(TRITON_MODULES)}")
     module = f"hilt.kernels.{name}"
     if interpret and os.environ.get("TRITON_INTERPRET") != "1":
-        if any(f"hilt.kernels.{m}" in sys.modules for m in TRITON_MODULES):
+        if any(f"hilt.kernels.{m}" in sys.modules for m in (*TRITON_MODULES, "triton_util")):
             raise HiltError("the Triton kernels were already loaded for the GPU in this process; "
                             "run the interpreter check in a new one")
         os.environ["TRITON_INTERPRET"] = "1"

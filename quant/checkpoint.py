@@ -31,6 +31,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
+from hilt import __version__
 from hilt.errors import HiltError
 from hilt.quant.quantize import QuantConfig, check_quantizable, quantize_tensor, relative_error
 from hilt.quant.qweight import QuantizedWeight
@@ -38,19 +39,19 @@ from hilt.quant.sources import Source, open_source
 
 FORMAT_NAME = "hilt-quantized"
 FORMAT_VERSION = 1
-TOOL_VERSION = "0.1.0"
+TOOL_VERSION = __version__  # the installed package's, as `hilt --version` prints
 HEADER = "hilt.json"
 PROGRESS = "progress.json"
 PARTS = ("codes", "codebook", "scales", "offsets")
 
-# Embeddings and LM heads stay in 16/32-bit by default (REFERENCES.md §1).
+# Embeddings and LM heads stay in 16/32-bit by default (docs/references.md §1).
 KEEP_DENSE = re.compile(
     r"(^|\.)(embed_tokens|embeddings?|word_embeddings|position_embeddings|token_type_embeddings|"
     r"wte|wpe|tok_embeddings|token_embd|lm_head|output)\.weight$|(^|\.)(lm_head|embed_tokens)(\.|$)"
 )
 
 __all__ = ["quantize_checkpoint", "load_checkpoint", "read_header", "select_targets", "open_source",
-           "save_safetensors"]
+           "save_safetensors", "write_json"]
 
 
 def select_targets(source: Source, only: str | None = None, ignore: str | None = None) -> list[str]:
@@ -115,17 +116,25 @@ def save_safetensors(tensors: dict, path, metadata: dict | None = None) -> None:
         tmp.unlink(missing_ok=True)
 
 
-def _write_json(path: Path, obj) -> None:
+def write_json(path, obj, *, sort_keys: bool = False) -> None:
+    """Write ``obj`` as JSON whole: to a temporary name, renamed over ``path`` once complete, so
+    ``path`` never holds half a file and no temporary is left behind."""
+    path = Path(path)
+    if not path.parent.is_dir():
+        raise HiltError(f"{path}: folder {path.parent} does not exist")
+    text = json.dumps(obj, indent=1, sort_keys=sort_keys) + "\n"
     tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(obj, indent=1, sort_keys=True) + "\n")
-    os.replace(tmp, path)
+    try:
+        tmp.write_text(text)
+        os.replace(tmp, path)
+    except OSError as e:
+        raise HiltError(f"{path}: cannot write ({e.strerror or e})") from None
+    finally:
+        tmp.unlink(missing_ok=True)
 
 
 def _tensor_parts(name: str, q: QuantizedWeight) -> dict[str, torch.Tensor]:
-    parts = {f"{name}.codes": q.codes, f"{name}.codebook": q.codebook, f"{name}.scales": q.scales}
-    if q.offsets is not None:
-        parts[f"{name}.offsets"] = q.offsets
-    return {k: v.contiguous() for k, v in parts.items()}
+    return {f"{name}.{part}": t.contiguous() for part, t in q.packed.tensors().items()}
 
 
 def quantize_checkpoint(
@@ -153,7 +162,6 @@ def quantize_checkpoint(
     Returns the header written to ``dst/hilt.json``. ``on_tensor`` is called
     with each tensor's entry (name, kind, bits_per_weight, rel_error, ...).
     """
-    config.validate()
     dst = Path(dst)
     if importance is not None and config.method != "kmeans":
         raise HiltError("--importance applies to --method kmeans only")
@@ -192,7 +200,7 @@ def quantize_checkpoint(
                 "tensors": state["tensors"],
                 "totals": _totals(state["tensors"]),
             }
-            _write_json(partial / HEADER, header)
+            write_json(partial / HEADER, header, sort_keys=True)
             (partial / PROGRESS).unlink()
             _move_into_place(partial, dst)
             return header
@@ -217,7 +225,7 @@ def _start_or_resume(partial: Path, settings: dict, resume: bool) -> dict:
         shutil.rmtree(partial)
     partial.mkdir()
     state = {"settings": settings, "shards": [], "tensors": {}}
-    _write_json(partial / PROGRESS, state)
+    write_json(partial / PROGRESS, state, sort_keys=True)
     return state
 
 
@@ -275,7 +283,7 @@ def _flush(partial: Path, state: dict, buffer: dict, entries: dict) -> None:
         e["shard"] = shard
     state["shards"].append(shard)
     state["tensors"].update(entries)
-    _write_json(partial / PROGRESS, state)
+    write_json(partial / PROGRESS, state, sort_keys=True)
 
 
 def _totals(tensors: dict) -> dict:

@@ -1,5 +1,7 @@
 """`hilt quantize` / `hilt inspect` as a user runs them, including every bad input."""
 
+import json
+import re
 import signal
 import subprocess
 import sys
@@ -27,11 +29,23 @@ def assert_clean_failure(result, *needles, dst=None):
         assert not Path(str(dst) + ".partial").exists()
 
 
+def assert_bad_flag(result, command, flag, *needles):
+    """A bad flag value: one line naming the command and the flag, exit 2, no usage block."""
+    assert result.returncode == 2, result.stderr
+    err = result.stderr.strip()
+    assert len(err.splitlines()) == 1, err
+    assert err.startswith(f"hilt {command}: error: {flag}"), err
+    for n in needles:
+        assert n in err, err
+    assert result.stdout == ""
+
+
 def test_quantize_inspect_and_json(tiny_ckpt, tmp_path):
     dst, js = tmp_path / "out", tmp_path / "report.json"
     r = run_hilt("quantize", tiny_ckpt, dst, "--method", "kmeans", "--bits", "2", "--json", js)
     assert r.returncode == 0, r.stderr
     assert "model.layers.0.mlp.up_proj.weight" in r.stdout and "bits/weight" in r.stdout
+    assert r.stderr == ""
     report = read_json(js)
     names = {t["name"] for t in report["tensors"]}
     # embeddings, the LM head and 1-D norms stay unquantized by default
@@ -166,10 +180,75 @@ def test_nan_weight_names_tensor(tmp_path):
     assert_clean_failure(r, "model.layers.1.mlp.up_proj.weight", "NaN or Inf", dst=tmp_path / "o")
 
 
-@pytest.mark.parametrize("bits", ["0", "9"])
+@pytest.mark.parametrize("bits", ["0", "9", "abc", "2.5"])
 def test_bits_out_of_range(tiny_ckpt, tmp_path, bits):
-    assert_clean_failure(run_hilt("quantize", tiny_ckpt, tmp_path / "o", "--bits", bits), "between 1 and 8",
-                         dst=tmp_path / "o")
+    r = run_hilt("quantize", tiny_ckpt, tmp_path / "o", "--bits", bits)
+    assert_bad_flag(r, "quantize", "--bits", f"expected an integer 1..8, got '{bits}'")
+    assert not (tmp_path / "o").exists()
+
+
+@pytest.mark.parametrize("args,flag,needle", [
+    (["--method", "foo"], "--method", "expected one of kmeans, int, int-asym, binary, got 'foo'"),
+    (["--block-size", "x"], "--block-size", "expected a positive integer, got 'x'"),
+    (["--block-size", "0"], "--block-size", "expected a positive integer, got '0'"),
+    (["--shard-size", "-1"], "--shard-size", "expected a positive number"),
+    (["--codebook", "row"], "--codebook", "expected one of layer, block"),
+    (["--method", "binary", "--bits", "4"], "--method binary", "--bits 4"),
+    (["--method", "kmeans", "--asymmetric"], "--asymmetric", "--method int"),
+    (["--frobnicate"], "unrecognized arguments", "--frobnicate"),
+])
+def test_bad_flags_are_one_line(tiny_ckpt, tmp_path, args, flag, needle):
+    assert_bad_flag(run_hilt("quantize", tiny_ckpt, tmp_path / "o", *args), "quantize", flag, needle)
+    assert not (tmp_path / "o").exists()
+
+
+def test_method_binary_implies_one_bit(tiny_ckpt, tmp_path):
+    r = run_hilt("quantize", tiny_ckpt, tmp_path / "b", "--method", "binary", "--json", tmp_path / "b.json")
+    assert r.returncode == 0, r.stderr
+    report = read_json(tmp_path / "b.json")
+    assert report["config"]["method"] == "binary" and report["config"]["bits"] == 1
+    assert all(t["bits_per_weight"] == pytest.approx(1.25, abs=0.01) for t in report["tensors"])
+    assert read_json(tmp_path / "b" / "hilt.json")["config"]["bits"] == 1
+    r = run_hilt("quantize", tiny_ckpt, tmp_path / "b1", "--method", "binary", "--bits", "1")  # said explicitly
+    assert r.returncode == 0, r.stderr
+
+
+def test_version_is_the_package_metadata(tiny_ckpt, tmp_path):
+    from importlib.metadata import version
+
+    import hilt
+    from hilt.quant.checkpoint import TOOL_VERSION
+
+    r = run_hilt("--version")
+    assert r.returncode == 0 and r.stdout.strip() == f"hilt {version('hilt')}", r.stdout
+    assert hilt.__version__ == TOOL_VERSION == version("hilt")
+    assert run_hilt("quantize", tiny_ckpt, tmp_path / "o", "--bits", "2").returncode == 0
+    assert read_json(tmp_path / "o" / "hilt.json")["tool_version"] == version("hilt")
+
+
+def test_json_to_stdout(tiny_ckpt, tmp_path):
+    r = run_hilt("quantize", tiny_ckpt, tmp_path / "o", "--bits", "2", "--json", "-")
+    assert r.returncode == 0, r.stderr
+    report = json.loads(r.stdout)  # nothing else on stdout
+    assert report["config"]["bits"] == 2 and len(report["tensors"]) == 6
+    assert "wrote" in r.stderr and "[6/6]" in r.stderr
+    r = run_hilt("inspect", tmp_path / "o", "--tensors", "--json", "-")
+    assert r.returncode == 0 and json.loads(r.stdout)["config"]["bits"] == 2
+    assert "lm_head.weight" in r.stderr
+    assert not (tmp_path / "-").exists()
+
+
+def test_progress_lines_without_a_terminal(tiny_ckpt, tmp_path):
+    """Not a tty (a pipe here): one line per quantized tensor, in order, with its time."""
+    r = run_hilt("quantize", tiny_ckpt, tmp_path / "o", "--bits", "2")
+    assert r.returncode == 0, r.stderr
+    lines = [m.groups() for m in re.finditer(r"^\[(\d+)/(\d+)\] (\S+) \.\.\. \d+\.\ds  2\.\d+ bits/weight",
+                                             r.stdout, re.M)]
+    assert [(int(i), int(n)) for i, n, _ in lines] == [(i, 6) for i in range(1, 7)], r.stdout
+    assert lines[0][2] == "model.layers.0.mlp.down_proj.weight"
+    assert "\r" not in r.stdout + r.stderr  # no bar
+    quiet = run_hilt("quantize", tiny_ckpt, tmp_path / "q", "--bits", "2", "-q")
+    assert quiet.returncode == 0 and quiet.stdout.startswith("wrote") and len(quiet.stdout.splitlines()) == 1
 
 
 def test_block_size_that_does_not_divide(tiny_ckpt, tmp_path):
@@ -259,3 +338,25 @@ def test_written_safetensors_are_readable_as_the_umask_allows(tmp_path):
     with pytest.raises(HiltError, match=r"missing/x.safetensors: cannot write"):
         save_safetensors({"a": torch.zeros(3)}, tmp_path / "missing" / "x.safetensors")
     assert not (tmp_path / "missing").exists()
+
+
+def test_write_json_is_whole_or_nothing(tiny_ckpt, tmp_path):
+    from hilt.errors import HiltError
+    from hilt.quant.checkpoint import write_json
+
+    d = tmp_path / "j"
+    d.mkdir()
+    write_json(d / "a.json", {"b": 1, "a": [1.5]})
+    assert read_json(d / "a.json") == {"b": 1, "a": [1.5]}
+    write_json(d / "a.json", {"c": 2})  # replaced whole
+    assert read_json(d / "a.json") == {"c": 2}
+    with pytest.raises(HiltError, match=r"missing/a.json: folder .*missing does not exist"):
+        write_json(d / "missing" / "a.json", {})
+    (d / "d.json").mkdir()
+    with pytest.raises(HiltError, match=r"d.json: cannot write"):
+        write_json(d / "d.json", {})
+    with pytest.raises(TypeError):  # not JSON: nothing written, no temporary
+        write_json(d / "e.json", {"x": object()})
+    assert sorted(p.name for p in d.iterdir()) == ["a.json", "d.json"]
+    r = run_hilt("quantize", tiny_ckpt, tmp_path / "o", "--dry-run", "--json", d / "missing" / "o.json")
+    assert_clean_failure(r, "missing/o.json: folder")  # the command line writes through it too

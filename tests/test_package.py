@@ -22,8 +22,9 @@ FOLDERS = {"kernels": "hilt.kernels", "quant": "hilt.quant", "fp8": "hilt.fp8", 
 # of hilt/ that import nothing of the project (the error class, the version in hilt/__init__.py,
 # progress lines) are the ground every package stands on; the rest of hilt/ is the command line.
 GROUND = ("hilt", "hilt.errors", "hilt.progress")
-RANK = {**dict.fromkeys(GROUND, 0), "hilt.kernels": 1, "hilt.quant": 2, "hilt.fp8": 2, "hilt.cim_sim": 2,
-        "hilt.bench": 3, "hilt (CLI)": 4}
+# cim_sim stands on quant (module replacement; quantized models on analog arrays), never the reverse.
+RANK = {**dict.fromkeys(GROUND, 0), "hilt.kernels": 1, "hilt.quant": 2, "hilt.fp8": 2, "hilt.cim_sim": 3,
+        "hilt.bench": 4, "hilt (CLI)": 5}
 HEAVY = ("triton", "onnx", "onnxruntime", "matplotlib", "transformers", "ray")
 
 

@@ -14,7 +14,6 @@
 from __future__ import annotations
 
 import argparse
-import json
 import platform
 import subprocess
 import sys
@@ -25,7 +24,7 @@ from pathlib import Path
 import torch
 
 from hilt.quant import QuantConfig, open_source, quantize_checkpoint
-from hilt.quant.checkpoint import select_targets
+from hilt.quant.checkpoint import select_targets, write_json
 from hilt.quant.kmeans import SortedValues, kmeans_optimal
 from hilt.quant.quantize import normalise_blocks
 
@@ -133,6 +132,18 @@ def memory(gb: float, log=print) -> dict:
     return {"checkpoint_bytes": size, "peak_rss_bytes": peak, "seconds": seconds, "tensors": count}
 
 
+def run(quick: bool = False, reference_tensors: int | None = None, memory_gb: float | None = None,
+        log=print) -> dict:
+    """Both measurements on SmolLM2-135M (`hilt bench quantize`)."""
+    from hilt.bench.models.llama import smollm2_path
+
+    return {
+        "machine": {"cpu_threads": torch.get_num_threads(), "platform": platform.platform(), "torch": torch.__version__},
+        "speed": speed(smollm2_path(), reference_tensors or (4 if quick else 21), log=log),
+        "memory": memory(memory_gb or (1.0 if quick else 4.0), log=log),
+    }
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="fewer reference tensors, a 1 GB memory checkpoint")
@@ -140,15 +151,9 @@ def main(argv=None) -> int:
     p.add_argument("--memory-gb", type=float, help="size of the generated checkpoint (default 4, quick 1)")
     p.add_argument("--json", default=None, help="write the results here")
     args = p.parse_args(argv)
-    from hilt.bench.models.llama import smollm2_path
-
-    result = {
-        "machine": {"cpu_threads": torch.get_num_threads(), "platform": platform.platform(), "torch": torch.__version__},
-        "speed": speed(smollm2_path(), args.reference_tensors or (4 if args.quick else 21)),
-        "memory": memory(args.memory_gb or (1.0 if args.quick else 4.0)),
-    }
+    result = run(args.quick, args.reference_tensors, args.memory_gb)
     if args.json:
-        Path(args.json).write_text(json.dumps(result, indent=1) + "\n")
+        write_json(args.json, result)
     return 0
 
 

@@ -15,13 +15,13 @@ better on it than they would on the original bf16 model.
 
 from __future__ import annotations
 
-import json
 import shutil
 import time
 from pathlib import Path
 
 from hilt.bench.tasks import evaluate
 from hilt.quant import QuantConfig, quantize_checkpoint
+from hilt.quant.checkpoint import write_json
 
 # (label, method, bits); "kmeans-imp" is k-means weighted by calibrated input importance
 FULL = [(label, method, b) for b in (4, 3, 2) for label, method in
@@ -82,7 +82,7 @@ def run(out="report", quick=False, json_path=None, tokens=None, sentences=None, 
               "note": "SmolLM2 weights were published at 4 bits (Q4_1, blocks of 32); their dequantized values "
                       "are the reference."}
     target = Path(json_path) if json_path else out / "quant_table.json"
-    target.write_text(json.dumps(result, indent=1) + "\n")
+    write_json(target, result)
     render(result, out)
     log(f"wrote {out / 'quant_table.md'}, {out / 'quant_table.png'}, {target}")
     return result

@@ -10,6 +10,7 @@ import torch
 from hilt.bench import RESULTS
 from hilt.cim_sim import convert_to_analog, drift_to, parse_time, preset, program
 from hilt.errors import HiltError
+from hilt.progress import Progress
 
 DEFAULT_TIMES = "1s,1h,1d,1mo,1y"
 
@@ -33,8 +34,6 @@ def drift_study(workload="cnn", checkpoint=None, preset_name="pcm", times=DEFAUL
     """Accuracy at each time after programming, over ``repeats`` programmed chips, with and without GDC.
 
     ``model``: a trained workload model to use instead of a checkpoint file."""
-    from tqdm import tqdm
-
     from hilt.bench.data.fashion_mnist import load_fashion_mnist
     from hilt.bench.tasks.train import accuracy
 
@@ -49,16 +48,18 @@ def drift_study(workload="cnn", checkpoint=None, preset_name="pcm", times=DEFAUL
     analog = convert_to_analog(model, config)
     modes = ["none"] if gdc == "none" else ["none", gdc]
     acc = {m: [[0.0] * repeats for _ in seconds] for m in modes}
-    steps = tqdm(total=repeats * len(seconds) * len(modes), desc="drift", disable=not progress)
+    labels_t = times.split(",") if isinstance(times, str) else [str(t) for t in times]
+    chips = Progress(repeats, "drift", "chip", steps=len(seconds) * len(modes), enabled=progress)
     for r in range(repeats):
         program(analog, seed=r)
         for i, t in enumerate(seconds):
             for m in modes:
                 drift_to(analog, t, seed=10_000 * r + i, gdc=m)  # same read noise draw for both modes
                 acc[m][i][r] = accuracy(analog, images, labels)
-                steps.update()
-    steps.close()
-    labels_t = times.split(",") if isinstance(times, str) else [str(t) for t in times]
+                chips.tick()
+        chips.done(f"chip {r + 1}", f"accuracy at {labels_t[-1]}: "
+                   + ", ".join(f"{m} {acc[m][-1][r]:.4f}" for m in modes))
+    chips.close()
     rows = []
     for m in modes:
         for i, t in enumerate(seconds):

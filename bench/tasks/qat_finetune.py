@@ -18,11 +18,11 @@ from pathlib import Path
 
 import torch
 from safetensors.torch import load_file
-from tqdm import tqdm
 
 from hilt.errors import HiltError
+from hilt.progress import Progress
 from hilt.quant import QuantConfig
-from hilt.quant.checkpoint import save_safetensors
+from hilt.quant.checkpoint import save_safetensors, write_json
 from hilt.quant.qat import (
     QATSchedule,
     fake_quant_layers,
@@ -55,8 +55,7 @@ def _save_state(path: Path, model, opt, step: int, settings: dict) -> None:
         for key, value in st.items():
             tensors[f"opt.{i}.{key}"] = torch.as_tensor(value).contiguous()
     save_safetensors(tensors, tmp / "state.safetensors")
-    (tmp / "state.json").write_text(json.dumps({"step": step, "settings": settings,
-                                                "param_groups": opt_state["param_groups"]}, indent=1))
+    write_json(tmp / "state.json", {"step": step, "settings": settings, "param_groups": opt_state["param_groups"]})
     shutil.rmtree(path, ignore_errors=True)
     tmp.rename(path)  # the previous state stays whole until the new one is complete
 
@@ -121,9 +120,9 @@ def finetune(dst, method: str = "kmeans", bits: int = 2, block_size: int = 64, s
     tokens = _training_tokens(tokenizer, 400_000)
     schedule = QATSchedule(warmup=0, refit_every=refit_every, steps=steps)
     losses = []
-    bar = tqdm(range(start, steps), desc="qat", unit="step", disable=not progress, initial=start, total=steps)
+    bar = Progress(steps, "qat", "step", initial=start, enabled=progress)
     model.train()
-    for step in bar:
+    for step in range(start, steps):
         gen = torch.Generator().manual_seed(seed * 1_000_003 + step)  # the same batch whether resumed or not
         starts = torch.randint(len(tokens) - context - 1, (batch,), generator=gen)
         window = tokens[starts[:, None] + torch.arange(context + 1)].to(device)
@@ -136,10 +135,11 @@ def finetune(dst, method: str = "kmeans", bits: int = 2, block_size: int = 64, s
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         losses.append(float(loss.detach()))
-        bar.set_postfix(loss=f"{losses[-1]:.3f}")
+        bar.done(f"step {step + 1}", f"loss {losses[-1]:.3f}")
         qat_step_(model, step, schedule)
         if (step + 1) % save_every == 0 and step + 1 < steps:
             _save_state(state_dir, model, opt, step + 1, settings)
+    bar.close()
     model.cpu()
     header = save_qat(model, dst, overwrite=overwrite)
     shutil.rmtree(state_dir, ignore_errors=True)

@@ -22,6 +22,7 @@ from hilt.bench.data.fashion_mnist import load_fashion_mnist
 from hilt.bench.models.classifiers import WORKLOADS, build, check_workload
 from hilt.cim_sim.training import NoisyTraining, noisy_loss
 from hilt.errors import HiltError
+from hilt.progress import Progress
 
 FORMAT = "hilt-workload"
 FORMAT_VERSION = "1"
@@ -104,11 +105,7 @@ def train(name: str, epochs: int | None = None, seed: int = 0, batch_size: int =
     optimizer = torch.optim.Adam(model.parameters(), lr=lr)
 
     steps_per_epoch = (n + batch_size - 1) // batch_size
-    bar = None
-    if progress:
-        from tqdm import tqdm
-
-        bar = tqdm(total=epochs * steps_per_epoch, desc=f"train {name} ({training.method})", unit="step")
+    bar = Progress(epochs, f"train {name} ({training.method})", "epoch", steps=steps_per_epoch, enabled=progress)
     history = []
     try:
         for epoch in range(1, epochs + 1):
@@ -124,20 +121,18 @@ def train(name: str, epochs: int | None = None, seed: int = 0, batch_size: int =
                 optimizer.step()
                 loss_sum += loss.item() * len(idx)
                 correct += int((logits.argmax(dim=1) == y).sum())
-                if bar is not None:
-                    bar.update(1)
-                    bar.set_postfix(epoch=epoch, loss=f"{loss.item():.3f}", refresh=False)
+                bar.tick(epoch=epoch, loss=f"{loss.item():.3f}")
             record = {"epoch": epoch, "images": n, "loss": loss_sum / n, "train_accuracy": correct / n,
                       "seconds": time.perf_counter() - start}
             if not math.isfinite(record["loss"]):
                 raise HiltError(f"training {name} diverged at epoch {epoch} (loss {record['loss']}); "
                                 f"try a smaller learning rate than {lr}")
             history.append(record)
+            bar.done(f"epoch {epoch}", f"loss {record['loss']:.3f}, train accuracy {record['train_accuracy']:.4f}")
             if on_epoch is not None:
                 on_epoch(epoch, model, record)
     finally:
-        if bar is not None:
-            bar.close()
+        bar.close()
     return model.eval(), history
 
 
