@@ -102,22 +102,18 @@ def _float_pair(text: str) -> tuple[float, float]:
 
 
 class _Names:
-    """Choices named by a library constant (a dict's keys or a tuple's items), looked up only when
-    argparse needs them. Read from the module's source where it spells the constant as a literal:
-    importing the module imports torch, which `hilt CMD --help` must not; imported otherwise."""
+    """Choices named by a library constant (a dict's keys or a tuple's items). The module is
+    imported when argparse first needs them (a value to check, a command's --help), so that
+    `hilt --help` imports no torch."""
 
     def __init__(self, module: str, constant: str):
         self.module, self.constant, self._names = module, constant, None
 
     def _load(self) -> tuple:
         if self._names is None:
-            loaded = sys.modules.get(self.module)
-            names = None if loaded is not None else _literal_names(self.module, self.constant)
-            if names is None:
-                import importlib
+            import importlib
 
-                names = tuple(getattr(loaded or importlib.import_module(self.module), self.constant))
-            self._names = names
+            self._names = tuple(getattr(importlib.import_module(self.module), self.constant))
         return self._names
 
     def __iter__(self):
@@ -128,34 +124,6 @@ class _Names:
 
     def __len__(self) -> int:
         return len(self._load())
-
-
-def _literal_names(module: str, constant: str) -> tuple[str, ...] | None:
-    """The string keys/items of ``constant = {...}`` or ``(...)`` in ``module``'s source, or None."""
-    import ast
-    import importlib.util
-
-    package, _, leaf = module.rpartition(".")
-    try:
-        spec = importlib.util.find_spec(package)  # imports the parents of `package` only
-        tree = ast.parse(Path(spec.submodule_search_locations[0], f"{leaf}.py").read_text())
-    except (ImportError, AttributeError, TypeError, IndexError, OSError, SyntaxError):
-        return None
-    for node in tree.body:
-        if isinstance(node, ast.Assign) and len(node.targets) == 1:
-            target = node.targets[0]
-        elif isinstance(node, ast.AnnAssign):
-            target = node.target
-        else:
-            continue
-        if isinstance(target, ast.Name) and target.id == constant:
-            items = node.value.keys if isinstance(node.value, ast.Dict) else getattr(node.value, "elts", None)
-            try:
-                names = tuple(ast.literal_eval(item) for item in items or ())
-            except (ValueError, TypeError):  # not literals: import the module
-                return None
-            return names if names and all(isinstance(n, str) for n in names) else None
-    return None
 
 
 QUANT_METHODS = _Names("hilt.quant.qweight", "METHODS")
