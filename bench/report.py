@@ -91,6 +91,12 @@ def run(out="report", quick: bool = True, log=print, progress: bool = False) -> 
     from hilt.bench.studies import robustness
     from hilt.quant.checkpoint import write_json
 
+    import torch
+
+    from hilt.kernels.backends import triton_kernels
+
+    if not torch.cuda.is_available():  # the kernel section checks the Triton code in its CPU interpreter,
+        triton_kernels("lut_matmul_triton", interpret=True)  # which must be chosen before Triton loads
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "errors.log").unlink(missing_ok=True)

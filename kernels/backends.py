@@ -14,15 +14,17 @@ def triton_kernels(name: str, interpret: bool = False):
     """The module ``hilt.kernels.<name>`` with the Triton kernels, imported on first use.
 
     ``interpret=True`` runs its kernels in Triton's CPU interpreter (how CPU-only machines check
-    them). Triton reads that choice when a kernel is defined, so it is made here, before the first
-    import, and holds for the rest of the process."""
+    them). Triton reads that choice when it is imported, so it is made here, before that, and
+    holds for the rest of the process."""
     if name not in TRITON_MODULES:
         raise HiltError(f"no Triton kernel module {name!r}; there are {', '.join(TRITON_MODULES)}")
     module = f"hilt.kernels.{name}"
     if interpret and os.environ.get("TRITON_INTERPRET") != "1":
-        if any(f"hilt.kernels.{m}" in sys.modules for m in (*TRITON_MODULES, "triton_util")):
-            raise HiltError("the Triton kernels were already loaded for the GPU in this process; "
-                            "run the interpreter check in a new one")
+        # Triton defines its own library functions (tl.cdiv, ...) when it is imported: the
+        # interpreter must be chosen before that
+        if "triton" in sys.modules:
+            raise HiltError("Triton was already imported in this process without its interpreter; "
+                            "run the CPU check in a new process (hilt bench kernels --check)")
         os.environ["TRITON_INTERPRET"] = "1"
     try:
         import triton  # noqa: F401

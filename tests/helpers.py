@@ -26,8 +26,10 @@ def make_checkpoint(path: Path, n_layers: int = 2, hidden: int = 128, seed: int 
 
 
 def run_hilt(*args, cwd=None, timeout=300):
-    """Run the real command line in a subprocess; returns CompletedProcess."""
-    env = {**os.environ, "PYTHONWARNINGS": "ignore"}
+    """Run the real command line in a subprocess, as a user would (the commands choose Triton's
+    interpreter themselves where they need it); returns CompletedProcess."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONWARNINGS"] = "ignore"
     return subprocess.run([sys.executable, "-m", "hilt", *map(str, args)], capture_output=True, text=True,
                           cwd=cwd, timeout=timeout, env=env)
 
