@@ -492,6 +492,13 @@ def cmd_bench_cim(args) -> int:
     return 0
 
 
+def cmd_bench_startup(args) -> int:
+    from hilt.bench.perf import startup
+
+    _write_json(args, startup.run(repeats=args.repeats, log=LOG.info))
+    return 0
+
+
 def cmd_bench_robustness(args) -> int:
     from hilt.bench.studies import robustness
 
@@ -746,6 +753,10 @@ def build_parser() -> argparse.ArgumentParser:
     bc = _command(bsub, "cim", "CIM simulator speed: each preset against the digital forward (batch 256)",
                   "hilt bench cim --json cim_speed.json", [_OUTPUT])
     bc.set_defaults(func=cmd_bench_cim)
+    bs = _command(bsub, "startup", "how long `hilt --help` takes against `python -c 'import torch'` (fresh processes)",
+                  "hilt bench startup --json startup.json", [_OUTPUT])
+    bs.add_argument("--repeats", type=int, default=7, help="timed runs of each (default 7), after one warm-up")
+    bs.set_defaults(func=cmd_bench_startup)
     br = _command(bsub, "robustness", "standard vs noise-injection vs DWP training on the CNN: mismatch sweep, a year "
                   "of PCM drift, DWP ablation",
                   "hilt bench robustness --quick --json robustness.json --plot robustness.png", [_OUTPUT, _PLOT],

@@ -226,3 +226,15 @@ def test_without_triton_the_cpu_path_runs_and_gpu_kernels_say_why(tmp_path):
     r = _python(code, tmp_path)
     assert r.returncode == 0, r.stderr
     assert "Triton is not installed" in r.stdout
+
+
+def test_startup_benchmark_measures_both_in_one_run(tmp_path):
+    from helpers import read_json, run_hilt
+
+    r = run_hilt("bench", "startup", "--repeats", "1", "--json", tmp_path / "s.json")
+    assert r.returncode == 0, r.stderr
+    result = read_json(tmp_path / "s.json")
+    med = result["median_s"]
+    assert set(med) == {"import torch", "hilt --help", "hilt --version"} and all(t > 0 for t in med.values())
+    assert result["help_minus_torch_s"] == med["hilt --help"] - med["import torch"]
+    assert result["met"] == (result["help_minus_torch_s"] <= result["target_s"])

@@ -42,7 +42,3 @@ def run(repeats: int = 7, log=print) -> dict:
         f"{'met' if excess <= TARGET_S else 'MISSED'}")
     return {"repeats": repeats, "median_s": medians, "help_minus_torch_s": excess, "target_s": TARGET_S,
             "met": excess <= TARGET_S, "python": sys.version.split()[0]}
-
-
-if __name__ == "__main__":
-    run()
