@@ -72,7 +72,7 @@ def kernel_section(out: Path, log=print) -> str:
         result["timings"] = lut_kernels.timings(quick=True, log=log)
         lines += ["", lut_kernels.render_table(result)]
     else:
-        lines += ["", "Timings against cuBLAS need a GPU: `bash bench/perf/gpu_check.sh` (see the README)."]
+        lines += ["", "Timings against cuBLAS need a GPU: `bash bench/perf/gpu_check.sh` (docs/gpu.md)."]
     lines += ["", ("1-bit weights quantized after training decode noise; the check is that the kernel gives the "
               "same noise as the dequantized matmul (`hilt bench qat` trains models that survive 1 bit).")]
     write_json(out / "lut_kernels.json", result)
