@@ -1,4 +1,8 @@
-"""hilt: the command line. Parses arguments, calls the packages, prints."""
+"""hilt: hardware-in-the-loop low-precision inference.
+
+The packages: hilt.quant, hilt.kernels, hilt.fp8, hilt.cim_sim, and hilt.bench (the built-in
+workloads and studies); hilt.cli is the `hilt` command. Importing this module imports nothing.
+"""
 
 
 def __getattr__(name: str):

@@ -41,11 +41,8 @@ class QuantConfig:
     solver: str = "optimal"  # kmeans only: "optimal" (certified DP) or "lloyd" (k-means++ + Lloyd)
     seed: int = 0
 
-    def __post_init__(self):  # a QuantConfig that exists is valid
-        self.validate()
-
-    def validate(self) -> "QuantConfig":
-        """Raise HiltError naming the bad setting; returns self. Run when made: no need to call it."""
+    def __post_init__(self):
+        """A QuantConfig that exists is valid: a bad setting raises HiltError naming it."""
         if self.method not in METHODS:
             raise HiltError(f"unknown method {self.method!r}; choose one of {', '.join(METHODS)}")
         if not 1 <= self.bits <= 8:
@@ -62,7 +59,6 @@ class QuantConfig:
             raise HiltError("--codebook block applies to --method kmeans only")
         if self.solver not in ("optimal", "lloyd"):
             raise HiltError(f"unknown k-means solver {self.solver!r}; choose optimal or lloyd")
-        return self
 
 
 def check_quantizable(name: str, shape, config: QuantConfig) -> None:

@@ -92,7 +92,7 @@ def finetune(dst, method: str = "kmeans", bits: int = 2, block_size: int = 64, s
         shutil.rmtree(state_dir, ignore_errors=True)
     if steps < 1 or batch < 1 or context < 2 or save_every < 1:
         raise HiltError("QAT needs steps, batch and save-every >= 1 and a context >= 2")
-    config = QuantConfig(method=method, bits=bits, block_size=block_size).validate()
+    config = QuantConfig(method=method, bits=bits, block_size=block_size)
     settings = {"config": asdict(config), "steps": steps, "lr": lr, "batch": batch, "context": context,
                 "refit_every": refit_every, "seed": seed, "only": only, "learn_codebook": learn_codebook}
     try:
