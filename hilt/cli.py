@@ -19,7 +19,7 @@ import sys
 from pathlib import Path
 
 from hilt.errors import HiltError
-from hilt.progress import Handler, Progress, interactive
+from hilt.progress import Handler, Progress
 
 EXIT_ERROR, EXIT_USAGE, EXIT_INTERRUPTED = 1, 2, 130
 LOG = logging.getLogger("hilt")
@@ -218,11 +218,6 @@ class _WarningFormat(logging.Formatter):
         return f"hilt: {record.levelname.lower()}: {record.getMessage()}"
 
 
-def _bars() -> bool:
-    """Whether a library's own progress bar may be drawn: on a terminal, unless -q."""
-    return interactive() and LOG.getEffectiveLevel() <= logging.INFO
-
-
 def _write_json(args, obj) -> None:
     """--json FILE (atomic, as every JSON file hilt writes), or --json - (stdout)."""
     if not getattr(args, "json", None):
@@ -353,7 +348,7 @@ def cmd_eval_ppl(args) -> int:
     from hilt.bench.tasks import evaluate
 
     result = evaluate.perplexity_run(args.model, quantized=args.quantized, text=args.text, tokens=args.tokens,
-                                     context=args.context, progress=_bars())
+                                     context=args.context, progress=True)
     label = args.quantized or "unquantized"
     print(f"perplexity {result['perplexity']:.3f} over {result['tokens']} tokens "
           f"(context {result['context']}) of {result['text']} — {label}")

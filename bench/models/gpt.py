@@ -16,10 +16,10 @@ from functools import lru_cache
 import torch
 import torch.nn.functional as F
 from torch import nn
-from tqdm import tqdm
 
 from hilt.bench.data.text import available_works, shakespeare_text
 from hilt.errors import HiltError
+from hilt.progress import Progress
 
 
 @lru_cache(maxsize=1)
@@ -141,7 +141,8 @@ def train(model: GPT, steps: int, lr: float = 1e-3, size: int = 32, seed: int = 
     opt = optimizer or torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.1, betas=(0.9, 0.95))
     model.train()
     losses = []
-    for step in tqdm(range(steps), desc=desc, disable=not progress, leave=False):
+    bar = Progress(1, desc, steps=steps, enabled=progress)  # the run is one item: a line when it ends
+    for step in range(steps):
         for g in opt.param_groups:
             g["lr"] = lr if lr_at is None else lr_at(step)
         _, loss = model(*batch(data, model.cfg.block_size, size, gen))
@@ -152,6 +153,9 @@ def train(model: GPT, steps: int, lr: float = 1e-3, size: int = 32, seed: int = 
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         losses.append(float(loss.detach()))
+        bar.tick()
         if after_step is not None:
             after_step(step, losses[-1])
+    bar.done(desc, f"{steps} steps, final loss {losses[-1]:.3f}" if losses else "no steps")
+    bar.close()
     return losses

@@ -25,9 +25,9 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-from tqdm import tqdm
 
 from hilt.errors import HiltError
+from hilt.progress import Progress
 from hilt.bench.models.weights import load_weights_
 
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -288,11 +288,12 @@ def perplexity(model: Llama, token_ids: torch.Tensor, context: int = 512, progre
     windows = [ids[i:i + context] for i in range(0, ids.numel(), context)]
     windows = [w for w in windows if w.numel() >= 2]
     nll_sum, count = 0.0, 0
-    with torch.inference_mode():
-        for w in tqdm(windows, desc="perplexity", unit="window", disable=not progress):
+    with torch.inference_mode(), Progress(len(windows), "perplexity", "window", enabled=progress) as bar:
+        for i, w in enumerate(windows):
             logits = model(w[None])[0, :-1].float()
             nll_sum += F.cross_entropy(logits, w[1:], reduction="sum").item()
             count += w.numel() - 1
+            bar.done(f"window {i + 1}", f"running perplexity {math.exp(nll_sum / count):.2f}")
     return math.exp(nll_sum / count)
 
 
