@@ -12,7 +12,6 @@ import torch
 from torch import nn
 
 from hilt.errors import HiltError
-
 from hilt.kernels import byte_table, lut_matmul, uses_byte_table
 from hilt.kernels.lut_matmul import PackedWeight
 from hilt.quant.checkpoint import KEEP_DENSE, load_checkpoint

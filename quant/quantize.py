@@ -24,7 +24,6 @@ from dataclasses import dataclass
 import torch
 
 from hilt.errors import HiltError
-
 from hilt.kernels import dequantize_lut, pack_codes, packed_row_bytes
 from hilt.quant import kmeans
 from hilt.quant.qweight import METHODS, QuantizedWeight

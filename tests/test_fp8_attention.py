@@ -19,7 +19,6 @@ import pytest
 import torch
 
 from hilt.errors import HiltError
-
 from hilt.kernels import attention_reference, fp8_attention
 from hilt.kernels.fp8_attention import E4M3_MAX, _e4m3, fp8_attention_reference
 from hilt.kernels.fp8_attention_triton import fp8_attention_triton, quantize_inputs

@@ -7,6 +7,7 @@ Hugging Face's `kernels` package (whose import name the kernels folder would oth
 import ast
 import json
 import os
+import shutil
 import subprocess
 import sys
 import zipfile
@@ -139,12 +140,16 @@ def test_cli_help_and_version_import_no_triton(tmp_path, args, light):
 def built(tmp_path_factory):
     """The wheel and the sdist of this checkout, and a wheel built from that sdist."""
     out = tmp_path_factory.mktemp("dist")
+    # built from a copy: a build leaves build/ behind, whose stale files a later build would package
+    src = out / "src"
+    shutil.copytree(ROOT, src, ignore=shutil.ignore_patterns(".git", ".venv", "build", "*.egg-info", "__pycache__",
+                                                             "report", ".gpu", ".hypothesis", ".pytest_cache"))
     pip = [sys.executable, "-m", "pip", "--disable-pip-version-check", "-q"]
-    r = subprocess.run([*pip, "wheel", "--no-deps", "--no-build-isolation", "-w", str(out / "wheel"), str(ROOT)],
+    r = subprocess.run([*pip, "wheel", "--no-deps", "--no-build-isolation", "-w", str(out / "wheel"), str(src)],
                        capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr
     r = subprocess.run([sys.executable, "-c", f"from setuptools import build_meta; build_meta.build_sdist({str(out / 'sdist')!r})"],
-                       capture_output=True, text=True, cwd=ROOT, timeout=600)
+                       capture_output=True, text=True, cwd=src, timeout=600)
     assert r.returncode == 0, r.stderr
     sdist = next((out / "sdist").glob("hilt-*.tar.gz"))
     r = subprocess.run([*pip, "wheel", "--no-deps", "--no-build-isolation", "-w", str(out / "from-sdist"), str(sdist)],

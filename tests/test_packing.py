@@ -4,7 +4,6 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from hilt.errors import HiltError
-
 from hilt.kernels import pack_codes, packed_row_bytes, unpack_codes
 
 

@@ -4,7 +4,6 @@ import pytest
 import torch
 
 from hilt.errors import HiltError
-
 from hilt.kernels import unpack_codes
 from hilt.quant import QuantConfig, quantize_tensor, relative_error
 from hilt.quant.quantize import expected_bits_per_weight

@@ -39,7 +39,6 @@ from pathlib import Path
 import torch
 
 from hilt.errors import HiltError
-
 from hilt.kernels import byte_table, uses_byte_table
 from hilt.kernels.lut_matmul import PackedWeight, choose_path, dequantize_lut, error_ratio, lut_matmul_reference
 from hilt.kernels.backends import triton_kernels
