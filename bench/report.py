@@ -84,16 +84,12 @@ def kernel_section(out: Path, log=print) -> str:
 def run(out="report", quick: bool = True, log=print, progress: bool = False) -> dict:
     """Every section into OUT (report.md, JSON and PNG per section); ``quick=False`` is `--full`.
     ``progress``: a line per finished section (see hilt.progress)."""
-    from hilt.bench.tasks import drift
-    from hilt.bench.tasks import energy
-    from hilt.bench.tasks import export
-    from hilt.bench.studies import quant_table
-    from hilt.bench.studies import robustness
-    from hilt.quant.checkpoint import write_json
-
     import torch
 
+    from hilt.bench.studies import quant_table, robustness
+    from hilt.bench.tasks import drift, energy, export
     from hilt.kernels.backends import triton_kernels
+    from hilt.quant.checkpoint import write_json
 
     if not torch.cuda.is_available():  # the kernel section checks the Triton code in its CPU interpreter,
         triton_kernels("lut_matmul_triton", interpret=True)  # which must be chosen before Triton loads

@@ -13,7 +13,6 @@
 
 from __future__ import annotations
 
-import argparse
 import platform
 import subprocess
 import sys
@@ -24,7 +23,7 @@ from pathlib import Path
 import torch
 
 from hilt.quant import QuantConfig, open_source, quantize_checkpoint
-from hilt.quant.checkpoint import select_targets, write_json
+from hilt.quant.checkpoint import select_targets
 from hilt.quant.kmeans import SortedValues, kmeans_optimal
 from hilt.quant.quantize import normalise_blocks
 
@@ -142,20 +141,3 @@ def run(quick: bool = False, reference_tensors: int | None = None, memory_gb: fl
         "speed": speed(smollm2_path(), reference_tensors or (4 if quick else 21), log=log),
         "memory": memory(memory_gb or (1.0 if quick else 4.0), log=log),
     }
-
-
-def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--quick", action="store_true", help="fewer reference tensors, a 1 GB memory checkpoint")
-    p.add_argument("--reference-tensors", type=int, help="tensors to fit with the slow reference (default 21, quick 4)")
-    p.add_argument("--memory-gb", type=float, help="size of the generated checkpoint (default 4, quick 1)")
-    p.add_argument("--json", default=None, help="write the results here")
-    args = p.parse_args(argv)
-    result = run(args.quick, args.reference_tensors, args.memory_gb)
-    if args.json:
-        write_json(args.json, result)
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
