@@ -261,6 +261,7 @@ def cmd_quantize(args) -> int:
     method = "int-asym" if args.asymmetric else args.method
     config = QuantConfig(method=method, bits=_resolve_bits(args, 4), block_size=args.block_size,
                          codebook=args.codebook, solver=args.solver, seed=args.seed)
+    compensate, compensators = _compensation(args, config)
     with open_source(args.src) as source:
         targets = select_targets(source, args.only, args.ignore)
         if args.dry_run:
@@ -289,13 +290,17 @@ def cmd_quantize(args) -> int:
         if entry["kind"] == "quantized":
             records.append({"name": entry["name"], "bits_per_weight": entry["bits_per_weight"],
                             "rel_error": entry["rel_error"], "shape": entry["shape"]})
-            progress.done(entry["name"], f"{entry['bits_per_weight']:.3f} bits/weight, "
-                                         f"rel. error {entry['rel_error']:.4f}")
+            detail = f"{entry['bits_per_weight']:.3f} bits/weight, rel. error {entry['rel_error']:.4f}"
+            if "output_rel_error" in entry:  # compensated: the error that counts is the layer output's
+                detail += (f", output error {entry['output_rel_error']:.4f} "
+                           f"(rounding alone {entry['output_rel_error_rounded']:.4f})")
+            progress.done(entry["name"], detail)
 
     with progress:
         header = quantize_checkpoint(args.src, args.dst, config, only=args.only, ignore=args.ignore,
                                      overwrite=args.overwrite, resume=args.resume, importance=args.importance,
-                                     shard_bytes=int(args.shard_size * (1 << 20)), on_tensor=on_tensor)
+                                     shard_bytes=int(args.shard_size * (1 << 20)), compensate=compensate,
+                                     on_tensor=on_tensor)
     totals = header["totals"]
     size = sum((Path(args.dst) / s).stat().st_size for s in header["shards"])
     print(f"wrote {args.dst}: {totals['quantized_tensors']} of {totals['tensors']} tensors quantized "
@@ -309,9 +314,39 @@ def cmd_quantize(args) -> int:
             if e["kind"] == "quantized" and name not in done:
                 records.append({"name": name, "bits_per_weight": e["bits_per_weight"],
                                 "rel_error": e["rel_error"], "shape": e["shape"]})
-        _write_json(args, {"dst": str(args.dst), "config": header["config"], "tensors": records,
-                           "totals": {**totals, "bytes": size}})
+        result = {"dst": str(args.dst), "config": header["config"], "tensors": records,
+                  "totals": {**totals, "bytes": size}}
+        if compensators:
+            result["compensation"] = {**header["compensation"],
+                                      "seconds": {k: round(v, 2) for k, v in compensators[0].seconds.items()}}
+        _write_json(args, result)
     return 0
+
+
+def _compensation(args, config):
+    """The Compensator factory for --compensate (None without it) and the list it puts the one it
+    makes in; the compensation flags are refused without --compensate."""
+    given = [flag for flag, value, default in (
+        ("--calibration", args.calibration, "default"), ("--calibration-tokens", args.calibration_tokens, 4096),
+        ("--calibration-sentences", args.calibration_sentences, 256), ("--act-order", args.act_order, False),
+        ("--block-scales", args.block_scales, "during")) if value != default]
+    if not args.compensate:
+        if given:
+            raise UsageError(f"{given[0]} applies with --compensate only")
+        return None, []
+    from hilt.bench.tasks.compensate import compensator, model_kind
+    from hilt.quant.compensate import CompensationConfig, check_compensable
+
+    check_compensable(config)
+    model_kind(args.src)  # an unsupported model fails before anything is read
+    comp = CompensationConfig(act_order=args.act_order, scales=args.block_scales)
+    made = []
+
+    def make(targets):
+        made.append(compensator(args.src, config, comp, targets, calibration=args.calibration,
+                                tokens=args.calibration_tokens, sentences=args.calibration_sentences))
+        return made[-1]
+    return make, made
 
 
 # ------------------------------------------------------------------- inspect
@@ -425,6 +460,40 @@ def cmd_energy(args) -> int:
     return 0
 
 
+def cmd_certify(args) -> int:
+    from hilt.bench.studies import certify
+
+    if args.method is None and (args.bits is not None or args.worst_case):
+        raise UsageError("--bits and --worst-case describe a quantization format: give --method too")
+    if args.chip is None and args.time is not None:
+        raise UsageError("--time is the age of a chip: give --chip too")
+    if args.method is not None and args.chip is not None:
+        raise UsageError("give a quantization format (--method) or a CIM chip (--chip), not both")
+    if not 0 < args.delta < 1:
+        raise UsageError(f"--delta must be between 0 and 1, got {args.delta}")
+    bits = _resolve_bits(args, 4) if args.method is not None else None
+    result, cert = certify.certify_run(args.workload, args.checkpoint, args.method, bits, args.block_size,
+                                       args.worst_case, args.chip, args.time or "1y", args.delta, args.gdc,
+                                       args.test_images)
+    print(certify.render_run(result))
+    _write_json(args, result)
+    if args.plot:
+        certify.plot_run(result, cert, args.plot)
+        LOG.info(f"wrote {args.plot}")
+    return 0
+
+
+def cmd_bench_certify(args) -> int:
+    from hilt.bench.studies import certify
+
+    result = certify.study(quick=args.quick, log=LOG.info, progress=True, seed=args.seed)
+    _write_outputs(args, result, certify.plot)
+    if args.markdown:
+        Path(args.markdown).write_text(certify.render(result))
+        LOG.info(f"wrote {args.markdown}")
+    return 0
+
+
 def cmd_export_onnx(args) -> int:
     from hilt.bench.tasks import export
 
@@ -527,6 +596,13 @@ def cmd_bench_qat(args) -> int:
     return 0
 
 
+def cmd_bench_ptq(args) -> int:
+    from hilt.bench.studies import ptq
+
+    _write_json(args, ptq.run(out=args.out, quick=args.quick, log=LOG.info))
+    return 0
+
+
 def cmd_bench_quantize(args) -> int:
     from hilt.bench.perf import quantize_speed
 
@@ -577,6 +653,21 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("--asymmetric", action="store_true", help="int: min/max grid with a per-block offset (= int-asym)")
     q.add_argument("--importance", metavar="FILE",
                    help="kmeans: per-column importance from `hilt calibrate` (weights the k-means error)")
+    q.add_argument("--compensate", action="store_true",
+                   help="GPTQ-style error compensation through each layer's calibration inputs (Llama GGUF or "
+                        "BERT folder); layer by layer, one block in memory")
+    q.add_argument("--calibration", metavar="TEXT", default="default",
+                   help="with --compensate: a text file (BERT: one sentence per line), or 'default' (Macbeth; "
+                        "the evaluations use Hamlet)")
+    q.add_argument("--calibration-tokens", type=_POSITIVE, default=4096, metavar="N",
+                   help="with --compensate on a Llama: calibration tokens, in windows of 512 (default 4096)")
+    q.add_argument("--calibration-sentences", type=_POSITIVE, default=256, metavar="N",
+                   help="with --compensate on BERT: calibration sentences (default 256)")
+    q.add_argument("--act-order", action="store_true",
+                   help="with --compensate: round columns in order of decreasing input energy")
+    q.add_argument("--block-scales", choices=["before", "during"], default="during",
+                   help="with --compensate: block scales from the original weights (before) or from the "
+                        "compensated ones as the sweep reaches each block (during, default)")
     q.add_argument("--only", metavar="RE", help="quantize only 2-D tensors whose name matches RE")
     q.add_argument("--ignore", metavar="RE", help="keep tensors whose name matches RE unquantized")
     q.add_argument("--dry-run", action="store_true", help="list what would be quantized; write nothing")
@@ -700,6 +791,31 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--test-images", type=_POSITIVE, default=10_000, help="test images per evaluation (default all 10000)")
     d.set_defaults(func=cmd_drift)
 
+    ce = _command(sub, "certify", "per test image, the smallest weight change that flips its prediction (exact at the "
+                  "last layer, first order before it, a sound bound for all layers at once), against a quantization "
+                  "format or a CIM chip at a time after programming",
+                  "hilt certify cnn --method int --bits 8\n  hilt certify cnn --chip pcm --time 1y --delta 0.01",
+                  [_OUTPUT, _PLOT], plot="every layer's flip norms over the test images, and the setting's bounds")
+    ce.add_argument("workload", choices=WORKLOADS)
+    ce.add_argument("--checkpoint", metavar="FILE", help="from `hilt train` (default: bench/results/WORKLOAD-standard.safetensors)")
+    ce.add_argument("--method", choices=QUANT_METHODS, help="a quantization format: its actual error ||W - Q(W)||_F "
+                    "per layer bounds the perturbation")
+    ce.add_argument("--bits", type=_int(1, 8), help="bits per code with --method (default 4; binary: 1)")
+    ce.add_argument("--block-size", type=_POSITIVE, default=64, help="weights per scale (default 64; a layer whose "
+                    "inputs it does not divide uses the largest size below it that does)")
+    ce.add_argument("--worst-case", action="store_true", help="with --method: the largest error inside the format's "
+                    "rounding cells instead of the actual one")
+    ce.add_argument("--chip", choices=CIM_PRESETS, help="a CIM preset: a bound on ||dW||_F at --time that holds with "
+                    "probability 1 - --delta under the device model")
+    ce.add_argument("--time", help="with --chip: time after programming (default 1y)")
+    ce.add_argument("--delta", type=_POSITIVE_NUMBER, default=0.01, help="with --chip: the probability the bound may "
+                    "fail (default 0.01)")
+    ce.add_argument("--gdc", default="global", choices=DRIFT_COMPENSATION, help="with --chip: drift compensation "
+                    "(default global)")
+    ce.add_argument("--test-images", "--n", dest="test_images", type=_POSITIVE, default=10_000,
+                    help="test images (default all 10000)")
+    ce.set_defaults(func=cmd_certify)
+
     esub = _group(sub, "eval", "evaluate a model, quantized or not", "metric")
     pp = _command(esub, "ppl", "perplexity of a Llama-architecture GGUF (SmolLM2-135M by default) on text",
                   "hilt eval ppl smollm2 --quantized out-2bit --tokens 2048", [_OUTPUT])
@@ -759,6 +875,14 @@ def build_parser() -> argparse.ArgumentParser:
     br.add_argument("--quick", action="store_true", help="small budget (under 5 minutes on 2 cores)")
     br.add_argument("--markdown", metavar="FILE", help="the tables as Markdown")
     br.set_defaults(func=cmd_bench_robustness)
+    bce = _command(bsub, "certify", "weight-perturbation certificates of the Fashion-MNIST MLP and CNN against int and "
+                   "k-means at 2-8 bits and CIM chips over a year, with Monte-Carlo soundness checks",
+                   "hilt bench certify --quick --json certify.json --plot certify.png", [_OUTPUT, _PLOT, _SEED],
+                   plot="certified fraction against bits, and against time on a chip beside the measured accuracy")
+    bce.add_argument("--quick", action="store_true", help="small budgets (seconds; the full run takes about 10 minutes "
+                     "on 2 cores)")
+    bce.add_argument("--markdown", metavar="FILE", help="the tables as Markdown")
+    bce.set_defaults(func=cmd_bench_certify)
 
     bqat = _command(bsub, "qat", "QAT from scratch on Shakespeare: widths x bits {1,2,4,16} x {kmeans,int}, loss "
                     "against weight memory, gamma fits, memory-matched winners",
@@ -771,6 +895,13 @@ def build_parser() -> argparse.ArgumentParser:
     bqat.add_argument("--lr", type=_POSITIVE_NUMBER, default=None, help="peak learning rate for every width (default: "
                       "per width, bench/studies/qat_scaling.py's LR_BY_WIDTH: 9e-3 at widths 64 and 96, 6e-3 at 128)")
     bqat.set_defaults(func=cmd_bench_qat)
+
+    bp = _command(bsub, "ptq", "post-training quantization against its peers: round-to-nearest int, HQQ, k-means, "
+                  "and error-compensated int and k-means at 4/3/2 bits on SmolLM2 and MiniLM",
+                  "hilt bench ptq --out report/", [_OUTPUT])
+    bp.add_argument("--out", default="report", metavar="DIR", help="folder for ptq.json, ptq.md, ptq.png")
+    bp.add_argument("--quick", action="store_true", help="MiniLM at 3 bits only (about a minute)")
+    bp.set_defaults(func=cmd_bench_ptq)
 
     r = _command(sub, "report", "the end-to-end run on the embedded defaults (real models): quantization, LUT "
                  "kernels, FP8 attention, CIM drift, DWP robustness, energy, ONNX; writes DIR/report.md",

@@ -25,7 +25,7 @@ import re
 import shutil
 from dataclasses import asdict
 from pathlib import Path
-from typing import Callable, Iterable
+from typing import TYPE_CHECKING, Callable, Iterable
 
 import torch
 from safetensors import SafetensorError, safe_open
@@ -36,6 +36,9 @@ from hilt.errors import HiltError
 from hilt.quant.quantize import QuantConfig, check_quantizable, quantize_tensor, relative_error
 from hilt.quant.qweight import QuantizedWeight
 from hilt.quant.sources import Source, open_source
+
+if TYPE_CHECKING:
+    from hilt.quant.compensate import Compensator
 
 FORMAT_NAME = "hilt-quantized"
 FORMAT_VERSION = 1
@@ -149,6 +152,7 @@ def quantize_checkpoint(
     shard_bytes: int = 256 << 20,
     importance=None,
     codebooks: dict[str, torch.Tensor] | None = None,
+    compensate: Callable[[list[str]], "Compensator"] | None = None,
     on_tensor: Callable[[dict], None] | None = None,
     progress: bool = False,
 ) -> dict:
@@ -157,7 +161,10 @@ def quantize_checkpoint(
     ``importance``: a safetensors file (from `hilt calibrate`) mapping tensor
     names to per-input-column importance; k-means then weights each weight's
     error by it. Tensors it does not list are fitted unweighted. ``codebooks``: fixed
-    k-means levels per tensor name (a QAT export), used instead of fitting.
+    k-means levels per tensor name (a QAT export), used instead of fitting. ``compensate``: makes a
+    :class:`hilt.quant.compensate.Compensator` over the same model from the names of the tensors to
+    quantize (called once the destination and the targets are checked); the tensors it covers are
+    quantized with error compensation, the others rounded as without it.
 
     Returns the header written to ``dst/hilt.json``. ``on_tensor`` is called
     with each tensor's entry (name, kind, bits_per_weight, rel_error, ...).
@@ -165,6 +172,8 @@ def quantize_checkpoint(
     dst = Path(dst)
     if importance is not None and config.method != "kmeans":
         raise HiltError("--importance applies to --method kmeans only")
+    if importance is not None and compensate is not None:
+        raise HiltError("--importance and --compensate exclude each other: compensation weighs columns by its own calibration")
     partial = _check_destination(dst, overwrite, resume)
     weights = {} if importance is None else load_importance(importance)
     source = open_source(src)
@@ -177,12 +186,14 @@ def quantize_checkpoint(
                 check_quantizable(name, source.shape(name), config)
         if weights and not targets & set(weights):
             raise HiltError(f"{importance}: lists none of the tensors to quantize (made for another model?)")
+        compensator = None if compensate is None else compensate([n for n in source.names() if n in targets])
         settings = {
             "config": asdict(config),
             "source": {"path": str(src), "format": source.format},
             "only": only,
             "ignore": ignore,
             "importance": None if importance is None else str(importance),
+            "compensation": None if compensator is None else compensator.settings,
             "shard_bytes": shard_bytes,
         }
         try:
@@ -190,7 +201,8 @@ def quantize_checkpoint(
         except OSError as e:
             raise HiltError(f"{dst}: cannot write there ({e.strerror})") from None
         try:
-            _stream(source, targets, weights, codebooks or {}, config, partial, state, shard_bytes, on_tensor, progress)
+            _stream(source, targets, weights, codebooks or {}, compensator, config, partial, state, shard_bytes,
+                    on_tensor, progress)
             header = {
                 "format": FORMAT_NAME,
                 "format_version": FORMAT_VERSION,
@@ -229,7 +241,8 @@ def _start_or_resume(partial: Path, settings: dict, resume: bool) -> dict:
     return state
 
 
-def _stream(source, targets, importance, codebooks, config, partial, state, shard_bytes, on_tensor, progress):
+def _stream(source, targets, importance, codebooks, compensator, config, partial, state, shard_bytes, on_tensor,
+            progress):
     from tqdm import tqdm
 
     done = set(state["tensors"])
@@ -242,7 +255,15 @@ def _stream(source, targets, importance, codebooks, config, partial, state, shar
         bar.set_postfix_str(name, refresh=False)
         if name in targets:
             w = source.get(name)
-            q = quantize_tensor(w, config, name=name, importance=importance.get(name), codebook=codebooks.get(name))
+            extra = {}
+            if compensator is not None and compensator.covers(name):
+                def written(names):  # a resumed run: the tensors already in finished shards
+                    return _read_tensors(partial, state["tensors"], [n for n in names if n in state["tensors"]])
+                q = compensator.quantized(name, known=written)
+                extra = {"compensated": compensator.stats[name]["compensated"],
+                         **{k: round(v, 6) for k, v in compensator.stats[name].items() if k.startswith("output")}}
+            else:
+                q = quantize_tensor(w, config, name=name, importance=importance.get(name), codebook=codebooks.get(name))
             parts = _tensor_parts(name, q)
             entry = {
                 "kind": "quantized",
@@ -256,6 +277,7 @@ def _stream(source, targets, importance, codebooks, config, partial, state, shar
                 "stored_type": source.stored_type(name),
                 "bits_per_weight": round(q.bits_per_weight, 6),
                 "rel_error": round(relative_error(w, q), 6),
+                **extra,
             }
             del w
         else:
@@ -356,15 +378,20 @@ def load_checkpoint(dst, names: Iterable[str] | None = None) -> dict[str, torch.
     missing = [n for n in wanted if n not in header["tensors"]]
     if missing:
         raise HiltError(f"{dst}: no tensor '{missing[0]}'")
+    return _read_tensors(dst, header["tensors"], wanted)
+
+
+def _read_tensors(folder: Path, entries: dict, names: list[str]) -> dict[str, torch.Tensor | QuantizedWeight]:
+    """The tensors ``names`` of a checkpoint folder whose header entries are ``entries``, in that order."""
     by_shard: dict[str, list[str]] = {}
-    for name in wanted:
-        by_shard.setdefault(header["tensors"][name]["shard"], []).append(name)
+    for name in names:
+        by_shard.setdefault(entries[name]["shard"], []).append(name)
     loaded: dict[str, torch.Tensor | QuantizedWeight] = {}
     for shard, shard_names in by_shard.items():
-        with safe_open(str(dst / shard), framework="pt") as f:
+        with safe_open(str(folder / shard), framework="pt") as f:
             keys = set(f.keys())
             for name in shard_names:
-                e = header["tensors"][name]
+                e = entries[name]
                 if e["kind"] == "dense":
                     loaded[name] = f.get_tensor(name)
                     continue
@@ -373,4 +400,4 @@ def load_checkpoint(dst, names: Iterable[str] | None = None) -> dict[str, torch.
                     parts["codes"], parts["codebook"], parts["scales"], parts["offsets"],
                     tuple(e["shape"]), getattr(torch, e["dtype"]), e["bits"], e["block_size"], e["method"],
                 )
-    return {name: loaded[name] for name in wanted}  # header (file) order
+    return {name: loaded[name] for name in names}

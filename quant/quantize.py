@@ -71,7 +71,7 @@ def check_quantizable(name: str, shape, config: QuantConfig) -> None:
         )
 
 
-def _block_scales(w: torch.Tensor, config: QuantConfig):
+def block_scales(w: torch.Tensor, config: QuantConfig):
     """(scales, offsets) per block of the 2-D ``w``, rounded to bf16 storage."""
     n, k = w.shape
     blocks = w.float().view(n, k // config.block_size, config.block_size)
@@ -112,7 +112,7 @@ def normalise_blocks(w: torch.Tensor, config: QuantConfig):
 
     ``u`` is what the codebook quantizes: W = codebook[code] * scale (+ offset).
     """
-    scales, offsets = _block_scales(w, config)
+    scales, offsets = block_scales(w, config)
     return scales, offsets, _normalised(w, scales, offsets, config.block_size)
 
 
@@ -158,7 +158,7 @@ def quantize_tensor(
         importance = floor_importance(importance)
     n, k = w.shape
     B = config.block_size
-    scales, offsets = _block_scales(w, config)
+    scales, offsets = block_scales(w, config)
     levels = 1 << config.bits
 
     if codebook is not None:

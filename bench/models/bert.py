@@ -24,6 +24,7 @@ from hilt.errors import HiltError
 from hilt.bench.models.weights import load_weights_
 
 MAX_SEQ_LEN = 256  # sentence_bert_config.json of all-MiniLM-L6-v2
+BLOCKS = "encoder.layer."  # tensor-name prefix of the encoder layers
 
 
 def minilm_path() -> Path:
@@ -141,13 +142,16 @@ class Bert(nn.Module):
                                 self.cfg.num_attention_heads, norm.weight, norm.bias, att.query.bias, att.key.bias)
 
 
-def load_minilm(path=None, tensors: Mapping[str, torch.Tensor] | None = None) -> tuple[Bert, Tokenizer]:
+def load_minilm(path=None, tensors: Mapping[str, torch.Tensor] | None = None,
+               lazy_blocks: bool = False) -> tuple[Bert, Tokenizer]:
     """all-MiniLM-L6-v2 as a float32 `Bert` in eval mode, plus its tokenizer set up to
     pad to the longest sentence of a batch and truncate at 256 tokens.
 
     `path` is the model directory (config.json, tokenizer.json, model.safetensors) or
     the safetensors file in it. `tensors` (key name -> float tensor) replaces the
     file's weights of those names; a name that is not a model weight is an error.
+    ``lazy_blocks`` leaves the layers (``BLOCKS`` + index) on the meta device, for
+    ``weights.load_part_`` to fill one by one.
     """
     path = Path(path) if path is not None else minilm_path()
     model_dir = path if path.is_dir() else path.parent
@@ -163,7 +167,7 @@ def load_minilm(path=None, tensors: Mapping[str, torch.Tensor] | None = None) ->
 
     with torch.device("meta"):  # weights come from the file; skip random init
         model = Bert(cfg)
-    return load_weights_(model, path, tensors, "BERT"), tokenizer
+    return load_weights_(model, path, tensors, "BERT", skip=BLOCKS if lazy_blocks else None), tokenizer
 
 
 def embed(model: Bert, tokenizer: Tokenizer, sentences: Sequence[str], batch_size: int = 64) -> torch.Tensor:

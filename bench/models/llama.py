@@ -31,6 +31,7 @@ from hilt.progress import Progress
 from hilt.bench.models.weights import load_weights_
 
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+BLOCKS = "blk."  # tensor-name prefix of the decoder blocks
 
 
 def smollm2_path() -> Path:
@@ -254,13 +255,15 @@ class Llama(nn.Module):
         return [[] for _ in self.blk]
 
 
-def load_llama(path=None, tensors: Mapping[str, torch.Tensor] | None = None) -> tuple[Llama, GGUFTokenizer]:
+def load_llama(path=None, tensors: Mapping[str, torch.Tensor] | None = None,
+               lazy_blocks: bool = False) -> tuple[Llama, GGUFTokenizer]:
     """SmolLM2 (or another llama GGUF) as a float32 `Llama` in eval mode, plus its tokenizer.
 
     `tensors` (GGUF names -> float tensors in PyTorch orientation) replaces the file's
     weights of those names, e.g. with quantized-then-dequantized ones; names it does not
     hold are read from the file. A name that is not a model tensor is an error, so a
-    wrongly named mapping cannot silently fall back to the file.
+    wrongly named mapping cannot silently fall back to the file. ``lazy_blocks`` leaves the
+    blocks (``BLOCKS`` + index) on the meta device, for ``weights.load_part_`` to fill one by one.
     """
     path = Path(path) if path is not None else smollm2_path()
     reader = _reader(path)
@@ -270,7 +273,7 @@ def load_llama(path=None, tensors: Mapping[str, torch.Tensor] | None = None) -> 
 
     with torch.device("meta"):  # no random init of 135M weights that are overwritten anyway
         model = Llama(cfg)
-    return load_weights_(model, path, tensors, "llama"), tokenizer
+    return load_weights_(model, path, tensors, "llama", skip=BLOCKS if lazy_blocks else None), tokenizer
 
 
 # ------------------------------------------------------------------------- evaluation

@@ -7,17 +7,20 @@ import torch
 import torch.nn as nn
 
 from hilt.errors import HiltError
-from hilt.quant.sources import open_source
+from hilt.quant.sources import Source, open_source
 
 
-def load_weights_(model: nn.Module, path: Path, tensors: Mapping[str, torch.Tensor] | None, kind: str) -> nn.Module:
+def load_weights_(model: nn.Module, path: Path, tensors: Mapping[str, torch.Tensor] | None, kind: str,
+                  skip: str | None = None) -> nn.Module:
     """Load every parameter of ``model`` (built on the meta device) from ``path``, as float32.
 
     ``tensors`` (name -> tensor) replaces the file's tensors of those names; a
     name that is not a model tensor is an error, so a wrongly named mapping
-    cannot silently fall back to the file. Returns the model in eval mode.
+    cannot silently fall back to the file. ``skip``: a name prefix left on the
+    meta device (blocks that :func:`load_part_` fills one at a time). Returns
+    the model in eval mode.
     """
-    want = {k: v.shape for k, v in model.state_dict().items()}
+    want = {k: v.shape for k, v in model.state_dict().items() if skip is None or not k.startswith(skip)}
     tensors = dict(tensors or {})
     unknown = sorted(set(tensors) - set(want))
     if unknown:
@@ -36,5 +39,18 @@ def load_weights_(model: nn.Module, path: Path, tensors: Mapping[str, torch.Tens
             if tuple(t.shape) != tuple(shape):
                 raise HiltError(f"tensor {name!r} has shape {tuple(t.shape)}, the model needs {tuple(shape)}")
             state[name] = t.detach().to(torch.float32).contiguous()
-    model.load_state_dict(state, strict=True, assign=True)
+    model.load_state_dict(state, strict=skip is None, assign=True)
     return model.eval().requires_grad_(False)
+
+
+def load_part_(module: nn.Module, source: Source, prefix: str) -> nn.Module:
+    """Fill ``module`` (on the meta device) with the tensors named ``prefix + <its state name>`` of the
+    open ``source``."""
+    in_file = set(source.names())
+    state = {}
+    for name in module.state_dict():
+        if prefix + name not in in_file:
+            raise HiltError(f"{source.path}: tensor {prefix + name!r} is missing")
+        state[name] = source.get(prefix + name).to(torch.float32).contiguous()
+    module.load_state_dict(state, strict=True, assign=True)
+    return module.requires_grad_(False)

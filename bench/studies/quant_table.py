@@ -23,9 +23,10 @@ from hilt.bench.tasks import evaluate
 from hilt.quant import QuantConfig, quantize_checkpoint
 from hilt.quant.checkpoint import write_json
 
-# (label, method, bits); "kmeans-imp" is k-means weighted by calibrated input importance
+# (label, method, bits); "kmeans-imp" is k-means weighted by calibrated input importance, "gptq-*" the
+# format with error compensation (`hilt quantize --compensate`, calibrated on Macbeth)
 FULL = [(label, method, b) for b in (4, 3, 2) for label, method in
-        (("kmeans", "kmeans"), ("kmeans-imp", "kmeans"), ("int", "int"))]
+        (("kmeans", "kmeans"), ("kmeans-imp", "kmeans"), ("int", "int"), ("gptq-kmeans", "kmeans"), ("gptq-int", "int"))]
 FULL += [("kmeans", "kmeans", 1), ("kmeans-imp", "kmeans", 1), ("binary", "binary", 1)]
 QUICK = [("kmeans", "kmeans", 4), ("kmeans-imp", "kmeans", 4), ("int", "int", 4),
          ("kmeans-imp", "kmeans", 2), ("int", "int", 2)]
@@ -46,6 +47,7 @@ def run(out="report", quick=False, json_path=None, tokens=None, sentences=None, 
     log(f"  fp32           ppl {ppl['perplexity']:8.3f}")
     from hilt.bench.models.bert import minilm_path
     from hilt.bench.tasks.calibrate import calibrate
+    from hilt.bench.tasks.compensate import compensator
     from hilt.bench.models.llama import smollm2_path
 
     sources = {"smollm2": smollm2_path(), "minilm": minilm_path()}
@@ -59,7 +61,9 @@ def run(out="report", quick=False, json_path=None, tokens=None, sentences=None, 
         for model, src in sources.items():
             dst = out / f"ckpt-{model}-{label}{bits}"
             start = time.perf_counter()
-            header = quantize_checkpoint(src, dst, config, overwrite=True,
+            compensate = (lambda targets, src=src: compensator(src, config, targets=targets)) \
+                if label.startswith("gptq") else None
+            header = quantize_checkpoint(src, dst, config, overwrite=True, compensate=compensate,
                                          importance=importance[model] if label == "kmeans-imp" else None)
             row[f"{model}_quantize_seconds"] = round(time.perf_counter() - start, 1)
             row[f"{model}_bits_per_weight"] = header["totals"]["bits_per_weight"]
@@ -95,13 +99,17 @@ def render(result: dict, out: Path) -> None:
 
 
 def _verdicts(rows) -> list[dict]:
-    """k-means (plain and importance-weighted) against the integer grid / sign at each bit width."""
+    """k-means (plain and importance-weighted) against the integer grid / sign at each bit width, and
+    compensated k-means against compensated int."""
     by = {(r["method"], r["bits"]): r for r in rows}
     out = []
     for (label, bits), r in by.items():
-        if not label.startswith("kmeans"):
+        if label == "gptq-kmeans":
+            other = by.get(("gptq-int", bits))
+        elif label.startswith("kmeans"):
+            other = by.get(("int", bits)) or by.get(("binary", bits))
+        else:
             continue
-        other = by.get(("int", bits)) or by.get(("binary", bits))
         if other is None:
             continue
         out.append({"bits": bits, "kmeans": label, "baseline": other["method"],
@@ -131,7 +139,9 @@ def markdown(result) -> str:
                   "post-training quantization destroyed SmolLM2-135M there; comparisons among them carry no",
                   "information. The MiniLM column still ranks the methods at those bit widths."]
     lines += ["", "kmeans-imp: k-means weighted by each input column's mean squared activation, calibrated on",
-              "Macbeth (`hilt calibrate`); evaluation is on Hamlet.", "", f"Note: {result['note']}", ""]
+              "Macbeth (`hilt calibrate`); gptq-kmeans / gptq-int: the format with error compensation",
+              "(`hilt quantize --compensate`, calibrated on Macbeth); evaluation is on Hamlet.", "",
+              f"Note: {result['note']}", ""]
     return "\n".join(lines)
 
 
@@ -145,7 +155,9 @@ def plot(result, path) -> None:
     rows = [r for r in result["rows"] if r["method"] != "fp32"]
     fp32 = result["rows"][0]
     for family, methods, style in (("k-means", ("kmeans",), "o-"), ("k-means + importance", ("kmeans-imp",), "^-"),
-                                   ("integer / sign", ("int", "binary"), "s--")):
+                                   ("integer / sign", ("int", "binary"), "s--"),
+                                   ("k-means, compensated", ("gptq-kmeans",), "o-."),
+                                   ("integer, compensated", ("gptq-int",), "s-.")):
         pts = sorted((r for r in rows if r["method"] in methods), key=lambda r: r["bits"])
         a.plot([r["smollm2_bits_per_weight"] for r in pts], [r["smollm2_perplexity"] for r in pts], style, label=family)
         b.plot([r["minilm_bits_per_weight"] for r in pts], [r["minilm_cosine"] for r in pts], style, label=family)

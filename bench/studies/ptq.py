@@ -1,0 +1,229 @@
+"""Post-training quantization against its peers, in one run: `hilt bench ptq`.
+
+At 4, 3 and 2 bits with groups/blocks of 64, on SmolLM2-135M (perplexity on Hamlet) and
+all-MiniLM-L6-v2 (mean cosine to fp32 on Hamlet sentences):
+
+* ``int``: hilt's symmetric integer grid, each weight rounded on its own (round-to-nearest);
+* ``hqq``: HQQ (the ``hqq`` package on the CPU, its default half-quadratic optimisation of the
+  zero point and scale; asymmetric, fp16 scale and zero per group), when it is installed;
+* ``kmeans`` and ``kmeans-imp``: hilt's k-means codebook, plain and weighted by input importance;
+* ``gptq-int`` and ``gptq-kmeans``: the same two formats with error compensation
+  (`hilt quantize --compensate`), run as the command line runs it, in a child process whose wall
+  time, time split and peak memory are recorded.
+
+Bits per weight are counted alike for all: codes + every stored scale, zero and codebook.
+Calibration (importance and compensation) is Macbeth; evaluation is Hamlet. GPTQ itself from a
+maintained package is not in the table: the maintained GPTQ packages quantize a transformers model
+on a GPU (GPTQModel builds CUDA extensions; llm-compressor needs a transformers checkpoint), and
+SmolLM2 ships here as GGUF. ``gptq-int`` is that algorithm on hilt's format.
+"""
+
+from __future__ import annotations
+
+import json
+import resource
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from hilt.bench.tasks import evaluate
+from hilt.quant import QuantConfig, open_source, quantize_checkpoint
+from hilt.quant.checkpoint import select_targets, write_json
+
+METHODS = ("int", "hqq", "kmeans", "kmeans-imp", "gptq-int", "gptq-kmeans")
+GROUP = 64
+
+
+def hqq_available() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("hqq") is not None
+
+
+def hqq_weights(src, bits: int, group: int = GROUP) -> tuple[dict[str, torch.Tensor], float]:
+    """HQQ's dequantized weights for the tensors `hilt quantize` would quantize, and their bits/weight
+    (codes + fp16 scale and zero per group)."""
+    from hqq.core.quantize import Quantizer
+
+    out = {}
+    with open_source(src) as source:
+        for name in select_targets(source):
+            w = source.get(name).float()
+            q, meta = Quantizer.quantize(w, nbits=bits, group_size=group, optimize=True, axis=1, bitpack=False,
+                                         compute_dtype=torch.float32, device="cpu")
+            out[name] = Quantizer.dequantize(q, meta).float().reshape(w.shape)
+    return out, bits + 32 / group
+
+
+def _child_quantize(src, dst, method: str, bits: int, extra: list[str]) -> dict:
+    """`hilt quantize` in a child process: its result JSON, wall seconds and peak resident memory."""
+    report = Path(str(dst) + ".json")
+    cmd = [sys.executable, "-m", "hilt", "-q", "quantize", str(src), str(dst), "--method", method, "--bits",
+           str(bits), "--block-size", str(GROUP), "--overwrite", "--json", str(report), *extra]
+    start = time.perf_counter()
+    done = subprocess.run(cmd, capture_output=True, text=True)
+    seconds = time.perf_counter() - start
+    if done.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd)} failed: {done.stderr.strip()}")
+    result = json.loads(report.read_text())
+    report.unlink()
+    return {**result, "wall_seconds": round(seconds, 1),
+            "peak_rss_mb": round(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024)}
+
+
+def _evaluate(model: str, quantized=None, tensors=None, tokens=2048, sentences=256) -> float:
+    """Perplexity (smollm2) or mean cosine (minilm) of a hilt checkpoint or of replaced dense tensors."""
+    if tensors is None:
+        if model == "smollm2":
+            return evaluate.perplexity_run(quantized=quantized, tokens=tokens)["perplexity"]
+        return evaluate.embedding_run(quantized=quantized, sentences=sentences)["cosine_similarity"]
+    from hilt.bench.data.text import sentences as real_sentences
+    from hilt.bench.data.text import shakespeare_text
+
+    if model == "smollm2":
+        from hilt.bench.models import llama
+
+        net, tokenizer = llama.load_llama(tensors=tensors)
+        return llama.perplexity(net, tokenizer.encode(shakespeare_text("hamlet"))[:tokens])
+    from hilt.bench.models import bert
+
+    batch = real_sentences(sentences)
+    ref_model, tokenizer = bert.load_minilm()
+    other, _ = bert.load_minilm(tensors=tensors)
+    return bert.embedding_similarity(bert.embed(ref_model, tokenizer, batch), bert.embed(other, tokenizer, batch))
+
+
+def run(out="report", quick=False, log=print) -> dict:
+    """The study (see the module doc). ``quick``: MiniLM only, 3 bits, small calibration and evaluation."""
+    from hilt.bench.models.bert import minilm_path
+    from hilt.bench.models.llama import smollm2_path
+    from hilt.bench.tasks.calibrate import calibrate
+
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    models = {"minilm": minilm_path()} if quick else {"smollm2": smollm2_path(), "minilm": minilm_path()}
+    widths = (3,) if quick else (4, 3, 2)
+    tokens, sentences = 2048, (64 if quick else 256)
+    calib = {"smollm2": ["--calibration-tokens", "4096"], "minilm": ["--calibration-sentences", "64" if quick else "256"]}
+    methods = [m for m in METHODS if m != "hqq" or hqq_available()]
+    if "hqq" not in methods:
+        log("hqq is not installed (pip install hqq --no-deps; termcolor einops): its rows are left out")
+    rows = []
+    for model, src in models.items():
+        reference = _evaluate(model, tokens=tokens, sentences=sentences)
+        rows.append({"model": model, "method": "fp32", "bits": 32, "bits_per_weight": 32.0, "quality": reference})
+        log(f"{model}: fp32 {reference:.4f}")
+        importance = out / f"ptq-importance-{model}.safetensors"
+        calibrate(model, importance, work="macbeth", overwrite=True, sentences=64 if quick else 256)
+        for bits in widths:
+            for method in methods:
+                row = {"model": model, "method": method, "bits": bits}
+                dst = out / f"ptq-{model}-{method}{bits}"
+                start = time.perf_counter()
+                if method == "hqq":
+                    tensors, row["bits_per_weight"] = hqq_weights(src, bits)
+                    row["quantize_seconds"] = round(time.perf_counter() - start, 1)
+                    row["quality"] = _evaluate(model, tensors=tensors, tokens=tokens, sentences=sentences)
+                else:
+                    fmt = "int" if method.endswith("int") else "kmeans"
+                    if method.startswith("gptq"):
+                        r = _child_quantize(src, dst, fmt, bits, ["--compensate", *calib[model]])
+                        row.update(quantize_seconds=r["wall_seconds"], peak_rss_mb=r["peak_rss_mb"],
+                                   seconds_split=r["compensation"]["seconds"],
+                                   calibration=r["compensation"]["calibration"])
+                        row["bits_per_weight"] = r["totals"]["bits_per_weight"]
+                    else:
+                        header = quantize_checkpoint(src, dst, QuantConfig(method=fmt, bits=bits, block_size=GROUP),
+                                                     overwrite=True,
+                                                     importance=importance if method == "kmeans-imp" else None)
+                        row["quantize_seconds"] = round(time.perf_counter() - start, 1)
+                        row["bits_per_weight"] = header["totals"]["bits_per_weight"]
+                    row["quality"] = _evaluate(model, quantized=dst, tokens=tokens, sentences=sentences)
+                    shutil.rmtree(dst)
+                rows.append(row)
+                log(f"{model}: {method:>11} {bits} bit  {row['bits_per_weight']:.3f} b/w  {row['quality']:.4f}  "
+                    f"({row['quantize_seconds']:.0f}s)")
+        importance.unlink()
+    result = {"quick": quick, "group": GROUP, "tokens": tokens, "sentences": sentences,
+              "quality": {"smollm2": "perplexity on Hamlet (lower is better)",
+                          "minilm": "mean cosine to fp32 on Hamlet sentences (higher is better)"},
+              "rows": rows, "verdicts": verdicts(rows)}
+    target = out / ("ptq_quick.json" if quick else "ptq.json")
+    write_json(target, result)
+    (out / "ptq.md").write_text(markdown(result))
+    plot(result, out / ("ptq_quick.png" if quick else "ptq.png"))
+    log(f"wrote {target}, {out / 'ptq.md'}")
+    return result
+
+
+def _better(model: str, a: float, b: float) -> bool:
+    return a < b if model == "smollm2" else a > b
+
+
+def verdicts(rows) -> list[dict]:
+    """Per model and width: does compensated k-means beat every peer at equal or more bits/weight, and
+    does compensated int beat rounded int?"""
+    out = []
+    for model in sorted({r["model"] for r in rows}):
+        for bits in sorted({r["bits"] for r in rows if r["model"] == model and r["bits"] < 32}):
+            at = {r["method"]: r for r in rows if r["model"] == model and r["bits"] == bits}
+            if "gptq-kmeans" not in at:
+                continue
+            best = at["gptq-kmeans"]
+            peers = [r for m, r in at.items() if m != "gptq-kmeans" and r["bits_per_weight"] >= best["bits_per_weight"] - 1e-9]
+            beaten = [r["method"] for r in peers if _better(model, best["quality"], r["quality"])]
+            out.append({"model": model, "bits": bits, "gptq_kmeans_beats": beaten,
+                        "gptq_kmeans_beats_all": len(beaten) == len(peers),
+                        "gptq_int_beats_int": "gptq-int" in at and "int" in at
+                        and _better(model, at["gptq-int"]["quality"], at["int"]["quality"])})
+    return out
+
+
+def markdown(result) -> str:
+    lines = ["| model | method | bits | bits/weight | quality | quantize s |", "|---|---|---|---|---|---|"]
+    for r in result["rows"]:
+        q = f"{r['quality']:.2f}" if r["model"] == "smollm2" else f"{r['quality']:.4f}"
+        lines.append(f"| {r['model']} | {r['method']} | {r['bits']} | {r['bits_per_weight']:.3f} | {q} | "
+                     f"{r.get('quantize_seconds', '')} |")
+    lines += ["", "Quality: " + "; ".join(f"{m}: {d}" for m, d in result["quality"].items()), ""]
+    for v in result["verdicts"]:
+        lines.append(f"- {v['model']} {v['bits']} bit: gptq-kmeans beats {', '.join(v['gptq_kmeans_beats']) or 'none'}"
+                     f"{' (every peer)' if v['gptq_kmeans_beats_all'] else ''}; gptq-int beats int: "
+                     f"{'yes' if v['gptq_int_beats_int'] else 'no'}")
+    return "\n".join(lines) + "\n"
+
+
+def plot(result, path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    models = sorted({r["model"] for r in result["rows"]}, reverse=True)
+    fig, axes = plt.subplots(1, len(models), figsize=(5.5 * len(models), 4.2), squeeze=False)
+    styles = {"int": "s--", "hqq": "D--", "kmeans": "o:", "kmeans-imp": "^:", "gptq-int": "s-", "gptq-kmeans": "o-"}
+    for ax, model in zip(axes[0], models):
+        rows = [r for r in result["rows"] if r["model"] == model]
+        for method, style in styles.items():
+            pts = sorted((r for r in rows if r["method"] == method), key=lambda r: r["bits_per_weight"])
+            if pts:
+                ax.plot([r["bits_per_weight"] for r in pts], [r["quality"] for r in pts], style, label=method)
+        fp32 = next(r for r in rows if r["method"] == "fp32")
+        ax.axhline(fp32["quality"], color="gray", lw=1, ls=":", label="fp32")
+        ax.set_xlabel("bits per weight (codes + scales + zeros + codebooks)")
+        if model == "smollm2":
+            ax.set_yscale("log")
+            ax.set_ylabel("perplexity on Hamlet (lower is better)")
+            ax.set_title("SmolLM2-135M")
+        else:
+            ax.set_ylabel("cosine to fp32 (higher is better)")
+            ax.set_title("all-MiniLM-L6-v2")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

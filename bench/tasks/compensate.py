@@ -1,0 +1,119 @@
+"""`hilt quantize --compensate` on the models hilt runs itself: a Llama GGUF (SmolLM2) or a BERT
+folder (MiniLM). Builds the model with its blocks left unloaded (each block is read from the file
+just before it is quantized and freed after, so memory holds one block), tokenizes the calibration
+text, and returns the Compensator that the checkpoint writer asks for each tensor.
+
+Calibration is Macbeth by default; the evaluations use Hamlet, so they never share text. A text
+file given instead is read as running text for a Llama and as one sentence per line for BERT.
+"""
+
+from __future__ import annotations
+
+import json
+import weakref
+from pathlib import Path
+
+import torch
+
+from hilt.errors import HiltError
+from hilt.quant import QuantConfig, open_source
+from hilt.quant.compensate import CompensationConfig, Compensator
+
+DEFAULT_WORK = "macbeth"
+CONTEXT = 512  # tokens per calibration window (Llama)
+
+
+def model_kind(src) -> str:
+    """'llama' for a GGUF file, 'bert' for a BERT folder (or its safetensors file)."""
+    path = Path(src)
+    if path.suffix == ".gguf" and path.is_file():
+        return "llama"
+    folder = path if path.is_dir() else path.parent
+    try:
+        model_type = json.loads((folder / "config.json").read_text()).get("model_type")
+    except (OSError, ValueError):
+        model_type = None
+    if model_type == "bert":
+        return "bert"
+    raise HiltError(f"{src}: --compensate runs the model on calibration text, and hilt runs Llama GGUF files "
+                    "(SmolLM2) and BERT folders (MiniLM); this is neither")
+
+
+def _read_text(path) -> str:
+    try:
+        return Path(path).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise HiltError(f"{path}: cannot read calibration text ({e})") from None
+
+
+def llama_batches(tokenizer, calibration=None, tokens: int = 4096) -> tuple[list[tuple], str]:
+    from hilt.bench.data.text import shakespeare_text
+
+    if calibration in (None, "default"):
+        ids = tokenizer.encode(shakespeare_text(DEFAULT_WORK))
+        ids, name = ids[len(ids) // 4:], DEFAULT_WORK  # past the cast list
+    else:
+        ids, name = tokenizer.encode(_read_text(calibration)), str(calibration)
+    if len(ids) < tokens:
+        raise HiltError(f"{name}: calibration text too short: {len(ids)} tokens, {tokens} asked for "
+                        "(--calibration-tokens)")
+    if tokens < CONTEXT:
+        raise HiltError(f"--calibration-tokens must be at least {CONTEXT} (one window), got {tokens}")
+    ids = torch.tensor(ids[:tokens // CONTEXT * CONTEXT]).view(-1, CONTEXT)
+    return [(ids[i:i + 8],) for i in range(0, ids.shape[0], 8)], f"{ids.numel()} tokens of {name}"
+
+
+def bert_batches(tokenizer, calibration=None, sentences: int = 256) -> tuple[list[tuple], str]:
+    """Sentences batched by token length, so that no batch holds padding (its rows would enter H)."""
+    from hilt.bench.data.text import sentences as real_sentences
+
+    if calibration in (None, "default"):
+        chosen, name = real_sentences(sentences, work=DEFAULT_WORK), DEFAULT_WORK
+    else:
+        lines = [line.strip() for line in _read_text(calibration).splitlines() if line.strip()]
+        if len(lines) < sentences:
+            raise HiltError(f"{calibration}: calibration text too short: {len(lines)} sentences (lines), "
+                            f"{sentences} asked for (--calibration-sentences)")
+        chosen, name = lines[:sentences], str(calibration)
+    by_length: dict[int, list[list[int]]] = {}
+    for enc in tokenizer.encode_batch(chosen):
+        ids = [t for t, m in zip(enc.ids, enc.attention_mask) if m]
+        by_length.setdefault(len(ids), []).append(ids)
+    batches = []
+    for group in by_length.values():
+        for i in range(0, len(group), 64):
+            ids = torch.tensor(group[i:i + 64])
+            batches.append((ids, torch.ones_like(ids)))
+    return batches, f"{len(chosen)} sentences of {name}"
+
+
+def compensator(src, config: QuantConfig, comp: CompensationConfig = CompensationConfig(), targets=None,
+                calibration=None, tokens: int = 4096, sentences: int = 256) -> Compensator:
+    """The Compensator for ``src`` (see the module doc); ``targets`` as ``select_targets`` chose them."""
+    from hilt.bench.models.weights import load_part_
+
+    kind = model_kind(src)
+    if kind == "llama":
+        from hilt.bench.models import llama
+
+        model, tokenizer = llama.load_llama(src, lazy_blocks=True)
+        batches, seen = llama_batches(tokenizer, calibration, tokens)
+        prefix = llama.BLOCKS
+    else:
+        from hilt.bench.models import bert
+
+        model, tokenizer = bert.load_minilm(src, lazy_blocks=True)
+        batches, seen = bert_batches(tokenizer, calibration, sentences)
+        prefix = bert.BLOCKS
+    source = open_source(src)  # opened once: parsing a GGUF's index takes seconds
+
+    def load(i, block):
+        load_part_(block, source, f"{prefix}{i}.")
+
+    def release(i, block):
+        block.to("meta")  # frees the block's weights: the next one is read from the file
+
+    result = Compensator(model, batches, config, comp, targets=targets, calibration=seen,
+                         load_block=load, release_block=release)
+    weakref.finalize(result, source.close)
+    return result
