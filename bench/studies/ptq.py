@@ -93,12 +93,14 @@ def _evaluate(model: str, quantized=None, tensors=None, tokens=2048, sentences=2
 
     batch = real_sentences(sentences)
     ref_model, tokenizer = bert.load_minilm()
-    other, _ = bert.load_minilm(tensors=tensors)
+    used = set(ref_model.state_dict())  # the checkpoint's pooler is not part of the embedding model
+    other, _ = bert.load_minilm(tensors={k: v for k, v in tensors.items() if k in used})
     return bert.embedding_similarity(bert.embed(ref_model, tokenizer, batch), bert.embed(other, tokenizer, batch))
 
 
 def run(out="report", quick=False, log=print) -> dict:
-    """The study (see the module doc). ``quick``: MiniLM only, 3 bits, small calibration and evaluation."""
+    """The study (see the module doc). ``quick``: MiniLM only, 3 bits, 32 calibration and 32 evaluation
+    sentences."""
     from hilt.bench.models.bert import minilm_path
     from hilt.bench.models.llama import smollm2_path
     from hilt.bench.tasks.calibrate import calibrate
@@ -107,18 +109,18 @@ def run(out="report", quick=False, log=print) -> dict:
     out.mkdir(parents=True, exist_ok=True)
     models = {"minilm": minilm_path()} if quick else {"smollm2": smollm2_path(), "minilm": minilm_path()}
     widths = (3,) if quick else (4, 3, 2)
-    tokens, sentences = 2048, (64 if quick else 256)
-    calib = {"smollm2": ["--calibration-tokens", "4096"], "minilm": ["--calibration-sentences", "64" if quick else "256"]}
+    tokens, sentences = 2048, (32 if quick else 256)
+    calib = {"smollm2": ["--calibration-tokens", "4096"], "minilm": ["--calibration-sentences", "32" if quick else "256"]}
     methods = [m for m in METHODS if m != "hqq" or hqq_available()]
     if "hqq" not in methods:
-        log("hqq is not installed (pip install hqq --no-deps; termcolor einops): its rows are left out")
+        log("hqq is not installed (DISABLE_CUDA=1 pip install --no-deps hqq termcolor einops): its rows are left out")
     rows = []
     for model, src in models.items():
         reference = _evaluate(model, tokens=tokens, sentences=sentences)
         rows.append({"model": model, "method": "fp32", "bits": 32, "bits_per_weight": 32.0, "quality": reference})
         log(f"{model}: fp32 {reference:.4f}")
         importance = out / f"ptq-importance-{model}.safetensors"
-        calibrate(model, importance, work="macbeth", overwrite=True, sentences=64 if quick else 256)
+        calibrate(model, importance, work="macbeth", overwrite=True, sentences=32 if quick else 256)
         for bits in widths:
             for method in methods:
                 row = {"model": model, "method": method, "bits": bits}
