@@ -126,8 +126,7 @@ def compensated_quantize(
     # k-means: one codebook for the layer, fitted with each column's importance diag(H)
     importance = H.diagonal().float().clamp_min(0) if config.method == "kmeans" else None
     rounded = quantize_tensor(w, config, name=name, importance=importance)
-    book = rounded.codebook.double()  # sorted, in its stored precision: the error is that of what is saved
-    levels = book.float()
+    levels = rounded.codebook.float()  # sorted, in its stored precision: the error is that of what is saved
     mids = ((levels[1:] + levels[:-1]) / 2).contiguous()
 
     order = torch.argsort(H.diagonal(), descending=True) if comp.act_order else torch.arange(k)

@@ -107,17 +107,16 @@ class TinyNet(nn.Module):
 
 def test_compensator_runs_blocks_in_order_and_beats_rounding():
     torch.manual_seed(0)
-    net = TinyNet().eval()
+    net = TinyNet().eval().requires_grad_(False)
     mix = torch.randn(16, 16)
     data = [(torch.randn(32, 16) @ mix,) for _ in range(8)]
     config = QuantConfig(method="int", bits=3, block_size=32)
     reference = torch.cat([net(*b) for b in data])
-    rounded_net = TinyNet().eval()
+    rounded_net = TinyNet().eval().requires_grad_(False)
     rounded_net.load_state_dict(net.state_dict())
-    with torch.no_grad():
-        for name, lin in rounded_net.blocks.named_modules():
-            if isinstance(lin, nn.Linear):
-                lin.weight.copy_(quantize_tensor(lin.weight, config).dequantize())
+    for name, lin in rounded_net.blocks.named_modules():
+        if isinstance(lin, nn.Linear):
+            lin.weight.copy_(quantize_tensor(lin.weight, config).dequantize())
     comp = Compensator(net, data, config, targets=None, calibration="8 random batches")
     out = comp.run_all()
     assert sorted(out) == sorted(f"blocks.{i}.{n}.weight" for i in range(3) for n in ("q", "k", "up", "down"))
