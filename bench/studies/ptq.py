@@ -21,10 +21,11 @@ SmolLM2 ships here as GGUF. ``gptq-int`` is that algorithm on hilt's format.
 from __future__ import annotations
 
 import json
-import resource
+import os
 import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -60,19 +61,23 @@ def hqq_weights(src, bits: int, group: int = GROUP) -> tuple[dict[str, torch.Ten
 
 
 def _child_quantize(src, dst, method: str, bits: int, extra: list[str]) -> dict:
-    """`hilt quantize` in a child process: its result JSON, wall seconds and peak resident memory."""
+    """`hilt quantize` in a child process: its result JSON, wall seconds and the child's own peak
+    resident memory (os.wait4 reports it for that one process)."""
     report = Path(str(dst) + ".json")
     cmd = [sys.executable, "-m", "hilt", "-q", "quantize", str(src), str(dst), "--method", method, "--bits",
            str(bits), "--block-size", str(GROUP), "--overwrite", "--json", str(report), *extra]
     start = time.perf_counter()
-    done = subprocess.run(cmd, capture_output=True, text=True)
-    seconds = time.perf_counter() - start
-    if done.returncode != 0:
-        raise RuntimeError(f"{' '.join(cmd)} failed: {done.stderr.strip()}")
+    with tempfile.TemporaryFile() as err:
+        child = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=err)
+        _, status, usage = os.wait4(child.pid, 0)
+        child.returncode = os.waitstatus_to_exitcode(status)
+        seconds = time.perf_counter() - start
+        if child.returncode != 0:
+            err.seek(0)
+            raise RuntimeError(f"{' '.join(cmd)} failed: {err.read().decode(errors='replace').strip()}")
     result = json.loads(report.read_text())
     report.unlink()
-    return {**result, "wall_seconds": round(seconds, 1),
-            "peak_rss_mb": round(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024)}
+    return {**result, "wall_seconds": round(seconds, 1), "peak_rss_mb": round(usage.ru_maxrss / 1024)}
 
 
 def _evaluate(model: str, quantized=None, tensors=None, tokens=2048, sentences=256) -> float:
