@@ -103,23 +103,41 @@ def _evaluate(model: str, quantized=None, tensors=None, tokens=2048, sentences=2
     return bert.embedding_similarity(bert.embed(ref_model, tokenizer, batch), bert.embed(other, tokenizer, batch))
 
 
-def run(out="report", quick=False, log=print) -> dict:
+MODELS = ("smollm2", "minilm")
+WIDTHS = (4, 3, 2)
+
+
+def run(out="report", quick=False, models=None, widths=None, log=print) -> dict:
     """The study (see the module doc). ``quick``: MiniLM only, 3 bits, 32 calibration and 32 evaluation
-    sentences."""
+    sentences. ``models`` / ``widths`` choose a part of the grid. The JSON, table and plot are rewritten
+    after every row, so a long run can be read (or stopped) at any point."""
     from hilt.bench.models.bert import minilm_path
     from hilt.bench.models.llama import smollm2_path
     from hilt.bench.tasks.calibrate import calibrate
 
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    models = {"minilm": minilm_path()} if quick else {"smollm2": smollm2_path(), "minilm": minilm_path()}
-    widths = (3,) if quick else (4, 3, 2)
+    paths = {"smollm2": smollm2_path, "minilm": minilm_path}
+    models = {m: paths[m]() for m in (models or (("minilm",) if quick else MODELS))}
+    widths = widths or ((3,) if quick else WIDTHS)
     tokens, sentences = 2048, (32 if quick else 256)
     calib = {"smollm2": ["--calibration-tokens", "4096"], "minilm": ["--calibration-sentences", "32" if quick else "256"]}
     methods = [m for m in METHODS if m != "hqq" or hqq_available()]
     if "hqq" not in methods:
         log("hqq is not installed (DISABLE_CUDA=1 pip install --no-deps hqq termcolor einops): its rows are left out")
     rows = []
+    target = out / ("ptq_quick.json" if quick else "ptq.json")
+
+    def save() -> dict:
+        result = {"quick": quick, "group": GROUP, "tokens": tokens, "sentences": sentences,
+                  "quality": {"smollm2": "perplexity on Hamlet (lower is better)",
+                              "minilm": "mean cosine to fp32 on Hamlet sentences (higher is better)"},
+                  "rows": rows, "verdicts": verdicts(rows)}
+        write_json(target, result)
+        (out / "ptq.md").write_text(markdown(result))
+        plot(result, target.with_suffix(".png"))
+        return result
+
     for model, src in models.items():
         reference = _evaluate(model, tokens=tokens, sentences=sentences)
         rows.append({"model": model, "method": "fp32", "bits": 32, "bits_per_weight": 32.0, "quality": reference})
@@ -152,18 +170,12 @@ def run(out="report", quick=False, log=print) -> dict:
                     row["quality"] = _evaluate(model, quantized=dst, tokens=tokens, sentences=sentences)
                     shutil.rmtree(dst)
                 rows.append(row)
+                save()
                 log(f"{model}: {method:>11} {bits} bit  {row['bits_per_weight']:.3f} b/w  {row['quality']:.4f}  "
                     f"({row['quantize_seconds']:.0f}s)")
         importance.unlink()
-    result = {"quick": quick, "group": GROUP, "tokens": tokens, "sentences": sentences,
-              "quality": {"smollm2": "perplexity on Hamlet (lower is better)",
-                          "minilm": "mean cosine to fp32 on Hamlet sentences (higher is better)"},
-              "rows": rows, "verdicts": verdicts(rows)}
-    target = out / ("ptq_quick.json" if quick else "ptq.json")
-    write_json(target, result)
-    (out / "ptq.md").write_text(markdown(result))
-    plot(result, out / ("ptq_quick.png" if quick else "ptq.png"))
-    log(f"wrote {target}, {out / 'ptq.md'}")
+    result = save()
+    log(f"wrote {target}, {out / 'ptq.md'}, {target.with_suffix('.png')}")
     return result
 
 
