@@ -4,9 +4,10 @@ Sections, each from a real run: the quantization table (SmolLM2-135M, MiniLM), t
 matmul kernels (checked against their reference; SmolLM2 decoding through them; timed
 against cuBLAS when there is a GPU), FP8 attention (weight-only logit bounds, the transient
 study, accuracy in real models), the CNN on PCM over a year, standard vs noise-injection vs
-DWP training under mismatch and drift, energy per inference against a GPU, and the two ONNX
-exports checked in ONNX Runtime. A section that fails is reported as failed (with its
-error) and the command exits non-zero at the end; the other sections still run.
+DWP training under mismatch and drift, energy per inference against a GPU, weight-perturbation
+certificates against quantization and drift, and the two ONNX exports checked in ONNX Runtime.
+A section that fails is reported as failed (with its error) and the command exits non-zero at
+the end; the other sections still run.
 
 `hilt report` runs the quick budgets (QUICK: about 10 minutes on 2 CPU cores); `hilt report
 --full` the full ones (FULL: about 45 minutes on 2 cores).
@@ -181,6 +182,19 @@ def run(out="report", quick: bool = True, log=print, progress: bool = False) -> 
                   f"{r['minilm_cosine']:.5f} |" for r in acc["rows"]]
         return "\n".join(lines) + "\n"
 
+    def certificates():
+        from hilt.bench.studies import certify
+
+        result = certify.study(plan=certify.REPORT if quick else certify.FULL, log=log)
+        write_json(out / "certify.json", result)
+        certify.plot(result, out / "certify.png")
+        if any(result["sound_violations"].values()):
+            raise HiltError(f"a certified input flipped under an allowed perturbation: {result['sound_violations']}")
+        return ("Per test image, the smallest weight change (Frobenius norm) that flips its prediction: exact when "
+                "the last layer alone changes, first order for a hidden layer alone, and a sound bound when every "
+                "layer changes at once (`hilt bench certify`; docs/results/certify.md).\n\n"
+                + certify.render(result) + "\n![certificates](certify.png)\n")
+
     def onnx_exports():
         from hilt.bench.models.bert import minilm_path
         from hilt.quant import QuantConfig, quantize_checkpoint
@@ -204,6 +218,7 @@ def run(out="report", quick: bool = True, log=print, progress: bool = False) -> 
         ("Compute-in-memory: a year on PCM", cim_drift),
         ("Training for noisy hardware: standard, noise injection, DWP", robust),
         ("Energy per inference: CIM against a GPU", energies),
+        ("Certificates: the smallest weight change that flips a prediction", certificates),
         ("ONNX export", onnx_exports),
     ]
     with Progress(len(plan_sections), "report", "section", enabled=progress) as bar:

@@ -5,13 +5,27 @@
     program(analog, seed=0)                            # programming noise, drift exponents
     drift_to(analog, 86400, seed=1, gdc="global")      # read one day later, compensated
     accuracy(analog, ...)
+
+    from hilt.cim_sim import certify, cim_perturbation        # weight-perturbation certificates
+    certify(model, (images, labels), cim_perturbation(model, "pcm", 86400)).fractions()
+
+(``hilt.cim_sim.certify`` is the function; its module is imported as ``from hilt.cim_sim.certify import ...``.)
 """
 
 from hilt.cim_sim.analog import PRESETS, AnalogConfig, AnalogConv2d, AnalogLinear, preset
+from hilt.cim_sim.certify import (
+    Certificates,
+    Perturbation,
+    analyze,
+    certify,
+    cim_perturbation,
+    quantization_perturbation,
+)
 from hilt.cim_sim.devices import PCM, RRAM, mismatch, stuck_at
 from hilt.cim_sim.model import analog_layers, convert_to_analog, drift_to, parse_time, program
 
 __all__ = [
     "PRESETS", "AnalogConfig", "AnalogConv2d", "AnalogLinear", "preset", "PCM", "RRAM", "mismatch", "stuck_at",
     "analog_layers", "convert_to_analog", "drift_to", "parse_time", "program",
+    "Certificates", "Perturbation", "analyze", "certify", "cim_perturbation", "quantization_perturbation",
 ]

@@ -110,13 +110,19 @@ class PCM:
         """g_prog = max(0, g_T + sigma(g_T) * N(0, 1)), for every device (a zero target included)."""
         return (g_target + self.programming_sigma(g_target) * torch.randn(g_target.shape, generator=gen, dtype=g_target.dtype)).clamp_min_(0)
 
-    def drift_exponent(self, g_target: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
-        """nu = |mu(g_T) + sigma(g_T) N(0,1)|, drawn once per device at programming."""
+    def drift_law(self, g_target: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, float]:
+        """(mu, sd, factor): the drift exponent is nu = factor |mu(g_T) + sd(g_T) N(0,1)|
+        (drift_exponent draws it; cim_sim.certify takes its moments in closed form)."""
         x = (g_target.abs() / self.g_max).clamp_min(1e-7)
         mu = (-0.0155 * torch.log(x) + 0.0244).clamp(0.049, 0.1)
         sd = (-0.0125 * torch.log(x) - 0.0059).clamp(0.008, 0.045)
+        return mu, sd, self.drift_scale
+
+    def drift_exponent(self, g_target: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
+        """nu = |mu(g_T) + sigma(g_T) N(0,1)|, drawn once per device at programming."""
+        mu, sd, factor = self.drift_law(g_target)
         nu = (mu + sd * torch.randn(g_target.shape, generator=gen, dtype=g_target.dtype)).abs()
-        return nu * self.drift_scale
+        return nu * factor
 
     def read_noise_coefficient(self, g_prog: torch.Tensor) -> torch.Tensor:
         """Q(g_prog) of the 1/f read noise; depends only on the programmed state (computed once)."""
@@ -137,10 +143,15 @@ class PCM:
         (the same draws for the same generator state) in one pass, never storing either device."""
         return _differential_read_compiled(*self._read_args(g_pairs, nu, t, gen, q))
 
+    def read_sigma(self, t: float) -> float:
+        """sqrt(ln((T + t_read) / (2 t_read))) (times read_noise_scale), T = t + t0: the read noise
+        of a device is g_drift Q(g_prog) read_sigma(t) N(0, 1)."""
+        return math.sqrt(math.log((t + self.t0 + self.t_read) / (2 * self.t_read))) * self.read_noise_scale
+
     def _read_args(self, g_prog, nu, t, gen, q):
         T = t + self.t0
         q = self.read_noise_coefficient(g_prog) if q is None else q
-        sigma = math.sqrt(math.log((T + self.t_read) / (2 * self.t_read))) * self.read_noise_scale
+        sigma = self.read_sigma(t)
         keys = torch.randint(-(2**31), 2**31, (2,), generator=gen, dtype=torch.int32)
         # times as 0-d tensors: the compiled read would be specialised (recompiled) on each float
         log_t, sigma = (torch.tensor(v, dtype=g_prog.dtype) for v in (math.log(T / self.t0), sigma))
@@ -160,8 +171,9 @@ class RRAM(PCM):
     def programming_sigma(self, g_target: torch.Tensor) -> torch.Tensor:
         return self.prog_relative * self.g_max * torch.ones_like(g_target) * self.prog_noise_scale
 
-    def drift_exponent(self, g_target, gen):
-        return super().drift_exponent(g_target, gen) * 0.1
+    def drift_law(self, g_target):
+        mu, sd, factor = super().drift_law(g_target)
+        return mu, sd, factor * 0.1
 
 
 def mismatch(w: torch.Tensor, eta: float, gen: torch.Generator) -> torch.Tensor:

@@ -882,7 +882,7 @@ def build_parser() -> argparse.ArgumentParser:
                    "k-means at 2-8 bits and CIM chips over a year, with Monte-Carlo soundness checks",
                    "hilt bench certify --quick --json certify.json --plot certify.png", [_OUTPUT, _PLOT, _SEED],
                    plot="certified fraction against bits, and against time on a chip beside the measured accuracy")
-    bce.add_argument("--quick", action="store_true", help="small budgets (under a minute; the full run took 22 "
+    bce.add_argument("--quick", action="store_true", help="small budgets (under a minute; the full run took 28 "
                      "minutes on 2 cores shared with another job)")
     bce.add_argument("--markdown", metavar="FILE", help="the tables as Markdown")
     bce.set_defaults(func=cmd_bench_certify)

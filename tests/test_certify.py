@@ -1,0 +1,392 @@
+"""Certificates (cim_sim/certify.py): exactness at the last layer, the first-order formula, soundness of
+the all-layers bound under random and adversarial perturbations, the CIM bound against the device
+model and the simulator, errors, the study and the command line."""
+
+import importlib
+import math
+import re
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from helpers import read_json, run_hilt
+from hilt.errors import HiltError
+
+C = importlib.import_module("hilt.cim_sim.certify")  # the module (hilt.cim_sim.certify is the function)
+
+
+class TinyMLP(nn.Module):
+    def __init__(self, act="relu", seed=0):
+        super().__init__()
+        torch.manual_seed(seed)
+        self.fc1, self.fc2, self.fc3 = nn.Linear(6, 8), nn.Linear(8, 7), nn.Linear(7, 4)
+        self.act = act
+
+    def forward(self, x):
+        f = F.relu if self.act == "relu" else F.gelu
+        return self.fc3(f(self.fc2(f(self.fc1(x)))))
+
+
+class TinyCNN(nn.Module):
+    """conv (padding, then overlapping max pool) - conv (stride 2) - GELU - avg pool - flatten - linear."""
+
+    def __init__(self, seed=0):
+        super().__init__()
+        torch.manual_seed(seed)
+        self.c1 = nn.Conv2d(2, 4, 3, padding=1)
+        self.c2 = nn.Conv2d(4, 5, 3, stride=2, padding=1)
+        self.fc = nn.Linear(5 * 2 * 2, 3)
+
+    def forward(self, x):
+        x = F.max_pool2d(F.relu(self.c1(x)), 3, stride=1, padding=1)
+        x = F.avg_pool2d(F.gelu(self.c2(x)), 2)
+        return self.fc(x.flatten(1))
+
+
+class TinyConv1d(nn.Module):
+    def __init__(self, seed=0):
+        super().__init__()
+        torch.manual_seed(seed)
+        self.seq = nn.Sequential(nn.Conv1d(2, 3, 3, padding=1), nn.ReLU(), nn.MaxPool1d(2), nn.Flatten(), nn.Linear(12, 3))
+
+    def forward(self, x):
+        return self.seq(x)
+
+
+def _inputs(shape, n=64, seed=1):
+    return torch.randn(n, *shape, generator=torch.Generator().manual_seed(seed))
+
+
+# ----------------------------------------------------------------------------- exact and first order
+
+
+def test_last_layer_formula_is_the_brute_force_minimum():
+    model = TinyMLP()
+    x = _inputs((6,), 6)
+    a = C.analyze(model, x)
+    with torch.no_grad():
+        h = F.relu(model.fc2(F.relu(model.fc1(x))))
+        z = model(x)
+    w0 = model.fc3.weight.detach()
+    for n in range(len(x)):
+        i = int(z[n].argmax())
+        formula = min(float(z[n, i] - z[n, j]) / (math.sqrt(2) * float(h[n].norm())) for j in range(4) if j != i)
+        assert a.flip[n, -1].item() == pytest.approx(formula, rel=1e-5)
+        # brute force: for each other class, the smallest ||D||_F with z_j >= z_i, by a penalty method on the
+        # real layer (no formula inside), LBFGS at growing penalties
+        best = math.inf
+        for j in range(4):
+            if j == i:
+                continue
+            d = torch.zeros_like(w0, requires_grad=True)
+            opt = torch.optim.LBFGS([d], max_iter=200, line_search_fn="strong_wolfe")
+            for mu in (1e2, 1e4, 1e6, 1e8):
+                def closure():
+                    opt.zero_grad()
+                    zz = F.linear(h[n], w0 + d, model.fc3.bias)
+                    loss = d.square().sum() + mu * F.relu(zz[i] - zz[j]) ** 2
+                    loss.backward()
+                    return loss
+                opt.step(closure)
+            best = min(best, float(d.detach().norm()))
+        assert best == pytest.approx(formula, rel=2e-3)
+
+
+@pytest.mark.parametrize("make,shape", [(TinyMLP, (6,)), (TinyCNN, (2, 8, 8)), (TinyConv1d, (2, 8))])
+def test_flip_norms_match_autograd(make, shape):
+    """The batched pair gradients (im2col for convolutions) against plain autograd on the model's weights."""
+    model = make()
+    x = _inputs(shape, 4)
+    a = C.analyze(model, x)
+    layers = [m for m in model.modules() if isinstance(m, (nn.Linear, nn.Conv1d, nn.Conv2d))]
+    for n in range(len(x)):
+        z = model(x[n : n + 1])[0]
+        i = int(z.argmax())
+        for l, layer in enumerate(layers):
+            best = math.inf
+            for j in range(z.shape[0]):
+                if j == i:
+                    continue
+                z = model(x[n : n + 1])[0]
+                (g,) = torch.autograd.grad(z[i] - z[j], layer.weight)
+                best = min(best, float((z[i] - z[j]).detach()) / float(g.norm()))
+            assert a.flip[n, l].item() == pytest.approx(best, rel=1e-4), (n, l)
+
+
+def test_first_order_matches_a_finite_step_along_the_minimal_direction():
+    """Moving a hidden layer by s times the first-order minimal perturbation lowers that pair's margin by
+    s * m to first order: the error is second order in s."""
+    model = TinyMLP(act="gelu")
+    x = _inputs((6,), 8)
+    a = C.analyze(model, x)
+    net = C.Network(model, x)
+    g, m = net.margin_gradient(x, 1, a.flip_class[:, 1])
+    step = -(m / g.flatten(1).square().sum(1)).view(-1, 1, 1) * g
+    assert torch.allclose(step.flatten(1).norm(dim=1), a.flip[:, 1], rtol=1e-4)
+    for s in (1e-2, 1e-3):
+        z = net.run(x, {"fc2": model.fc2.weight.detach() + s * step})
+        pair = z.gather(1, a.predictions[:, None]).squeeze(1) - z.gather(1, a.flip_class[:, 1:2]).squeeze(1)
+        drop = (m - pair) / (s * m)  # 1 to first order
+        assert (drop - 1).abs().max() < 30 * s
+
+
+# ----------------------------------------------------------------------------- soundness
+
+
+def _bounded_draws(net, eps, gen, kinds=("sphere", "box")):
+    """Perturbations with ||D_l||_F <= eps_l: on the sphere, and box corners scaled onto it."""
+    for kind in kinds:
+        out = {}
+        for l, layer in enumerate(net.layers):
+            d = torch.randn(layer.weight_shape, generator=gen) if kind == "sphere" else \
+                torch.randint(0, 2, layer.weight_shape, generator=gen).float() * 2 - 1
+            out[layer.name] = d * (float(eps[l]) / float(d.norm()))
+        yield out
+
+
+@pytest.mark.parametrize("make,shape", [(TinyMLP, (6,)), (lambda: TinyMLP("gelu", 3), (6,)), (TinyCNN, (2, 8, 8)),
+                                        (TinyConv1d, (2, 8))])
+def test_all_layers_bound_holds_for_random_and_adversarial_perturbations(make, shape):
+    """Stronger than 'no certified input flips': for every input, sqrt(2) ||Dz|| stays below the bound,
+    for random perturbations of the allowed norms and for a PGD attack that maximises ||Dz||."""
+    model = make()
+    x = _inputs(shape, 32)
+    a = C.analyze(model, x)
+    net = C.Network(model, x)
+    base = {layer.name: net.steps[i].module.weight.detach() for layer, i in zip(net.layers, net.affine)}
+    z0 = net.run(x)
+    gen = torch.Generator().manual_seed(0)
+    for size in (1e-2, 1.0):  # from nearly linear behaviour to large perturbations
+        eps = torch.tensor([size * info.weight_norm for info in net.layers], dtype=torch.float64)
+        bound = a.output_bound(eps)
+        cert = a.certify(dict(zip(net.names, eps.tolist())))
+        for _ in range(8):
+            for d in _bounded_draws(net, eps, gen):
+                z = net.run(x, {k: base[k] + v for k, v in d.items()})
+                assert (math.sqrt(2) * (z - z0).norm(dim=1)).double().le(bound * (1 + 1e-5) + 1e-6).all()
+                assert (z.argmax(1) == a.predictions)[cert.certified["lipschitz"]].all()
+        # adversarial: gradient ascent on ||Dz|| per input, projected on the balls
+        delta = {k: (torch.randn(len(x), *v.shape, generator=gen) * 1e-3).requires_grad_() for k, v in base.items()}
+        for _ in range(15):
+            z = net.run(x, {k: base[k] + v for k, v in delta.items()})
+            grads = torch.autograd.grad((z - z0).norm(dim=1).sum(), list(delta.values()))
+            with torch.no_grad():
+                for (k, v), g, e in zip(delta.items(), grads, eps):
+                    v += 0.3 * float(e) * g / g.flatten(1).norm(dim=1).clamp_min(1e-30).view(-1, *[1] * (g.dim() - 1))
+                    v *= (float(e) / v.flatten(1).norm(dim=1).clamp_min(1e-30)).clamp(max=1).view(-1, *[1] * (v.dim() - 1))
+        with torch.no_grad():
+            z = net.run(x, {k: base[k] + v for k, v in delta.items()})
+        assert (math.sqrt(2) * (z - z0).norm(dim=1)).double().le(bound * (1 + 1e-5) + 1e-6).all()
+
+
+def test_exact_certificate_is_sound_and_tight():
+    """Perturbing the last layer alone: below the flip norm nothing flips (random or along the worst
+    direction); 0.1% above it along the worst direction, every input flips."""
+    model = TinyMLP()
+    x = _inputs((6,), 64)
+    a = C.analyze(model, x)
+    net = C.Network(model, x)
+    g, m = net.margin_gradient(x, 2, a.flip_class[:, 2])
+    unit = g / g.flatten(1).norm(dim=1).view(-1, 1, 1)
+    w = model.fc3.weight.detach()
+    r = a.flip[:, 2].view(-1, 1, 1)
+    assert (net.run(x, {"fc3": w - 0.999 * r * unit}).argmax(1) == a.predictions).all()
+    assert (net.run(x, {"fc3": w - 1.001 * r * unit}).argmax(1) != a.predictions).all()
+    eps = float(a.flip[:, 2].median())
+    cert = a.certify({"fc3": eps})
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(200):
+        d = torch.randn(w.shape, generator=gen)
+        z = net.run(x, {"fc3": w + d * (eps / d.norm())})
+        assert (z.argmax(1) == a.predictions)[cert.certified["exact"]].all()
+
+
+def test_operator_norm_bounds():
+    """The FFT bound is above the exact norm of the layer's matrix (built column by column), which is above
+    power iteration, and close to it; pools' Lipschitz constants."""
+    for conv, shape in ((nn.Conv2d(2, 3, 3, padding=1), (2, 5, 5)), (nn.Conv2d(2, 3, 3, stride=2, padding=1), (2, 6, 6)),
+                        (nn.Conv2d(2, 2, 3, dilation=2), (2, 7, 7)), (nn.Conv1d(2, 3, 3, padding=1), (2, 9))):
+        n = math.prod(shape)
+        basis = torch.eye(n, dtype=torch.float64).reshape(n, *shape)
+        fn = F.conv1d if isinstance(conv, nn.Conv1d) else F.conv2d
+        matrix = fn(basis, conv.weight.double(), None, conv.stride, conv.padding, conv.dilation).reshape(n, -1)
+        exact = float(torch.linalg.matrix_norm(matrix.detach(), ord=2))
+        upper, power = C.operator_norm_bound(conv, shape), C.operator_norm_power(conv, shape, iterations=100)
+        assert power <= exact * (1 + 1e-4) and exact <= upper and upper < 2 * exact  # loosest: dilated, unpadded
+    assert C._pool_lipschitz(C._Step("maxpool", "p", params=C._pool_params("max", 2, None, (2,))), (1, 4, 4)) == 1
+    assert C._pool_lipschitz(C._Step("maxpool", "p", params=C._pool_params("max", 2, None, (3, 1, 1))), (1, 5, 5)) == 3
+    assert C._pool_lipschitz(C._Step("avgpool", "p", params=C._pool_params("avg", 2, None, (2,))), (1, 4, 4)) == \
+        pytest.approx(0.5)
+
+
+# ----------------------------------------------------------------------------- quantization and CIM bounds
+
+
+@pytest.mark.parametrize("method,bits", [("int", 4), ("kmeans", 2), ("kmeans", 3)])
+def test_quantization_cells(method, bits):
+    from hilt.quant import QuantConfig
+
+    model = TinyMLP()
+    model.fc1 = nn.Linear(6, 64)
+    model.fc2 = nn.Linear(64, 7)
+    layers = C.quantize_layers(model, QuantConfig(method, bits, 32))
+    for name, q in layers.items():
+        assert ((q.lower <= q.weight) & (q.weight <= q.upper)).all()
+        assert q.error <= q.cell_bound + 1e-6
+        assert q.block_size == {"fc1": 6, "fc2": 32, "fc3": 7}[name]  # the largest divisor <= 32
+    p = C.quantization_perturbation(model, QuantConfig(method, bits, 32), worst_case=True)
+    assert p.eps == {name: q.cell_bound for name, q in layers.items()}
+
+
+def test_device_moments_match_sampling():
+    from hilt.cim_sim.devices import PCM, RRAM
+
+    for dev in (PCM(), RRAM()):
+        g_target = torch.tensor([0.0, 0.5, 6.0, 25.0], dtype=torch.float64)
+        for t in (0.0, 3.15e7):
+            mom = C.device_moments(dev, g_target, t, stuck_rate=0.02)
+            gen = torch.Generator().manual_seed(0)
+            many = g_target.repeat(100_000, 1)
+            g_prog = dev.program(many, gen)
+            stuck = torch.rand(many.shape, generator=gen)
+            g_prog = torch.where(stuck < 0.01, 0.0, torch.where(stuck < 0.02, dev.g_max, g_prog))
+            nu = dev.drift_exponent(many, gen)
+            q = dev.read_noise_coefficient(g_prog)
+            noise = torch.randn(many.shape, generator=gen, dtype=torch.float64)
+            g = (g_prog * ((t + dev.t0) / dev.t0) ** -nu * (1 + dev.read_sigma(t) * q * noise)).clamp_min(0)
+            for k in (1, 2, 4):
+                sample = g**k
+                z = (mom[k] - sample.mean(0)) / (sample.std(0) / math.sqrt(len(sample)))
+                assert z.abs().max() < 4.5, (type(dev).__name__, t, k, z)
+
+
+def test_cim_bound_holds_on_simulated_chips(monkeypatch):
+    import torch._dynamo
+
+    from hilt.cim_sim import analog_layers, convert_to_analog, drift_to, preset, program
+
+    # the simulator's read, uncompiled: the same draws, without ~10 s of torch.compile for a tiny model
+    monkeypatch.setattr(torch._dynamo.config, "disable", True)
+
+    model = TinyMLP()
+    model.fc1, model.fc2 = nn.Linear(6, 96), nn.Linear(96, 7)
+    analog = convert_to_analog(model, preset("pcm"))
+    for t in (1.0, 3.15e7):
+        p = C.cim_perturbation(model, "pcm", t, delta=0.05)
+        squares = {name: [] for name in p.eps}
+        for chip in range(12):
+            program(analog, seed=chip)
+            drift_to(analog, t, seed=100 + chip)
+            for name, layer in analog_layers(analog):
+                err = float(((layer.w_eff * layer.gdc_scale[:, None]).double() - layer.w_digital.double()).norm())
+                assert err <= p.eps[name]
+                squares[name].append(err**2)
+        for name in ("fc1", "fc2"):  # the predicted mean squared error against the chips' (layers large enough
+            s = squares[name]       # for 12 chips to measure it; the drift compensation is taken as its mean)
+            assert sum(s) / len(s) == pytest.approx(p.detail["layers"][name]["expected_sq_error"], rel=0.1)
+    ideal = C.cim_perturbation(model, "ideal", 10.0)
+    assert set(ideal.eps.values()) == {0.0}
+
+
+# ----------------------------------------------------------------------------- errors
+
+
+class Residual(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(4, 4), nn.Linear(4, 3)
+
+    def forward(self, x):
+        return self.fc2(F.relu(self.fc1(x)) + x)
+
+
+@pytest.mark.parametrize("model,needle", [
+    (nn.Sequential(nn.Linear(4, 5), nn.Sigmoid(), nn.Linear(5, 3)), "layer '1': activation Sigmoid is not supported"),
+    (nn.Sequential(nn.Linear(4, 5), nn.BatchNorm1d(5), nn.Linear(5, 3)), "layer '1' (BatchNorm1d) is not supported"),
+    (nn.Sequential(nn.Linear(4, 5), nn.Tanh(), nn.Linear(5, 3)), "activation Tanh is not supported"),
+    (nn.Sequential(nn.Linear(4, 3), nn.ReLU()), "follows the last weight layer '0'"),
+    (nn.Sequential(nn.Linear(4, 1)), "not (batch, classes)"),
+    (nn.Sequential(nn.Linear(4, 6), nn.Unflatten(1, (2, 3))), "output has shape (2, 2, 3), not (batch, classes)"),
+    (nn.Sequential(nn.Conv1d(2, 4, 1, groups=2), nn.Flatten(), nn.Linear(16, 3)), "groups=2"),
+    (Residual(), "not a chain of layers"),
+])
+def test_unsupported_models_are_named(model, needle):
+    x = torch.randn(2, 2, 4) if isinstance(model[0] if isinstance(model, nn.Sequential) else None, nn.Conv1d) \
+        else torch.randn(2, 4)
+    with pytest.raises(HiltError) as e:
+        C.certify(model, x)
+    assert needle in str(e.value) and "\n" not in str(e.value)
+
+
+def test_functional_sigmoid_and_unknown_layer_name():
+    class Fn(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc1, self.fc2 = nn.Linear(4, 5), nn.Linear(5, 3)
+
+        def forward(self, x):
+            return self.fc2(torch.sigmoid(self.fc1(x)))
+
+    with pytest.raises(HiltError, match="activation sigmoid is not supported"):
+        C.certify(Fn(), torch.randn(3, 4))
+    with pytest.raises(HiltError, match="names fc9, not weight layers"):
+        C.certify(TinyMLP(), torch.randn(3, 6), {"fc9": 0.1})
+
+
+def test_cli_names_an_unsupported_model(monkeypatch, capsys):
+    """Through the command line: one line on stderr, exit 1."""
+    from hilt import cli
+    from hilt.bench.studies import certify as study
+
+    monkeypatch.setattr(study, "_model", lambda workload, checkpoint=None: (
+        nn.Sequential(nn.Flatten(), nn.Linear(784, 8), nn.Sigmoid(), nn.Linear(8, 10)), Path("bad.safetensors")))
+    assert cli.main(["certify", "mlp", "--test-images", "20"]) == 1
+    err = capsys.readouterr().err.strip()
+    assert err == "hilt: error: layer '2': activation Sigmoid is not supported (certificates handle ReLU and GELU)"
+    monkeypatch.setattr(study, "_model", lambda workload, checkpoint=None: (
+        nn.Sequential(nn.Flatten(), nn.Linear(784, 1)), Path("bad.safetensors")))
+    assert cli.main(["certify", "mlp", "--test-images", "20"]) == 1
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "not (batch, classes)" in err
+
+
+# ----------------------------------------------------------------------------- the study and the CLI
+
+
+def test_quick_study_runs():
+    from hilt.bench.studies import certify as study
+
+    plan = dict(study.QUICK, images=120, mc_images=40, bits=(4,), times="1y", line_inputs=4)
+    result = study.study(workloads=("mlp",), plan=plan, log=lambda *a: None)
+    w = result["workloads"]["mlp"]
+    assert result["sound_violations"] == {"mlp": 0}
+    assert {(r["method"], r["bits"], r["error"]) for r in w["quantization"]} == \
+        {(m, 4, e) for m in ("int", "kmeans") for e in ("actual", "cells")}
+    for r in w["quantization"]:  # the worst case in the cells certifies no more than the actual error
+        assert all(0 <= v <= 1 for v in r["certified"].values())
+    for a, b in zip(w["quantization"][0::2], w["quantization"][1::2]):
+        assert all(b["certified"][k] <= a["certified"][k] for k in C.KINDS)
+    assert w["soundness"]["certified_inputs"]["exact"] > 0 and w["soundness"]["certified_inputs"]["lipschitz"] > 0
+    assert w["chips"]["chips_exceeding_bound"] == 0
+    assert w["line_search"][-1]["median"] == pytest.approx(1.0, abs=1e-3)  # exact at the last layer
+    assert [r["layer"] for r in w["compare"]["single_layer"]] == ["fc1", "fc2", "fc3"]
+    assert w["compare"]["single_layer"][-1]["median"] == pytest.approx(1.0)
+    assert "| int 4-bit |" in study.render(result)
+
+
+def test_cli_certify_cnn(tmp_path):
+    js, png = tmp_path / "c.json", tmp_path / "c.png"
+    r = run_hilt("certify", "cnn", "--method", "int", "--bits", "8", "--n", "400", "--json", js, "--plot", png)
+    assert r.returncode == 0, r.stderr
+    assert re.search(r"^fc2 +linear +1280 ", r.stdout, re.M) and "certified: exact (last layer alone)" in r.stdout
+    result = read_json(js)
+    c = result["certified"]
+    assert result["inputs"] == 400 and 0 < c["exact"] <= 1 and c["first_order"] <= c["exact"]
+    assert [layer["name"] for layer in result["layers"]] == ["conv1", "conv2", "fc1", "fc2"]
+    assert png.stat().st_size > 10_000
+    r = run_hilt("certify", "cnn", "--method", "int", "--chip", "pcm")
+    assert r.returncode == 2 and r.stderr.strip() == \
+        "hilt certify: error: give a quantization format (--method) or a CIM chip (--chip), not both"
