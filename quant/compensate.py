@@ -400,12 +400,15 @@ class Compensator:
         summed in float64."""
         k = group[0].in_features
         H = torch.zeros(k, k, dtype=torch.float64)
+        # reused buffers: fresh k x k temporaries every batch fragment the heap (gigabytes of RSS)
+        product, product64 = torch.empty(k, k), torch.empty(k, k, dtype=torch.float64)
         rows = [0]
 
         def add(x):
             t0 = time.perf_counter()
             x = x.detach().reshape(-1, x.shape[-1]).float()
-            H.add_((x.T @ x).double())
+            torch.mm(x.T, x, out=product)
+            H.add_(product64.copy_(product))
             rows[0] += x.shape[0]
             self.seconds["gram"] += time.perf_counter() - t0
 
