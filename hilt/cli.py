@@ -326,10 +326,11 @@ def cmd_quantize(args) -> int:
 def _compensation(args, config):
     """The Compensator factory for --compensate (None without it) and the list it puts the one it
     makes in; the compensation flags are refused without --compensate."""
-    given = [flag for flag, value, default in (
-        ("--calibration", args.calibration, "default"), ("--calibration-tokens", args.calibration_tokens, 4096),
-        ("--calibration-sentences", args.calibration_sentences, 256), ("--act-order", args.act_order, False),
-        ("--block-scales", args.block_scales, "during")) if value != default]
+    # the defaults live in bench/tasks/compensate.py and CompensationConfig; None here means "not given"
+    given = {"--calibration": args.calibration, "--calibration-tokens": args.calibration_tokens,
+             "--calibration-sentences": args.calibration_sentences, "--act-order": args.act_order or None,
+             "--block-scales": args.block_scales}
+    given = [flag for flag, value in given.items() if value is not None]
     if not args.compensate:
         if given:
             raise UsageError(f"{given[0]} applies with --compensate only")
@@ -339,12 +340,13 @@ def _compensation(args, config):
 
     check_compensable(config)
     model_kind(args.src)  # an unsupported model fails before anything is read
-    comp = CompensationConfig(act_order=args.act_order, scales=args.block_scales)
+    comp = CompensationConfig(act_order=args.act_order, **({"scales": args.block_scales} if args.block_scales else {}))
+    options = {k: v for k, v in (("calibration", args.calibration), ("tokens", args.calibration_tokens),
+                                 ("sentences", args.calibration_sentences)) if v is not None}
     made = []
 
     def make(targets):
-        made.append(compensator(args.src, config, comp, targets, calibration=args.calibration,
-                                tokens=args.calibration_tokens, sentences=args.calibration_sentences))
+        made.append(compensator(args.src, config, comp, targets, **options))
         return made[-1]
     return make, made
 
@@ -659,16 +661,16 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("--compensate", action="store_true",
                    help="GPTQ-style error compensation through each layer's calibration inputs (Llama GGUF or "
                         "BERT folder); layer by layer, one block in memory")
-    q.add_argument("--calibration", metavar="TEXT", default="default",
+    q.add_argument("--calibration", metavar="TEXT",
                    help="with --compensate: a text file (BERT: one sentence per line), or 'default' (Macbeth; "
                         "the evaluations use Hamlet)")
-    q.add_argument("--calibration-tokens", type=_POSITIVE, default=4096, metavar="N",
+    q.add_argument("--calibration-tokens", type=_POSITIVE, metavar="N",
                    help="with --compensate on a Llama: calibration tokens, in windows of 512 (default 4096)")
-    q.add_argument("--calibration-sentences", type=_POSITIVE, default=256, metavar="N",
+    q.add_argument("--calibration-sentences", type=_POSITIVE, metavar="N",
                    help="with --compensate on BERT: calibration sentences (default 256)")
     q.add_argument("--act-order", action="store_true",
                    help="with --compensate: round columns in order of decreasing input energy")
-    q.add_argument("--block-scales", choices=["before", "during"], default="during",
+    q.add_argument("--block-scales", choices=["before", "during"],
                    help="with --compensate: block scales from the original weights (before) or from the "
                         "compensated ones as the sweep reaches each block (during, default)")
     q.add_argument("--only", metavar="RE", help="quantize only 2-D tensors whose name matches RE")
