@@ -12,7 +12,7 @@
 (``hilt.cim_sim.certify`` is the function; its module is imported as ``from hilt.cim_sim.certify import ...``.)
 """
 
-from hilt.cim_sim.analog import PRESETS, AnalogConfig, AnalogConv2d, AnalogLinear, preset
+from hilt.cim_sim.analog import PRESETS, AnalogConfig, AnalogConv1d, AnalogConv2d, AnalogLinear, preset
 from hilt.cim_sim.certify import (
     Certificates,
     Perturbation,
@@ -22,10 +22,10 @@ from hilt.cim_sim.certify import (
     quantization_perturbation,
 )
 from hilt.cim_sim.devices import PCM, RRAM, mismatch, stuck_at
-from hilt.cim_sim.model import analog_layers, convert_to_analog, drift_to, parse_time, program
+from hilt.cim_sim.model import analog_layers, convert_to_analog, drift_to, evaluate, parse_time, program
 
 __all__ = [
-    "PRESETS", "AnalogConfig", "AnalogConv2d", "AnalogLinear", "preset", "PCM", "RRAM", "mismatch", "stuck_at",
-    "analog_layers", "convert_to_analog", "drift_to", "parse_time", "program",
+    "PRESETS", "AnalogConfig", "AnalogConv1d", "AnalogConv2d", "AnalogLinear", "preset", "PCM", "RRAM", "mismatch", "stuck_at",
+    "analog_layers", "convert_to_analog", "drift_to", "evaluate", "parse_time", "program",
     "Certificates", "Perturbation", "analyze", "certify", "cim_perturbation", "quantization_perturbation",
 ]

@@ -46,17 +46,22 @@ def _hash32(x: torch.Tensor) -> torch.Tensor:
     return x ^ ((x >> 15) & 0x1FFFF)
 
 
-def _hashed_normal(n: int, keys: torch.Tensor) -> torch.Tensor:
-    """Draws 0..n-1 of the read keyed by ``keys`` (two int32), in float32. A hash of a hash: two reads
-    share (almost) no hashed counter, so their draws are independent."""
-    x = _hash32(_hash32(torch.arange(n, dtype=torch.int32) ^ keys[0]) ^ keys[1])
+def hashed_normal(n: int, keys: torch.Tensor) -> torch.Tensor:
+    """Draws 0..n-1 keyed by ``keys`` (two int32; or (K, 2) for K independent streams, shape (K, n)),
+    in float32. A hash of a hash: two keys share (almost) no hashed counter, so their draws are
+    independent."""
+    i = torch.arange(n, dtype=torch.int32)
+    if keys.dim() == 2:
+        x = _hash32(_hash32(i.view(1, n) ^ keys[:, :1]) ^ keys[:, 1:])
+    else:
+        x = _hash32(_hash32(i ^ keys[0]) ^ keys[1])
     return _TABLES[torch.float32][(x >> 16) & 0xFFFF]
 
 
 def _drifted_read(g_prog, nu, q, log_t, sigma, keys):
     """g_prog (T/t0)^-nu (1 + sigma Q N), clipped at 0 (PCM.read): one pass over the devices when compiled."""
     g = g_prog * torch.exp(nu * -log_t)
-    noise = _hashed_normal(g_prog.numel(), keys).view(g_prog.shape).to(g_prog.dtype)
+    noise = hashed_normal(g_prog.numel(), keys).view(g_prog.shape).to(g_prog.dtype)
     return (g + sigma * g * q * noise).clamp_min(0)
 
 
@@ -66,31 +71,31 @@ def _differential_read(g_prog, nu, q, log_t, sigma, keys):
     return g[0] - g[1]
 
 
-def _compiled(fn):
+def compiled(fn):
     """``fn`` compiled by torch.compile (inductor: one C++ loop) on first use. Where compiling fails
     (no C++ compiler), ``fn`` itself after one warning: the same draws, several times slower."""
-    compiled = None
+    fast = None
 
     def call(*args):
-        nonlocal compiled
-        if compiled is None:
-            compiled = torch.compile(fn, dynamic=True)
+        nonlocal fast
+        if fast is None:
+            fast = torch.compile(fn, dynamic=True)
         try:
-            return compiled(*args)
+            return fast(*args)
         except Exception as e:  # any compile failure; a bug in fn raises again below
-            if compiled is fn:
+            if fast is fn:
                 raise
             reason = (str(e).strip().splitlines() or [""])[0][:200]
-            warnings.warn(f"torch.compile of {fn.__name__} failed ({type(e).__name__}: {reason}); the drift "
-                          "step's read noise runs uncompiled, several times slower", stacklevel=2)
-            compiled = fn
+            warnings.warn(f"torch.compile of {fn.__name__} failed ({type(e).__name__}: {reason}); it runs "
+                          "uncompiled, several times slower", stacklevel=2)
+            fast = fn
             return fn(*args)
 
     return call
 
 
-_drifted_read_compiled = _compiled(_drifted_read)
-_differential_read_compiled = _compiled(_differential_read)
+_drifted_read_compiled = compiled(_drifted_read)
+_differential_read_compiled = compiled(_differential_read)
 
 
 @dataclass(frozen=True)

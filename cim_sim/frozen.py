@@ -18,7 +18,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hilt.cim_sim.analog import AnalogConv2d, AnalogLinear, AnalogMixin
+from hilt.cim_sim.analog import AnalogConv1d, AnalogConv2d, AnalogLinear, AnalogMixin
+from hilt.errors import HiltError
 
 _RETRY_FACTORS = (1, 2, 4, 8)  # the simulator's bound management: 3 retries, halving the input each time
 
@@ -41,13 +42,15 @@ class FrozenArrays(nn.Module):
             self.register_buffer("weight", layer.w_eff.clone())
         else:
             to_steps = self.in_step / (out_step * layer.w_max)  # weights -> ADC steps per DAC step, as the arrays scale
-            for i, (k0, k1, w, w_abs) in enumerate(layer._tiles()):
+            for i, (k0, k1, w, w_abs) in enumerate(layer._tiles()):  # chip 0, the only one
                 self.bounds.append((k0, k1))
-                self.register_buffer(f"w{i}", w * to_steps)
+                self.register_buffer(f"w{i}", w[0] * to_steps)
                 if self.ir_drop:
-                    self.register_buffer(f"w_abs{i}", w_abs / layer.w_max)
+                    self.register_buffer(f"w_abs{i}", w_abs[0] / layer.w_max)
         self.out_scale = out_step * layer.w_max
         self.register_buffer("gdc", layer.gdc_scale.clone().float())
+        tile_scale = getattr(layer, "tile_scale", None)  # per-array compensation (gdc="aihwkit")
+        self.tile_scale = [1.0] * len(self.bounds) if tile_scale is None else tile_scale[0].tolist()
         self.register_buffer("bias", None if layer.bias is None else layer.bias.detach().clone().float())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -58,6 +61,8 @@ class FrozenArrays(nn.Module):
             xk = x[:, k0:k1]
             scale = xk.abs().amax(1, keepdim=True).clamp_min(1e-12) if self.dac else torch.ones_like(xk[:, :1])
             part = self._array(xk, scale, getattr(self, f"w{i}"), getattr(self, f"w_abs{i}", None), k1 - k0) * scale
+            if self.tile_scale[i] != 1.0:
+                part = part * self.tile_scale[i]
             y = part if y is None else y + part
         y = y * self.out_scale * self.gdc
         return y if self.bias is None else y + self.bias
@@ -113,13 +118,35 @@ class FrozenConv2d(nn.Module):
         return y.reshape(n, oh * ow, self.out_channels).transpose(1, 2).reshape(n, self.out_channels, oh, ow)
 
 
+class FrozenConv1d(nn.Module):
+    def __init__(self, layer: AnalogConv1d):
+        super().__init__()
+        self.arrays = FrozenArrays(layer)
+        self.out_channels, (self.k,), (self.s,), (self.p,), (self.d,) = (
+            layer.out_channels, layer.kernel_size, layer.stride, layer.padding, layer.dilation)
+
+    def forward(self, x):
+        n, c, length = x.shape
+        out = (length + 2 * self.p - self.d * (self.k - 1) - 1) // self.s + 1
+        xp = F.pad(x.float(), (self.p, self.p))
+        # im2col by slicing, in F.unfold's order (channel, then kernel position)
+        cols = [xp[:, :, i * self.d: i * self.d + self.s * (out - 1) + 1: self.s] for i in range(self.k)]
+        patches = torch.stack(cols, 2).reshape(n, c * self.k, out).transpose(1, 2).reshape(n * out, -1)
+        return self.arrays(patches).reshape(n, out, self.out_channels).transpose(1, 2)
+
+
+_FROZEN = ((AnalogConv2d, FrozenConv2d), (AnalogConv1d, FrozenConv1d), (AnalogLinear, FrozenLinear))
+
+
 @torch.no_grad()
 def freeze(model: nn.Module) -> nn.Module:
-    """A copy of an analog model with every analog layer frozen at its current read-out."""
+    """A copy of an analog model (one programmed chip) with every analog layer frozen at its current read-out."""
+    if getattr(model, "chips", 1) != 1:
+        raise HiltError(f"freeze takes one programmed chip; this model holds {model.chips} (program it with one seed)")
     frozen = copy.deepcopy(model)
     for name, module in list(frozen.named_modules()):
         if isinstance(module, AnalogMixin):
-            new = FrozenConv2d(module) if isinstance(module, AnalogConv2d) else FrozenLinear(module)
+            new = next(f(module) for analog, f in _FROZEN if isinstance(module, analog))
             parent, _, attr = name.rpartition(".")
             setattr(frozen.get_submodule(parent) if parent else frozen, attr, new)
     return frozen.eval()

@@ -1,4 +1,9 @@
-"""Model-level API: convert a model's layers to analog, program them, let them drift.
+"""Model-level API: convert a model's layers to analog, program chips, let them drift, evaluate.
+
+Many chips at once: ``program(model, seeds=[s0, s1, ...])`` draws one chip per seed; every analog
+layer then holds all of them (a leading chip dimension), ``drift_to`` reads them all, and one
+forward evaluates every chip on the same batch (``evaluate`` returns one accuracy per chip).
+Chip k equals a one-chip model programmed with ``seed=s_k`` and read with the same read seed.
 
 Drift compensation (``gdc``), computed per layer from a fixed probe input:
 
@@ -8,6 +13,9 @@ Drift compensation (``gdc``), computed per layer from a fixed probe input:
 * ``column``: the same per output column;
 * ``exact``: the reference is the *ideal* digital layer's mean |y| (what a
   perfect calibration would restore), one number per layer;
+* ``aihwkit``: as aihwkit's GlobalDriftCompensation reads out: one number per array, the
+  mean |y| of the identity (one input at a time) through the array's full noisy forward,
+  against the same read of the programmed weights (before drift and read noise);
 * ``none``.
 """
 
@@ -19,11 +27,11 @@ import re
 import torch
 from torch import nn
 
-from hilt.cim_sim.analog import AnalogConfig, AnalogConv2d, AnalogLinear, AnalogMixin
+from hilt.cim_sim.analog import AnalogConfig, AnalogConv1d, AnalogConv2d, AnalogLinear, AnalogMixin
 from hilt.errors import HiltError
 from hilt.quant.nn import replace_modules
 
-GDC_MODES = ("global", "column", "exact", "none")
+GDC_MODES = ("global", "column", "exact", "aihwkit", "none")
 _UNITS = {"s": 1, "m": 60, "min": 60, "h": 3600, "d": 86400, "w": 604800, "mo": 2629800, "y": 31557600}
 
 
@@ -40,7 +48,7 @@ def analog_layers(model: nn.Module) -> list[tuple[str, AnalogMixin]]:
 
 
 def convert_to_analog(model: nn.Module, config: AnalogConfig, inplace: bool = False) -> nn.Module:
-    """Replace every nn.Linear and nn.Conv2d by its analog counterpart (on a copy unless ``inplace``).
+    """Replace every nn.Linear, nn.Conv1d and nn.Conv2d by its analog counterpart (on a copy unless ``inplace``).
 
     Other layers stay digital; ``model.digital_layers`` lists them. The copy is
     programmed once with seed 0; call :func:`program` to draw another chip.
@@ -54,12 +62,14 @@ def convert_to_analog(model: nn.Module, config: AnalogConfig, inplace: bool = Fa
             return AnalogLinear(module, config)
         if isinstance(module, nn.Conv2d):
             return AnalogConv2d(module, config)
+        if isinstance(module, nn.Conv1d):
+            return AnalogConv1d(module, config)
         if name and not list(module.children()) and any(True for _ in module.parameters(recurse=False)):
             digital.append(name)
         return None
 
     if replace_modules(model, analog) == 0:
-        raise HiltError("the model has no Linear or Conv2d layer to put on analog hardware")
+        raise HiltError("the model has no Linear, Conv1d or Conv2d layer to put on analog hardware")
     model.digital_layers = digital
     model.eval()
     program(model, seed=0)
@@ -75,57 +85,149 @@ def _probe(layer: AnalogMixin, gen: torch.Generator) -> torch.Tensor:
     return values * (torch.rand(32, n_in, generator=gen) < 64 / n_in)
 
 
+def _seeds(seed: int, seeds, what: str) -> list[int]:
+    if seeds is None:
+        return [int(seed)]
+    seeds = [int(s) for s in seeds]
+    if not seeds:
+        raise HiltError(f"{what}: seeds must name at least one chip")
+    return seeds
+
+
+def _record_batch(model: nn.Module, args, kwargs) -> None:
+    """Forward pre-hook: tell every analog layer the model's batch size, so that a layer holding
+    several chips knows a shared batch from one stacked per chip."""
+    x = next((a for a in (*args, *kwargs.values()) if torch.is_tensor(a)), None)
+    for _, layer in analog_layers(model):
+        layer.shared_batch = None if x is None or x.dim() == 0 else x.shape[0]
+
+
 @torch.no_grad()
-def program(model: nn.Module, seed: int = 0) -> nn.Module:
-    """Program every analog layer (a new chip: programming noise and drift exponents drawn)."""
-    gen = torch.Generator().manual_seed(seed)
+def program(model: nn.Module, seed: int = 0, seeds=None) -> nn.Module:
+    """Program every analog layer: a new chip (programming noise and drift exponents drawn), or
+    one chip per entry of ``seeds``, all held at once (``model.chips``)."""
+    seeds = _seeds(seed, seeds, "program")
+    gens = [torch.Generator().manual_seed(s) for s in seeds]
+    chips = len(seeds)
     by_device = {}
     for _, layer in analog_layers(model):
-        devices = layer.program(gen)
+        devices = layer.program(gens)
         if devices is not None:
             by_device.setdefault(layer.device_model, []).append((layer, devices))
-    # every device of the chip in one flat pool per device model: a read is one pass over all of them
+    # every device of a chip in one flat pool per device model: a read is one pass over all of them
     model.device_pools = [
         {"device": device, "layers": [layer for layer, _ in members],
-         **{k: torch.cat([d[k].reshape(2, -1) for _, d in members], 1) for k in ("g", "nu", "q")}}
+         **{k: torch.cat([d[k].reshape(chips, 2, -1) for _, d in members], 2) for k in ("g", "nu", "q")}}
         for device, members in by_device.items()]
-    _read(model, 0.0, gen)
+    model.chips = chips
+    if not hasattr(model, "_chip_batch_hook"):
+        model._chip_batch_hook = model.register_forward_pre_hook(_record_batch, with_kwargs=True)
+    _set_programmed(model)
     for _, layer in analog_layers(model):
-        layer.gdc_scale = torch.ones(layer.w_digital.shape[0])
-        probe = _probe(layer, torch.Generator().manual_seed(seed))
-        layer.gdc_probe = probe
-        layer.gdc_ref_noisy = layer._mvm(probe).abs().mean(0)
-        layer.gdc_ref_ideal = (probe @ layer.w_digital.T).abs().mean(0)
+        layer.tile_scale = None
+        layer.array_ref = layer.array_readout()  # gdc="aihwkit": its baseline, from the programmed weights
+    _read(model, 0.0, gens)
+    for _, layer in analog_layers(model):
+        layer.gdc_scale = torch.ones(layer.w_digital.shape[0]) if chips == 1 else torch.ones(chips, layer.w_digital.shape[0])
+        probes = [_probe(layer, torch.Generator().manual_seed(s)) for s in seeds]
+        layer.gdc_probe = probes[0] if chips == 1 else torch.stack(probes)
+        layer.gdc_ref_noisy = layer._mvm(layer.gdc_probe).abs().mean(-2)  # (chips, out)
+        layer.gdc_ref_ideal = (layer.gdc_probe @ layer.w_digital.T).abs().mean(-2).view(chips, -1)
     return model
 
 
-def _read(model: nn.Module, t: float, gen: torch.Generator) -> None:
-    """Set every analog layer's weights to its devices read t seconds after programming."""
+def _set_programmed(model: nn.Module) -> None:
+    """Every analog layer's weights as programmed: no drift, no read noise."""
     for pool in getattr(model, "device_pools", []):
-        w = pool["device"].read_differential(pool["g"], pool["nu"], t, gen, q=pool["q"])  # weight units
-        offset = 0
-        for layer in pool["layers"]:
-            n = layer.w_digital.numel()
-            layer.set_weights(w[offset : offset + n].view_as(layer.w_digital))
-            offset += n
+        _set_pool_weights(pool, pool["g"][:, 0] - pool["g"][:, 1])
+
+
+def _set_pool_weights(pool: dict, w: torch.Tensor) -> None:
+    """Hand each layer of a pool its part of ``w`` (chips, devices)."""
+    chips, offset = w.shape[0], 0
+    for layer in pool["layers"]:
+        n = layer.w_digital.numel()
+        part = w[:, offset : offset + n]
+        layer.set_weights(part.reshape(layer.w_digital.shape) if chips == 1 else part.view(chips, *layer.w_digital.shape))
+        offset += n
+
+
+def _read(model: nn.Module, t: float, gens: list[torch.Generator]) -> None:
+    """Set every analog layer's weights to its devices read t seconds after programming, chip k
+    with generator k."""
+    for pool in getattr(model, "device_pools", []):
+        device, chips = pool["device"], len(gens)
+        reads = [device.read_differential(pool["g"][k], pool["nu"][k], t, gens[k], q=pool["q"][k])
+                 for k in range(chips)]  # weight units
+        _set_pool_weights(pool, reads[0].unsqueeze(0) if chips == 1 else torch.stack(reads))
 
 
 @torch.no_grad()
-def drift_to(model: nn.Module, t_seconds: float, seed: int = 1, gdc: str = "global") -> nn.Module:
-    """Read every analog layer ``t_seconds`` after programming (fresh read noise), then compensate."""
+def drift_to(model: nn.Module, t_seconds: float, seed: int = 1, gdc: str = "global", seeds=None) -> nn.Module:
+    """Read every analog layer ``t_seconds`` after programming (fresh read noise), then compensate.
+
+    With K chips, ``seeds`` gives each chip its read seed (default: chip k reads with seed + k)."""
     if gdc not in GDC_MODES:
         raise HiltError(f"unknown drift compensation {gdc!r}; choose one of {', '.join(GDC_MODES)}")
     if not t_seconds >= 0:
         raise HiltError(f"time after programming must be >= 0 s, got {t_seconds}")
-    _read(model, float(t_seconds), torch.Generator().manual_seed(seed))
+    chips = getattr(model, "chips", 1)
+    seeds = [seed + k for k in range(chips)] if seeds is None else _seeds(seed, seeds, "drift_to")
+    if len(seeds) != chips:
+        raise HiltError(f"drift_to: {len(seeds)} read seeds for a model holding {chips} chips")
+    _read(model, float(t_seconds), [torch.Generator().manual_seed(s) for s in seeds])
     for _, layer in analog_layers(model):
-        layer.gdc_scale = torch.ones(layer.w_digital.shape[0])
-        if gdc == "none":
-            continue
-        now = layer._mvm(layer.gdc_probe).abs().mean(0)
-        if gdc == "column":
-            layer.gdc_scale = layer.gdc_ref_noisy / now.clamp_min(1e-12)
-        else:
-            ref = layer.gdc_ref_ideal if gdc == "exact" else layer.gdc_ref_noisy
-            layer.gdc_scale = torch.full_like(now, float(ref.sum() / now.sum().clamp_min(1e-12)))
+        scale = torch.ones(chips, layer.w_digital.shape[0])
+        layer.tile_scale = layer.array_ref / layer.array_readout() if gdc == "aihwkit" else None
+        if gdc not in ("none", "aihwkit"):
+            now = layer._mvm(layer.gdc_probe).abs().mean(-2)  # (chips, out)
+            if gdc == "column":
+                scale = layer.gdc_ref_noisy / now.clamp_min(1e-12)
+            else:
+                ref = layer.gdc_ref_ideal if gdc == "exact" else layer.gdc_ref_noisy
+                scale = (ref.sum(-1, keepdim=True) / now.sum(-1, keepdim=True).clamp_min(1e-12)).expand_as(now).clone()
+        layer.gdc_scale = scale[0] if chips == 1 else scale
     return model
+
+
+@torch.no_grad()
+def evaluate(model: nn.Module, data, batch_size: int | None = None) -> torch.Tensor:
+    """Accuracy of every chip the model holds on ``data = (inputs, labels)`` (labels: class
+    indices): a tensor of K accuracies. One forward per batch evaluates all K chips on it.
+
+    ``batch_size``: inputs per forward (default 1000 / K, at least 1); chip k's accuracy equals a
+    one-chip model's with the same seeds and the same batch size (the noise draws follow the batches).
+    A digital model counts as one chip.
+    """
+    inputs, labels = data
+    n = len(labels)
+    if n == 0 or len(inputs) != n:
+        raise HiltError(f"evaluate needs as many inputs as labels, at least one (got {len(inputs)} and {n})")
+    if labels.dim() != 1 or labels.dtype.is_floating_point or labels.dtype == torch.bool:
+        raise HiltError(f"evaluate needs labels as a 1-D tensor of class indices, got {labels.dtype} of shape "
+                        f"{tuple(labels.shape)}")
+    chips = getattr(model, "chips", 1)
+    batch_size = max(1, 1000 // chips) if batch_size is None else batch_size
+    if batch_size < 1:
+        raise HiltError(f"batch size must be at least 1, got {batch_size}")
+    was_training = model.training
+    model.eval()
+    correct = torch.zeros(chips, dtype=torch.long)
+    try:
+        with torch.inference_mode():
+            for i in range(0, n, batch_size):
+                x, y = inputs[i : i + batch_size], labels[i : i + batch_size]
+                try:
+                    out = model(x)
+                except RuntimeError as e:
+                    if i:
+                        raise
+                    reason = (str(e).strip().splitlines() or [""])[0]
+                    raise HiltError(f"inputs of shape {tuple(inputs.shape[1:])} do not fit the model: {reason}") from e
+                if out.dim() != 2 or out.shape[0] != chips * len(y):
+                    raise HiltError(f"the model returned shape {tuple(out.shape)} for {len(y)} inputs on {chips} "
+                                    f"chip(s); evaluate needs ({chips} x {len(y)}, classes) logits")
+                correct += (out.view(chips, len(y), -1).argmax(-1) == y).sum(1)
+    finally:
+        model.train(was_training)
+    return correct.double() / n

@@ -136,6 +136,13 @@ NOISE_MODELS = _Names("hilt.cim_sim.training", "NOISE_MODELS")
 WEIGHTINGS = _Names("hilt.cim_sim.training", "WEIGHTINGS")
 
 
+def _model_spec(text: str) -> str:
+    """A built-in workload name or a factory, PKG.MODULE:FACTORY (checked when loaded)."""
+    if ":" in text or text in WORKLOADS:
+        return text
+    raise argparse.ArgumentTypeError(f"expected one of {', '.join(WORKLOADS)} or PKG.MODULE:FACTORY, got {text!r}")
+
+
 class _Renamed(argparse.Action):
     """A flag that was renamed: says to what, rather than 'unrecognized arguments'."""
 
@@ -447,8 +454,8 @@ def cmd_train(args) -> int:
 def cmd_drift(args) -> int:
     from hilt.bench.tasks import drift
 
-    result = drift.drift_study(args.workload, args.checkpoint, args.preset, args.times, args.repeats, args.gdc,
-                               args.test_images, progress=True, log=LOG.info)
+    result = drift.drift_study(args.model, args.checkpoint, args.preset, args.times, args.repeats, args.gdc,
+                               args.test_images, progress=True, log=LOG.info, data=args.data)
     _write_outputs(args, result, drift.plot_drift)
     return 0
 
@@ -784,16 +791,22 @@ def build_parser() -> argparse.ArgumentParser:
     qa.set_defaults(func=cmd_qat)
 
     d = _command(sub, "drift", "accuracy on simulated CIM hardware over time after programming",
-                 "hilt drift --workload cnn --preset pcm --times 1s,1h,1d,1mo,1y --repeats 5 --plot drift.png",
+                 "hilt drift --model cnn --preset pcm --times 1s,1h,1d,1mo,1y --repeats 5 --plot drift.png\n  "
+                 "hilt drift --model mynets:resnet8 --checkpoint resnet8.safetensors --data test.npz --repeats 10",
                  [_OUTPUT, _PLOT], plot="accuracy against log time, bands over chips")
-    d.add_argument("--workload", default="cnn", choices=WORKLOADS, help="default cnn")
-    d.add_argument("--checkpoint", metavar="FILE", help="from `hilt train` (default: bench/results/WORKLOAD-standard.safetensors)")
+    d.add_argument("--model", default="cnn", type=_model_spec, metavar="NAME|PKG.MODULE:FACTORY",
+                   help="a built-in workload (mlp, cnn; default cnn) or a function building your nn.Module")
+    d.add_argument("--workload", dest="model", type=_model_spec, default=argparse.SUPPRESS, help=argparse.SUPPRESS)
+    d.add_argument("--checkpoint", metavar="FILE", help="safetensors weights: from `hilt train` for a workload "
+                   "(default: bench/results/WORKLOAD-standard.safetensors), your state dict for a factory")
+    d.add_argument("--data", metavar="FILE", help="a .safetensors or .npz file of `inputs` and `labels` "
+                   "(default: the Fashion-MNIST test split)")
     d.add_argument("--preset", default="pcm", choices=CIM_PRESETS, help="the CIM device preset (default pcm)")
     d.add_argument("--times", default="1s,1h,1d,1mo,1y", help="comma-separated times after programming")
     d.add_argument("--repeats", type=_POSITIVE, default=5, help="programmed chips (default 5)")
     d.add_argument("--gdc", default="global", choices=DRIFT_COMPENSATION,
                    help="drift compensation compared with none (default global)")
-    d.add_argument("--test-images", type=_POSITIVE, default=10_000, help="test images per evaluation (default all 10000)")
+    d.add_argument("--test-images", type=_POSITIVE, default=10_000, help="test examples per evaluation (default 10000)")
     d.set_defaults(func=cmd_drift)
 
     ce = _command(sub, "certify", "per test image, the smallest weight change that flips its prediction (exact at the "

@@ -92,17 +92,17 @@ def test_hashed_read_noise_is_the_documented_generator():
     the moments of N(0, 1); two reads (other keys) and neighbouring devices are uncorrelated."""
     keys = torch.tensor([-123_456_789, 987_654_321], dtype=torch.int32)
     n = 1_000_003
-    z = devices._hashed_normal(n, keys)
+    z = devices.hashed_normal(n, keys)
     k0, k1 = (int(k) & 0xFFFFFFFF for k in keys)
     for i in (0, 1, 2, 77_777, n - 1):
         expected = devices._QUANTILES[_lowbias32(_lowbias32(i ^ k0) ^ k1) >> 16].float()
         assert float(z[i]) == float(expected)
-    assert torch.equal(devices._compiled(devices._hashed_normal)(n, keys), z)
+    assert torch.equal(devices.compiled(devices.hashed_normal)(n, keys), z)
     tol = 5 / math.sqrt(n)
     z = z.double()
     assert abs(float(z.mean())) < tol and abs(float(z.var()) - 1) < 2 * tol
     assert abs(float((z**4).mean()) - 3) < 20 * tol
-    other = devices._hashed_normal(n, keys + 1).double()
+    other = devices.hashed_normal(n, keys + 1).double()
     assert abs(float(torch.corrcoef(torch.stack([z, other]))[0, 1])) < tol
     assert abs(float(torch.corrcoef(torch.stack([z[:-1], z[1:]]))[0, 1])) < tol
 
@@ -130,7 +130,7 @@ def test_fused_read_equals_its_reference(dtype, monkeypatch):
         return fail
 
     monkeypatch.setattr(torch, "compile", no_compiler)
-    fallback = devices._compiled(devices._drifted_read)
+    fallback = devices.compiled(devices._drifted_read)
     with pytest.warns(UserWarning, match="uncompiled"):
         again = fallback(*args)
     assert torch.equal(again, reference)
@@ -230,7 +230,7 @@ def test_bad_input_is_named():
         with pytest.raises(HiltError, match="cannot read time"):
             parse_time(bad)
     assert parse_time("1mo") == 2629800 and parse_time("90") == 90
-    with pytest.raises(HiltError, match="no Linear or Conv2d"):
+    with pytest.raises(HiltError, match="no Linear, Conv1d or Conv2d"):
         convert_to_analog(nn.Sequential(nn.ReLU()), preset("pcm"))
     model = mlp()
     with torch.no_grad():
@@ -248,7 +248,21 @@ def test_conv_patches_match_unfold():
         conv = nn.Conv2d(3, 4, **kw)
         layer = AnalogConv2d(conv, preset("pcm"))
         x = torch.randn(2, 3, 11, 9)
-        cols, oh, ow = layer._patches(x)
+        cols, (oh, ow) = layer._patches(x)
         ref = torch.nn.functional.unfold(x, conv.kernel_size, conv.dilation, conv.padding, conv.stride)
         assert (oh, ow) == conv(x).shape[2:]
+        assert torch.equal(cols, ref.transpose(1, 2).reshape(-1, ref.shape[1]))
+
+
+def test_conv1d_patches_match_unfold():
+    from hilt.cim_sim.analog import AnalogConv1d
+
+    for kw in (dict(kernel_size=3, padding=1), dict(kernel_size=5, stride=2, padding=2, dilation=2)):
+        conv = nn.Conv1d(3, 4, **kw)
+        x = torch.randn(2, 3, 17)
+        cols, (length,) = AnalogConv1d(conv, preset("pcm"))._patches(x)
+        # the 1-D unfold is the 2-D one on a height-1 image
+        ref = torch.nn.functional.unfold(x[:, :, None], (1, conv.kernel_size[0]), (1, conv.dilation[0]),
+                                         (0, conv.padding[0]), (1, conv.stride[0]))
+        assert length == conv(x).shape[2]
         assert torch.equal(cols, ref.transpose(1, 2).reshape(-1, ref.shape[1]))

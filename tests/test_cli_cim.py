@@ -25,9 +25,9 @@ def test_drift_table_json_and_plot(mlp_checkpoint, tmp_path):
                  "--repeats", "2", "--test-images", "500", "--json", js, "--plot", png)
     assert r.returncode == 0, r.stderr
     assert "1y" in r.stdout and "digital accuracy" in r.stdout
-    # no terminal: a line per programmed chip
-    assert re.findall(r"^\[(\d)/2\] chip \d \.\.\. \d+\.\ds  accuracy at 1y: none 0\.\d+, global 0\.\d+$", r.stdout,
-                      re.M) == ["1", "2"], r.stdout
+    # no terminal: a line per time after programming, both chips evaluated at once
+    assert re.findall(r"^\[(\d)/3\] (\w+) \.\.\. \d+\.\ds  2 chips, mean accuracy: none 0\.\d+, global 0\.\d+$",
+                      r.stdout, re.M) == [("1", "1s"), ("2", "1d"), ("3", "1y")], r.stdout
     result = read_json(js)
     assert {row["gdc"] for row in result["rows"]} == {"none", "global"}
     assert all(0 <= row["worst"] <= row["mean"] <= 1 and len(row["all"]) == 2 for row in result["rows"])
@@ -43,8 +43,9 @@ def assert_bad_flag(result, command, flag, needle):
 
 @pytest.mark.parametrize("command,args,flag,needle", [
     ("drift", ["--preset", "pcmx"], "--preset", "expected one of ideal, pcm, pcm-hwa, rram, got 'pcmx'"),
-    ("drift", ["--gdc", "half"], "--gdc", "expected one of global, column, exact, none, got 'half'"),
-    ("drift", ["--workload", "vit"], "--workload", "expected one of mlp, cnn, got 'vit'"),
+    ("drift", ["--gdc", "half"], "--gdc", "expected one of global, column, exact, aihwkit, none, got 'half'"),
+    ("drift", ["--workload", "vit"], "--workload", "expected one of mlp, cnn or PKG.MODULE:FACTORY, got 'vit'"),
+    ("drift", ["--model", "vit"], "--model", "expected one of mlp, cnn or PKG.MODULE:FACTORY, got 'vit'"),
     ("drift", ["--repeats", "0"], "--repeats", "expected a positive integer, got '0'"),
     ("energy", ["--workload", "mlp", "--chip", "pcm-3nm"], "--chip", "expected one of rram-22nm, sram-22nm, sram-5nm"),
     ("energy", ["--workload", "mlp", "--preset", "rram-22nm"], "--preset", "renamed to --chip"),

@@ -47,7 +47,7 @@ def test_frozen_model_is_the_simulator_without_its_noise(preset_name):
     model = torch.nn.Sequential(torch.nn.Conv2d(2, 6, 3, padding=1, stride=2), torch.nn.ReLU(), torch.nn.Flatten(),
                                 torch.nn.Linear(6 * 5 * 5, 700), torch.nn.ReLU(), torch.nn.Linear(700, 4))
     with torch.no_grad():  # positive-leaning weights on positive inputs: the ADC saturates, bound management retries
-        model[5].weight.copy_(torch.randn(4, 700) + 1.0)
+        model[5].weight.copy_(torch.randn(4, 700) + 1.5)
     quiet = dataclasses.replace(preset(preset_name), out_noise=0.0, w_noise=0.0)
     analog = convert_to_analog(model, quiet)
     program(analog, seed=3)

@@ -1,4 +1,5 @@
-"""`hilt drift`: accuracy of a Fashion-MNIST workload on CIM hardware over time after programming."""
+"""`hilt drift`: accuracy of a model (a built-in Fashion-MNIST workload or a user's) on CIM hardware over
+time after programming, many programmed chips evaluated at once."""
 
 from __future__ import annotations
 
@@ -29,49 +30,52 @@ def workload_model(workload: str, checkpoint):
 
 
 def drift_study(workload="cnn", checkpoint=None, preset_name="pcm", times=DEFAULT_TIMES, repeats=5,
-                gdc="global", test_images=10_000, progress=False, log=print, model=None) -> dict:
+                gdc="global", test_images=10_000, progress=False, log=print, model=None, data=None) -> dict:
     """Accuracy at each time after programming, over ``repeats`` programmed chips, with and without GDC.
 
-    ``model``: a trained workload model to use instead of a checkpoint file."""
-    from hilt.bench.data.fashion_mnist import load_fashion_mnist
-    from hilt.bench.tasks.train import accuracy
+    ``workload``: a built-in workload name or ``PKG.MODULE:FACTORY`` (see bench.tasks.cim_inputs);
+    ``data``: a data file (default the Fashion-MNIST test split); ``model``: a model to use instead
+    of loading one. All chips are programmed at once and evaluated in one batched pass per time;
+    chip r is the one-chip model programmed with seed r and read with seed 10000 r + (time index).
+    """
+    from hilt.bench.tasks.cim_inputs import load_data, load_model
+    from hilt.cim_sim import analog_layers, evaluate
 
     seconds = [parse_time(t) for t in (times.split(",") if isinstance(times, str) else times)]
     if repeats < 1:
         raise HiltError(f"--repeats must be at least 1, got {repeats}")
     config = preset(preset_name)
-    model, path = workload_model(workload, checkpoint) if model is None else (model, None)
-    images, labels = load_fashion_mnist("test")
-    images, labels = images[:test_images], labels[:test_images]
-    digital = accuracy(model, images, labels)
+    path = None
+    if model is None:
+        model, info = load_model(workload, checkpoint)
+        path = info["checkpoint"] and Path(info["checkpoint"])
+    images, labels = load_data(data, limit=test_images)
+    digital = float(evaluate(model, (images, labels))[0])
     analog = convert_to_analog(model, config)
+    program(analog, seeds=range(repeats))
     modes = ["none"] if gdc == "none" else ["none", gdc]
-    acc = {m: [[0.0] * repeats for _ in seconds] for m in modes}
+    acc = {m: [] for m in modes}  # per mode, per time: one accuracy per chip
     labels_t = times.split(",") if isinstance(times, str) else [str(t) for t in times]
-    chips = Progress(repeats, "drift", "chip", steps=len(seconds) * len(modes), enabled=progress)
-    for r in range(repeats):
-        program(analog, seed=r)
-        for i, t in enumerate(seconds):
-            for m in modes:
-                drift_to(analog, t, seed=10_000 * r + i, gdc=m)  # same read noise draw for both modes
-                acc[m][i][r] = accuracy(analog, images, labels)
-                chips.tick()
-        chips.done(f"chip {r + 1}", f"accuracy at {labels_t[-1]}: "
-                   + ", ".join(f"{m} {acc[m][-1][r]:.4f}" for m in modes))
-    chips.close()
+    steps = Progress(len(seconds), "drift", "time", steps=len(modes), enabled=progress)
+    for i, t in enumerate(seconds):
+        for m in modes:
+            drift_to(analog, t, seeds=[10_000 * r + i for r in range(repeats)], gdc=m)  # same read for both modes
+            acc[m].append(evaluate(analog, (images, labels)).tolist())
+            steps.tick()
+        steps.done(labels_t[i], f"{repeats} chips, mean accuracy: "
+                   + ", ".join(f"{m} {sum(acc[m][i]) / repeats:.4f}" for m in modes))
+    steps.close()
     rows = []
     for m in modes:
         for i, t in enumerate(seconds):
             a = torch.tensor(acc[m][i])
             rows.append({"gdc": m, "time": labels_t[i], "seconds": t, "mean": float(a.mean()),
                          "std": float(a.std()) if repeats > 1 else 0.0, "worst": float(a.min()), "all": acc[m][i]})
-    result = {"workload": workload, "checkpoint": path and _relative(path), "preset": preset_name, "repeats": repeats,
-              "digital_layers": analog.digital_layers,
+    result = {"workload": workload, "checkpoint": path and _relative(path), "data": _relative(Path(data)) if data else "fashion-mnist",
+              "preset": preset_name, "repeats": repeats, "digital_layers": analog.digital_layers,
               "test_images": len(labels), "digital_accuracy": digital, "rows": rows}
-    from hilt.cim_sim import analog_layers
-
     log(f"{workload} on {preset_name}: digital accuracy {digital:.4f}; {repeats} programmed chips, "
-        f"{len(labels)} test images; {len(analog_layers(analog))} layers on analog arrays, kept digital: "
+        f"{len(labels)} test examples; {len(analog_layers(analog))} layers on analog arrays, kept digital: "
         f"{', '.join(analog.digital_layers) or 'none'}")
     log(f"{'time':>6} " + "".join(f"{m:>28}" for m in modes))
     for t in labels_t:
@@ -109,8 +113,8 @@ def plot_drift(result: dict, path) -> None:
     ax.set_xscale("log")
     ax.set_xlabel("time after programming (s)")
     ax.set_ylabel("test accuracy (mean ± std; dotted: worst chip)")
-    ax.set_title(f"{result['workload'].upper()} on Fashion-MNIST, {result['preset']} preset, "
-                 f"{result['repeats']} chips")
+    name = result["workload"].upper() if result["workload"] in ("mlp", "cnn") else result["workload"]
+    ax.set_title(f"{name} on {result.get('data', 'fashion-mnist')}, {result['preset']} preset, {result['repeats']} chips")
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
