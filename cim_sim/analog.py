@@ -45,6 +45,16 @@ def _output_stage_eager(part, keys, noise_scale, levels, noise: bool, adc: bool)
 _output_stage = compiled(_output_stage_eager)
 
 
+def _input_stage_eager(x, in_step, levels):
+    """Noise management and the DAC: each row divided by its abs-max, in DAC steps, clipped at
+    +-levels and rounded -> (x in DAC steps, per-row scale). One compiled pass."""
+    scale = x.abs().amax(-1, keepdim=True).clamp_min(1e-12)
+    return (x * (1 / (scale * in_step))).clamp(-levels, levels).round(), scale
+
+
+_input_stage = compiled(_input_stage_eager)
+
+
 @dataclass(frozen=True)
 class AnalogConfig:
     device: str = "pcm"  # "ideal" (exact digital), "pcm" or "rram"
@@ -193,11 +203,11 @@ class AnalogMixin:
         output in steps (chips, rows, out), input scale)."""
         c = self.config
         in_step, out_step = self._steps()
-        if c.dac_bits is not None:  # noise management: each input row scaled by its abs-max
-            x_scale = x.abs().amax(-1, keepdim=True).clamp_min_(1e-12)  # (10x faster than aminmax or vector_norm)
+        if c.dac_bits is not None:
+            xq, x_scale = _input_stage(x, *(torch.tensor(v, dtype=torch.float32) for v in (in_step, c.inp_bound / in_step)))
         else:
-            x_scale = torch.ones(*x.shape[:-1], 1)
-        part, peak = self._read_out(x * (1 / (x_scale * in_step)), w, w_abs, self.gens)
+            xq, x_scale = x, torch.ones(*x.shape[:-1], 1)
+        part, peak = self._read_out(xq, w, w_abs, self.gens)
         if not c.bound_management or peak is None or not bool((peak >= c.out_bound / out_step).any()):
             return part, x_scale
         for chip in range(self.chips):  # bound management: retry the saturated rows at half the input scale
@@ -209,15 +219,18 @@ class AnalogMixin:
                 if len(rows) == 0:
                     break
                 factor *= 2
-                retry, chip_peak = self._read_out(xc[rows] * (1 / (sc[rows] * (factor * in_step))), w[chip : chip + 1],
-                                                  None if w_abs is None else w_abs[chip : chip + 1], self.gens[chip : chip + 1])
+                xq = xc[rows].mul_(1 / (sc[rows] * (factor * in_step)))
+                if c.dac_bits is not None:
+                    xq.clamp_(-c.inp_bound / in_step, c.inp_bound / in_step).round_()
+                retry, chip_peak = self._read_out(xq, w[chip : chip + 1], None if w_abs is None else w_abs[chip : chip + 1],
+                                                  self.gens[chip : chip + 1])
                 part[chip, rows] = retry[0].mul_(factor)
                 chip_peak = chip_peak[0]
         return part, x_scale
 
     def _read_out(self, xq: torch.Tensor, w: torch.Tensor, w_abs, gens) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """One pass through an array on each chip of ``w`` (chips, out, k): xq in DAC steps
-        (|xq| <= 1 / DAC step), (rows, k) shared or (chips, rows, k) -> (ADC output in steps
+        """One pass through an array on each chip of ``w`` (chips, out, k): xq the DAC's output in
+        its steps (|xq| <= 1 / DAC step), (rows, k) shared or (chips, rows, k) -> (ADC output in steps
         (chips, rows, out), per-row peak (chips, rows) before clipping; None without an ADC).
 
         Converters work in integer steps: the DAC's step is folded into the input scaling
@@ -226,10 +239,6 @@ class AnalogMixin:
         """
         c = self.config
         in_step, out_step = self._steps()
-        if c.dac_bits is not None:
-            if c.inp_bound < 1:
-                xq.clamp_(-c.inp_bound / in_step, c.inp_bound / in_step)
-            xq.round_()
         chips, rows = w.shape[0], xq.shape[-2]
         part = torch.empty(chips, rows, w.shape[1])
         chip_x = (lambda i: xq) if xq.dim() == 2 else (lambda i: xq[i])
