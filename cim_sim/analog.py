@@ -71,6 +71,11 @@ class AnalogConfig:
     prog_noise_scale: float = 1.0
     read_noise_scale: float = 1.0
     drift_scale: float = 1.0
+    # False: the arrays compute with the weights themselves, so output noise, output bound and ADC
+    # step are in units of weight x normalised input (aihwkit's default, weight_scaling_omega=0);
+    # True: each layer's weights scaled to abs-max 1 on the arrays, the scale applied digitally
+    # (aihwkit's weight_scaling_omega=1)
+    weight_scaling: bool = False
 
     def device_model(self):
         if self.device not in ("ideal", "pcm", "rram"):
@@ -81,16 +86,30 @@ class AnalogConfig:
 
 
 # Presets. "pcm" is aihwkit's default inference configuration (PCM noise model, DAC 7 bit,
-# ADC 9 bit, output bound 12, output noise 0.06, noise and bound management, 512x512 tiles);
+# ADC 9 bit, output bound 12, output noise 0.06, noise and bound management, arrays of at most
+# 512 inputs, raw weights on the arrays); "pcm-scaled" the same with each layer's weights
+# scaled to abs-max 1 (weight_scaling_omega=1: less output noise relative to the weights);
 # "pcm-hwa" adds per-read PCM weight noise and IR drop as aihwkit's standard hardware-aware
-# training preset does (values as we read that preset: w_noise 0.0175, IR drop 1.0,
-# output noise 0.04); "rram" swaps the device model; "ideal" is exact digital arithmetic.
+# training preset does (values as we read that preset: w_noise 0.0175, IR drop 1.0, output
+# noise 0.04, weight scaling); "rram" swaps the device model; "ideal" is exact digital arithmetic.
 PRESETS = {
     "ideal": AnalogConfig(device="ideal", dac_bits=None, adc_bits=None, out_noise=0.0, bound_management=False),
     "pcm": AnalogConfig(),
-    "pcm-hwa": AnalogConfig(w_noise=0.0175, ir_drop=1.0, out_noise=0.04),
+    "pcm-scaled": AnalogConfig(weight_scaling=True),
+    "pcm-hwa": AnalogConfig(w_noise=0.0175, ir_drop=1.0, out_noise=0.04, weight_scaling=True),
     "rram": AnalogConfig(device="rram"),
 }
+
+
+def array_bounds(n_in: int, tile_size: int) -> list[tuple[int, int]]:
+    """The input rows of each array: ceil(n_in / tile_size) arrays of equal size (within one row),
+    as aihwkit splits a layer."""
+    n = -(-n_in // tile_size)
+    base, extra = divmod(n_in, n)
+    edges = [0]
+    for i in range(n):
+        edges.append(edges[-1] + base + (i < extra))
+    return list(zip(edges[:-1], edges[1:], strict=True))
 
 
 def preset(name: str) -> AnalogConfig:
@@ -191,7 +210,7 @@ class AnalogMixin:
                 if tile_scale is not None:
                     x_scale = x_scale * tile_scale[:, i].view(-1, 1, 1)
                 y = part.mul_(x_scale) if y is None else y.addcmul_(part, x_scale)
-        factor = 1.0 if self.is_ideal else self.w_max * self._steps()[1]  # ADC steps -> weights x inputs
+        factor = 1.0 if self.is_ideal else self.w_unit * self._steps()[1]  # ADC steps -> weights x inputs
         if column_scale is not None:
             factor = column_scale.view(self.chips, 1, -1) * factor
         if bias is None:
@@ -243,14 +262,14 @@ class AnalogMixin:
         part = torch.empty(chips, rows, w.shape[1])
         chip_x = (lambda i: xq) if xq.dim() == 2 else (lambda i: xq[i])
         for i in range(chips):
-            # w is a view of the weights (/ w_max inside the product; BLAS scales for free), in ADC steps
-            torch.addmm(_ZERO, chip_x(i), w[i].T, beta=0, alpha=in_step / (out_step * self.w_max), out=part[i])
+            # w is a view of the weights (/ w_unit inside the product; BLAS scales for free), in ADC steps
+            torch.addmm(_ZERO, chip_x(i), w[i].T, beta=0, alpha=in_step / (out_step * self.w_unit), out=part[i])
         if c.w_noise or c.ir_drop:
             # both need |w| against a function of x: one matmul for both
             moments = torch.cat([xq * xq, xq.abs()], -2)
             for i in range(chips):
                 stats = torch.addmm(_ZERO, moments if xq.dim() == 2 else moments[i], w_abs[i].T, beta=0,
-                                    alpha=1 / self.w_max)
+                                    alpha=1 / self.w_unit)
                 if c.ir_drop:
                     # first-order IR drop (our approximation): a bit line carrying a large total
                     # current loses a share of it, 5% at full current on every row of the array
@@ -273,15 +292,7 @@ class AnalogMixin:
                 2 * c.out_bound / (2**c.adc_bits - 2) if c.adc_bits is not None else 1.0)
 
     def tile_bounds(self) -> list[tuple[int, int]]:
-        """The input rows of each array: ceil(in / tile_size) arrays of equal size (within one row),
-        as aihwkit splits a layer."""
-        n_in = self.w_digital.shape[1]
-        n = -(-n_in // self.config.tile_size)
-        base, extra = divmod(n_in, n)
-        edges = [0]
-        for i in range(n):
-            edges.append(edges[-1] + base + (i < extra))
-        return list(zip(edges[:-1], edges[1:], strict=True))
+        return array_bounds(self.w_digital.shape[1], self.config.tile_size)
 
     def _tiles(self) -> list:
         """(k0, k1, w, |w|) per array: views (chips, out, k) of the weights (and of their
@@ -303,8 +314,13 @@ class AnalogMixin:
         reads = []
         for k0, k1, w, w_abs in self._tiles():
             part, _ = self._tile_mvm(torch.eye(k1 - k0), w, w_abs)  # a one-hot row's abs-max is 1: no scaling
-            reads.append((part.abs().mean((1, 2)) * (self.w_max * out_step)).clamp_min(1e-4))
+            reads.append((part.abs().mean((1, 2)) * (self.w_unit * out_step)).clamp_min(1e-4))
         return torch.stack(reads, 1)
+
+    @property
+    def w_unit(self) -> float:
+        """The weight the arrays hold as 1: the layer's abs-max with weight scaling, else 1."""
+        return self.w_max if self.config.weight_scaling else 1.0
 
     @property
     def is_ideal(self) -> bool:

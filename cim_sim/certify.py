@@ -1102,22 +1102,23 @@ def _abs_mean(mean: torch.Tensor, var: torch.Tensor) -> torch.Tensor:
             + mean * (1 - 2 * torch.special.ndtr(-mean / sd)))
 
 
-def _probe_abs(config, probe: torch.Tensor, mean_w: torch.Tensor, var_w: torch.Tensor, w_max: float) -> torch.Tensor:
+def _probe_abs(config, probe: torch.Tensor, mean_w: torch.Tensor, var_w: torch.Tensor, unit: float) -> torch.Tensor:
     """Mean-field E|y| (rows, out) of the drift-compensation probe through arrays holding weights of
     mean ``mean_w`` and variance ``var_w``: Gaussian y, plus the variance of output noise, ADC and DAC
-    rounding per array (noise management scales each array's slice of the input by its abs-max)."""
-    from hilt.cim_sim.analog import AnalogMixin
+    rounding per array (noise management scales each array's slice of the input by its abs-max).
+    ``unit``: the weight the arrays hold as 1 (AnalogMixin.w_unit)."""
+    from hilt.cim_sim.analog import AnalogMixin, array_bounds
 
     in_step, out_step = AnalogMixin._steps(types.SimpleNamespace(config=config))
     mean = probe @ mean_w.T
     var = (probe * probe) @ var_w.T
-    for k0 in range(0, probe.shape[1], config.tile_size):
-        xs = probe[:, k0 : k0 + config.tile_size].abs().amax(1, keepdim=True)  # (rows, 1)
-        extra = (config.out_noise * w_max * xs) ** 2
+    for k0, k1 in array_bounds(probe.shape[1], config.tile_size):
+        xs = probe[:, k0:k1].abs().amax(1, keepdim=True)  # (rows, 1)
+        extra = (config.out_noise * unit * xs) ** 2
         if config.adc_bits is not None:
-            extra = extra + (w_max * out_step * xs) ** 2 / 12
+            extra = extra + (unit * out_step * xs) ** 2 / 12
         if config.dac_bits is not None:
-            second = (mean_w[:, k0 : k0 + config.tile_size] ** 2 + var_w[:, k0 : k0 + config.tile_size]).sum(1)
+            second = (mean_w[:, k0:k1] ** 2 + var_w[:, k0:k1]).sum(1)
             extra = extra + (xs * in_step) ** 2 / 12 * second[None, :]
         var = var + extra
     return _abs_mean(mean, var)
@@ -1148,8 +1149,9 @@ def cim_perturbations(model: nn.Module, config="pcm", times=(0.0,), delta: float
     config = preset(config) if isinstance(config, str) else config
     if not isinstance(config, AnalogConfig):
         raise HiltError(f"a chip is an AnalogConfig or a preset name, got {type(config).__name__}")
-    if gdc not in GDC_MODES:
-        raise HiltError(f"unknown drift compensation {gdc!r}; choose one of {', '.join(GDC_MODES)}")
+    modes = [m for m in GDC_MODES if m != "aihwkit"]  # per-array identity read-outs are not modelled
+    if gdc not in modes:
+        raise HiltError(f"certificates take drift compensation {', '.join(modes)}; got {gdc!r}")
     if not 0 < delta < 1:
         raise HiltError(f"delta must be in (0, 1), got {delta}")
     times = [float(t) for t in times]
@@ -1167,6 +1169,7 @@ def cim_perturbations(model: nn.Module, config="pcm", times=(0.0,), delta: float
             continue
         w_max = float(w.float().abs().max()) or 1.0
         scale = dev.g_max / w_max
+        unit = w_max if config.weight_scaling else 1.0
         targets = torch.cat([(w * scale).clamp(0, dev.g_max).reshape(-1), (-w * scale).clamp(0, dev.g_max).reshape(-1)])
         values, inverse = torch.unique(targets, return_inverse=True)  # half the devices at least target 0
 
@@ -1183,12 +1186,12 @@ def cim_perturbations(model: nn.Module, config="pcm", times=(0.0,), delta: float
                 ref = (probe @ w.T).abs().mean(0)
             else:
                 e0 = moments_at(0.0)
-                ref = _probe_abs(config, probe, e0[1], (e0[2] - e0[1] ** 2).clamp_min(0), w_max).mean(0)
+                ref = _probe_abs(config, probe, e0[1], (e0[2] - e0[1] ** 2).clamp_min(0), unit).mean(0)
         for t, (eps, detail) in zip(times, out):
             ew = moments_at(t)
             alpha = torch.ones(w.shape[0], 1, dtype=torch.float64)
             if gdc != "none":
-                now = _probe_abs(config, probe, ew[1], (ew[2] - ew[1] ** 2).clamp_min(0), w_max).mean(0)
+                now = _probe_abs(config, probe, ew[1], (ew[2] - ew[1] ** 2).clamp_min(0), unit).mean(0)
                 alpha = (ref / now.clamp_min(1e-300))[:, None] if gdc == "column" else \
                     torch.full_like(alpha, float(ref.sum() / now.sum().clamp_min(1e-300)))
             # Delta = alpha W - w: its second and fourth moments from E[W^k]
@@ -1197,8 +1200,8 @@ def cim_perturbations(model: nn.Module, config="pcm", times=(0.0,), delta: float
             mean_s, var_s = float(d2.sum()), float((d4 - d2 * d2).clamp_min(0).sum())
             bound = math.sqrt(_cantelli(mean_s, var_s, share))
             noise = 0.0
-            if config.w_noise:  # per-read weight noise N(0, w_noise^2 w_max |W|), times alpha
-                c = config.w_noise**2 * w_max
+            if config.w_noise:  # per-read weight noise N(0, w_noise^2 unit |W|), times alpha
+                c = config.w_noise**2 * unit
                 noise = math.sqrt(_cantelli(float((alpha**2 * c * ew[2].sqrt()).sum()),  # E|W| <= sqrt(E W^2)
                                             float((3 * alpha**4 * c * c * ew[2]).sum()), share))  # Var <= E N^4
             eps[lname] = bound + noise
