@@ -6,7 +6,7 @@ drift compensation folded in, and computes exactly what the simulator's forward 
 without its random draws (output noise and per-read weight noise): per array, noise
 management, the DAC (scale, Round, Clip), the MVM, the IR-drop attenuation, the ADC
 (Clip, Round) and bound management, written without data-dependent control flow (all
-four input scales are computed and the first that fits the ADC is kept, per row), so that
+five input scales are computed and the first that fits the ADC is kept, per row), so that
 torch.onnx can export it.
 """
 
@@ -21,7 +21,7 @@ from torch import nn
 from hilt.cim_sim.analog import AnalogConv1d, AnalogConv2d, AnalogLinear, AnalogMixin
 from hilt.errors import HiltError
 
-_RETRY_FACTORS = (1, 2, 4, 8)  # the simulator's bound management: 3 retries, halving the input each time
+_RETRY_FACTORS = (1, 2, 4, 8, 16)  # the simulator's bound management: 4 retries, halving the input each time
 
 
 class FrozenArrays(nn.Module):
