@@ -166,7 +166,9 @@ def _read(model: nn.Module, t: float, gens: list[torch.Generator]) -> None:
 def drift_to(model: nn.Module, t_seconds: float, seed: int = 1, gdc: str = "global", seeds=None) -> nn.Module:
     """Read every analog layer ``t_seconds`` after programming (fresh read noise), then compensate.
 
-    With K chips, ``seeds`` gives each chip its read seed (default: chip k reads with seed + k)."""
+    With K chips, ``seeds`` gives each chip its read seed (default: chip k reads with seed + k).
+    The read seed also seeds the forward noise that follows, so a chip's outputs depend on its
+    programming seed, its read seed and its inputs only."""
     if gdc not in GDC_MODES:
         raise HiltError(f"unknown drift compensation {gdc!r}; choose one of {', '.join(GDC_MODES)}")
     if not t_seconds >= 0:
@@ -175,7 +177,11 @@ def drift_to(model: nn.Module, t_seconds: float, seed: int = 1, gdc: str = "glob
     seeds = [seed + k for k in range(chips)] if seeds is None else _seeds(seed, seeds, "drift_to")
     if len(seeds) != chips:
         raise HiltError(f"drift_to: {len(seeds)} read seeds for a model holding {chips} chips")
-    _read(model, float(t_seconds), [torch.Generator().manual_seed(s) for s in seeds])
+    gens = [torch.Generator().manual_seed(s) for s in seeds]
+    _read(model, float(t_seconds), gens)
+    for _, layer in analog_layers(model):
+        # the forward noise from here on follows from the read seed, not from what ran before
+        layer.gens = [torch.Generator().manual_seed(int(torch.randint(2**62, (1,), generator=g))) for g in gens]
     for _, layer in analog_layers(model):
         scale = torch.ones(chips, layer.w_digital.shape[0])
         layer.tile_scale = layer.array_ref / layer.array_readout() if gdc == "aihwkit" else None

@@ -138,6 +138,21 @@ def test_batched_chips_equal_one_chip_at_a_time(nets, factory, preset_name, gdc)
     assert torch.equal(together[0], together[1]) == (preset_name == "ideal")  # chips differ, unless ideal
 
 
+def test_a_read_fixes_the_forward_noise(nets):
+    """After drift_to, a chip's outputs depend on its seeds and inputs, not on what ran before."""
+    model = nets[1].conv_mlp()
+    chips = convert_to_analog(model, preset("pcm"))
+    program(chips, seeds=[1, 2])
+    x = torch.randn(6, 2, 32)
+    with torch.no_grad():
+        drift_to(chips, 60.0, seeds=[3, 4])
+        first = chips(x)
+        chips(x), drift_to(chips, 3600.0, seeds=[5, 6], gdc="none"), chips(x)
+        drift_to(chips, 60.0, seeds=[3, 4])
+        assert torch.equal(chips(x), first)
+        assert not torch.equal(chips(x), first)  # the noise goes on from there
+
+
 def test_chip_counts_are_checked(nets):
     model = nets[1].conv_mlp()
     chips = convert_to_analog(model, preset("pcm"))
