@@ -217,16 +217,22 @@ class AnalogMixin:
             return y.mul_(factor)
         return torch.addcmul(bias, y, factor) if torch.is_tensor(factor) else y.mul_(factor).add_(bias)
 
-    def _tile_mvm(self, x: torch.Tensor, w: torch.Tensor, w_abs) -> tuple[torch.Tensor, torch.Tensor]:
+    def _tile_mvm(self, x: torch.Tensor, w: torch.Tensor, w_abs, fused: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
         """One array on every chip: noise management, DAC, MVM, ADC, bound management -> (ADC
-        output in steps (chips, rows, out), input scale)."""
+        output in steps (chips, rows, out), input scale). ``fused``: the compiled passes (else the
+        same functions run eagerly: for small one-off inputs that would only add compiled shapes)."""
         c = self.config
         in_step, out_step = self._steps()
         if c.dac_bits is not None:
-            xq, x_scale = _input_stage(x, *(torch.tensor(v, dtype=torch.float32) for v in (in_step, c.inp_bound / in_step)))
+            # one shape family (3-D, contiguous) for the compiled pass, so that it compiles once
+            x3 = (x if x.dim() == 3 else x.unsqueeze(0)).contiguous()
+            stage = _input_stage if fused else _input_stage_eager
+            xq, x_scale = stage(x3, *(torch.tensor(v, dtype=torch.float32) for v in (in_step, c.inp_bound / in_step)))
+            if x.dim() == 2:
+                xq, x_scale = xq[0], x_scale[0]
         else:
             xq, x_scale = x, torch.ones(*x.shape[:-1], 1)
-        part, peak = self._read_out(xq, w, w_abs, self.gens)
+        part, peak = self._read_out(xq, w, w_abs, self.gens, fused)
         if not c.bound_management or peak is None or not bool((peak >= c.out_bound / out_step).any()):
             return part, x_scale
         for chip in range(self.chips):  # bound management: retry the saturated rows at half the input scale
@@ -242,12 +248,12 @@ class AnalogMixin:
                 if c.dac_bits is not None:
                     xq.clamp_(-c.inp_bound / in_step, c.inp_bound / in_step).round_()
                 retry, chip_peak = self._read_out(xq, w[chip : chip + 1], None if w_abs is None else w_abs[chip : chip + 1],
-                                                  self.gens[chip : chip + 1])
+                                                  self.gens[chip : chip + 1], fused)
                 part[chip, rows] = retry[0].mul_(factor)
                 chip_peak = chip_peak[0]
         return part, x_scale
 
-    def _read_out(self, xq: torch.Tensor, w: torch.Tensor, w_abs, gens) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def _read_out(self, xq: torch.Tensor, w: torch.Tensor, w_abs, gens, fused: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
         """One pass through an array on each chip of ``w`` (chips, out, k): xq the DAC's output in
         its steps (|xq| <= 1 / DAC step), (rows, k) shared or (chips, rows, k) -> (ADC output in steps
         (chips, rows, out), per-row peak (chips, rows) before clipping; None without an ADC).
@@ -283,7 +289,8 @@ class AnalogMixin:
         keys = torch.stack([torch.randint(-(2**31), 2**31, (2,), generator=g, dtype=torch.int32) for g in gens]) \
             if c.out_noise else torch.zeros(chips, 2, dtype=torch.int32)
         noise_scale, levels = (torch.tensor(v, dtype=torch.float32) for v in (c.out_noise / out_step, c.out_bound / out_step))
-        return _output_stage(part, keys, noise_scale, levels, bool(c.out_noise), c.adc_bits is not None)
+        stage = _output_stage if fused else _output_stage_eager
+        return stage(part, keys, noise_scale, levels, bool(c.out_noise), c.adc_bits is not None)
 
     def _steps(self) -> tuple[float, float]:
         """(DAC step, ADC step) in normalised units (1 where a converter is off)."""
@@ -313,7 +320,7 @@ class AnalogMixin:
         out_step = self._steps()[1]
         reads = []
         for k0, k1, w, w_abs in self._tiles():
-            part, _ = self._tile_mvm(torch.eye(k1 - k0), w, w_abs)  # a one-hot row's abs-max is 1: no scaling
+            part, _ = self._tile_mvm(torch.eye(k1 - k0), w, w_abs, fused=False)  # a one-hot row's abs-max is 1
             reads.append((part.abs().mean((1, 2)) * (self.w_unit * out_step)).clamp_min(1e-4))
         return torch.stack(reads, 1)
 
