@@ -108,9 +108,11 @@ def teacher_data(model, shape, n=48, seed=0):
         return x, model(x).argmax(1)
 
 
-@pytest.mark.parametrize("factory", ["conv_mlp", "resnet"])
-@pytest.mark.parametrize("preset_name,gdc", [("pcm", "global"), ("pcm", "aihwkit"), ("pcm-hwa", "column"),
-                                             ("rram", "exact"), ("ideal", "none")])
+@pytest.mark.parametrize("factory,preset_name,gdc", [
+    ("conv_mlp", "pcm", "global"), ("conv_mlp", "pcm", "aihwkit"), ("conv_mlp", "pcm-hwa", "column"),
+    ("conv_mlp", "rram", "exact"), ("conv_mlp", "ideal", "none"), ("resnet", "pcm", "aihwkit"),
+    ("resnet", "pcm-scaled", "global"),
+])
 def test_batched_chips_equal_one_chip_at_a_time(nets, factory, preset_name, gdc):
     _, module = nets
     model = getattr(module, factory)()
