@@ -211,11 +211,36 @@ def run(out="report", quick: bool = True, log=print, progress: bool = False) -> 
                 f"- CNN on PCM one year after programming: `cnn-pcm-1y.onnx`; test accuracy ONNX Runtime "
                 f"{c['accuracy_onnx']:.4f} vs PyTorch {c['accuracy_torch']:.4f} on {c['test_images']} images.\n")
 
+    def cim_peers():
+        from hilt.bench.studies import cim_peers as peers
+
+        if peers.aihwkit_version() is None:
+            return ("aihwkit is not installed, so there is no side-by-side here (its CPU build installs with "
+                    "`pip install --no-deps aihwkit-1.2.0-*.whl`; see docs/aihwkit.md).\n")
+        result = peers.sweep(quick=quick, workloads=("mlp",), log=log)
+        write_json(out / "cim_sweep.json", result)
+        peers.plot(result, out / "cim_sweep.png")
+        w = result["workloads"][0]
+        lines = [f"The MLP on `pcm` against aihwkit {result['aihwkit']}'s `InferenceRPUConfig()`, {result['chips']} "
+                 f"chips, {result['test_images']} images (mean over chips):", "",
+                 "| time | hilt global | hilt gdc=aihwkit | aihwkit default | hilt none | aihwkit none |",
+                 "|---|---|---|---|---|---|"]
+        for row in w["rows"]:
+            cells = [row[k]["mean"] if k in row else float("nan")
+                     for k in ("hilt_batched", "hilt_aihwkit", "aihwkit", "hilt_none", "aihwkit_none")]
+            lines.append(f"| {row['time']} | " + " | ".join(f"{c:.4f}" for c in cells) + " |")
+        r = w["timing"]["ratios"]
+        lines += ["", f"Time against the digital forwards of the same images: hilt batched "
+                  f"{r['batched_over_digital']:.2f}x, one chip at a time {r['serial_over_digital']:.2f}x, aihwkit "
+                  f"{r['aihwkit_over_digital']:.2f}x.", "", "![hilt and aihwkit](cim_sweep.png)"]
+        return "\n".join(lines) + "\n"
+
     plan_sections = [
         ("Quantization: SmolLM2-135M and all-MiniLM-L6-v2", quantization),
         ("LUT matmul kernels: correctness and decode", lambda: kernel_section(out, log)),
         ("FP8 attention: scales from the weights, transients, accuracy", fp8_section),
         ("Compute-in-memory: a year on PCM", cim_drift),
+        ("Compute-in-memory: side by side with aihwkit", cim_peers),
         ("Training for noisy hardware: standard, noise injection, DWP", robust),
         ("Energy per inference: CIM against a GPU", energies),
         ("Certificates: the smallest weight change that flips a prediction", certificates),
