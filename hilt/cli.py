@@ -268,21 +268,30 @@ def cmd_quantize(args) -> int:
     method = "int-asym" if args.asymmetric else args.method
     config = QuantConfig(method=method, bits=_resolve_bits(args, 4), block_size=args.block_size,
                          codebook=args.codebook, solver=args.solver, seed=args.seed)
+    plan = _budget_plan(args)
     compensate, compensators = _compensation(args, config)
     with open_source(args.src) as source:
         targets = select_targets(source, args.only, args.ignore)
         if args.dry_run:
             rows = []
             for name in targets:
-                check_quantizable(name, source.shape(name), config)
+                cfg = plan["formats"][name] if plan else config
+                check_quantizable(name, source.shape(name), cfg)
                 rows.append({"name": name, "shape": list(source.shape(name)),
-                             "bits_per_weight": round(expected_bits_per_weight(source.shape(name), config), 4)})
+                             "bits_per_weight": round(expected_bits_per_weight(source.shape(name), cfg), 4)})
+                if plan:
+                    rows[-1].update(format=plan["rows"][len(rows) - 1]["format"],
+                                    predicted=plan["rows"][len(rows) - 1]["predicted"])
             kept = len(source.names()) - len(targets)
     if args.dry_run:
         for r in rows:
-            print(f"would quantize {r['name']:<48} {str(tuple(r['shape'])):>14}  {r['bits_per_weight']:.3f} bits/weight")
+            fmt = f"  {r['format']:<11} predicted {r['predicted']:.3g}" if plan else ""
+            print(f"would quantize {r['name']:<48} {str(tuple(r['shape'])):>14}  {r['bits_per_weight']:.3f} "
+                  f"bits/weight{fmt}")
+        if plan:
+            print(_plan_line(plan["mixed"]))
         print(f"{len(rows)} tensors to quantize, {kept} kept as they are; nothing written (--dry-run)")
-        _write_json(args, {"dry_run": True, "tensors": rows})
+        _write_json(args, {"dry_run": True, "tensors": rows, **({"mixed": plan["mixed"]} if plan else {})})
         return 0
 
     done_before = 0
@@ -307,13 +316,16 @@ def cmd_quantize(args) -> int:
         header = quantize_checkpoint(args.src, args.dst, config, only=args.only, ignore=args.ignore,
                                      overwrite=args.overwrite, resume=args.resume, importance=args.importance,
                                      shard_bytes=int(args.shard_size * (1 << 20)), compensate=compensate,
+                                     formats=plan and plan["formats"], mixed=plan and plan["mixed"],
                                      on_tensor=on_tensor)
     totals = header["totals"]
     size = sum((Path(args.dst) / s).stat().st_size for s in header["shards"])
+    what = "mixed formats under the budget" if plan else f"{config.method}, {config.bits} bits, block {config.block_size}"
     print(f"wrote {args.dst}: {totals['quantized_tensors']} of {totals['tensors']} tensors quantized "
-          f"({config.method}, {config.bits} bits, block {config.block_size}), "
-          f"{totals['bits_per_weight']:.3f} bits/weight on quantized tensors, "
+          f"({what}), {totals['bits_per_weight']:.3f} bits/weight on quantized tensors, "
           f"mean rel. error {totals['rel_error_mean']:.4f}, {size / 1e6:.1f} MB")
+    if plan:
+        print(_plan_line(plan["mixed"]))
     if args.json:
         # resumed runs report tensors quantized earlier from the header
         done = {r["name"] for r in records}
@@ -328,6 +340,35 @@ def cmd_quantize(args) -> int:
                                       "seconds": {k: round(v, 2) for k, v in compensators[0].seconds.items()}}
         _write_json(args, result)
     return 0
+
+
+def _budget_plan(args) -> dict | None:
+    """--budget: a format per tensor from the TPV sensitivity (None without --budget); the flags that
+    set one uniform format, and those that only make sense with --budget, are refused."""
+    if args.budget is None:
+        for flag, value in (("--sensitivity", args.sensitivity), ("--candidates", args.candidates),
+                            ("--estimate", args.estimate)):
+            if value is not None:
+                raise UsageError(f"{flag} applies with --budget only")
+        return None
+    for flag, given in (("--bits", args.bits is not None), ("--method", args.method != "kmeans"),
+                        ("--asymmetric", args.asymmetric), ("--codebook", args.codebook != "layer"),
+                        ("--importance", args.importance is not None), ("--compensate", args.compensate)):
+        if given:
+            raise UsageError(f"{flag} does not go with --budget: the formats come from --candidates "
+                             "(default kmeans1-8,int2-8 at --block-size)")
+    if args.resume:
+        raise UsageError("--resume does not go with --budget; rerun the whole command")
+    from hilt.bench.tasks.sensitivity import budget_plan
+
+    return budget_plan(args.src, args.budget, sensitivity=args.sensitivity, candidates=args.candidates,
+                       block_size=args.block_size, only=args.only, ignore=args.ignore,
+                       estimate=args.estimate or "full", progress=True, log=LOG.info)
+
+
+def _plan_line(mixed: dict) -> str:
+    return (f"budget {mixed['budget']} bits/weight: {mixed['bits_per_weight']:.4f} used, predicted output change "
+            f"{mixed['predicted_tpv']:.4g} (no allocation within the budget is below {mixed['lower_bound']:.4g})")
 
 
 def _compensation(args, config):
@@ -371,7 +412,16 @@ def cmd_inspect(args) -> int:
     t = h["totals"]
     print(f"{dst}: {h['format']} v{h['format_version']} (written by hilt {h['tool_version']})")
     print(f"source      {h['source']['path']} ({h['source']['format']})")
-    print(f"method      {c['method']}, {c['bits']} bits, block {c['block_size']}, codebook per {c['codebook']}")
+    if "mixed" in h:  # a format per tensor, chosen under a bits budget
+        counts: dict[str, int] = {}
+        for e in h["tensors"].values():
+            if e["kind"] == "quantized":
+                key = f"{e['method']}{e['bits']}@{e['block_size']}"
+                counts[key] = counts.get(key, 0) + 1
+        print(f"method      mixed per tensor (budget {h['mixed'].get('budget')} bits/weight): "
+              + ", ".join(f"{k} x{v}" for k, v in sorted(counts.items())))
+    else:
+        print(f"method      {c['method']}, {c['bits']} bits, block {c['block_size']}, codebook per {c['codebook']}")
     print(f"tensors     {t['tensors']} ({t['quantized_tensors']} quantized, {t['quantized_weights']:,} weights)")
     print(f"bits/weight {t['bits_per_weight']:.4f} on quantized tensors (codes + scales + codebooks)")
     print(f"size        {size / 1e6:.2f} MB in {len(h['shards'])} shard(s)")
@@ -429,6 +479,25 @@ def cmd_calibrate(args) -> int:
                   overwrite=args.overwrite)
     print(f"wrote {r['out']}: input importance of {r['layers']} linear layers from {r['calibration']}")
     _write_json(args, r)
+    return 0
+
+
+def cmd_sensitivity(args) -> int:
+    from hilt.bench.tasks import sensitivity
+
+    r = sensitivity.sensitivity_run(args.model, checkpoint=args.checkpoint, candidates=args.candidates,
+                                    block_size=args.block_size, probes=args.probes, calibration=args.calibration,
+                                    tokens=args.tokens, sentences=args.sentences, images=args.images, seed=args.seed,
+                                    progress=True, full=args.estimate == "full")
+    key = "tpv_full" if args.estimate == "full" else "tpv"
+    shown = r["candidates"][:4]
+    print(f"{len(r['layers'])} layers of {r['model']}, {r['samples']} probe samples on {r['calibration']}; "
+          f"TPV predicts the {r['predicts']}")
+    print(f"{'layer':<46} {'Tr(H_eff)':>16}  " + "  ".join(f"{c:>11}" for c in shown))
+    for row in r["layers"]:
+        print(f"{row['name']:<46} {row['trace']:9.3g} ±{row['trace_se']:<6.2g} "
+              + "  ".join(f"{row[key].get(c, float('nan')):11.3g}" for c in shown))
+    _write_outputs(args, r, sensitivity.plot)
     return 0
 
 
@@ -714,6 +783,18 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("--block-scales", choices=["before", "during"],
                    help="with --compensate: block scales from the original weights (before) or from the "
                         "compensated ones as the sweep reaches each block (during, default)")
+    q.add_argument("--budget", type=_number(positive=True), metavar="BITS",
+                   help="mixed precision: a format per tensor with at most BITS bits/weight on average (codes, "
+                        "scales and codebooks counted), the summed predicted TPV as small as it can be")
+    q.add_argument("--sensitivity", metavar="FILE",
+                   help="with --budget: a `hilt sensitivity --json` file of this model (default: measure it "
+                        "now on the default calibration data)")
+    q.add_argument("--candidates", metavar="LIST",
+                   help="with --budget: the formats to choose from, e.g. kmeans2-4,int8@128 (default "
+                        "kmeans1-8,int2-8 at --block-size)")
+    q.add_argument("--estimate", choices=["full", "blocks"],
+                   help="with --budget: TPV from each format's error itself (full, default) or from its "
+                        "per-block variance (blocks)")
     q.add_argument("--only", metavar="RE", help="quantize only 2-D tensors whose name matches RE")
     q.add_argument("--ignore", metavar="RE", help="keep tensors whose name matches RE unquantized")
     q.add_argument("--dry-run", action="store_true", help="list what would be quantized; write nothing")
@@ -737,6 +818,26 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--sentences", type=_POSITIVE, default=256, help="sentences for an encoder (default 256)")
     c.add_argument("--overwrite", action="store_true")
     c.set_defaults(func=cmd_calibrate)
+
+    se = _command(sub, "sensitivity", "per-layer TPV sensitivity: which layers a quantization format hurts, "
+                  "predicted from calibration data without evaluating anything",
+                  "hilt sensitivity minilm --json minilm-tpv.json --plot minilm-tpv.png", [_OUTPUT, _PLOT, _SEED],
+                  plot="Tr(H_eff) per layer with its standard error, and the predicted change of a few formats")
+    se.add_argument("model", nargs="?", default="smollm2",
+                    help="smollm2, minilm, mlp, cnn, a Llama GGUF file or a BERT folder (default smollm2)")
+    se.add_argument("--checkpoint", metavar="FILE", help="mlp/cnn: the workload checkpoint (default the trained one)")
+    se.add_argument("--candidates", metavar="LIST",
+                    help="formats METHOD BITS[@BLOCK], ranges allowed: default kmeans1-8,int2-8 (mlp/cnn: @row)")
+    se.add_argument("--block-size", type=_POSITIVE, default=64, help="block size of a candidate without @ (default 64)")
+    se.add_argument("--probes", type=_POSITIVE, default=2, help="probe backward passes per calibration batch (default 2)")
+    se.add_argument("--estimate", choices=["full", "blocks"], default="full",
+                    help="also compute eᵀ H_eff e with each format's error itself (full, default), or only the "
+                         "block-diagonal TPV (blocks: less memory)")
+    se.add_argument("--calibration", metavar="TEXT", help="a text file instead of Macbeth (BERT: one sentence per line)")
+    se.add_argument("--tokens", type=_POSITIVE, default=2048, help="causal LM: calibration tokens (default 2048)")
+    se.add_argument("--sentences", type=_POSITIVE, default=256, help="encoder: calibration sentences (default 256)")
+    se.add_argument("--images", type=_POSITIVE, default=2048, help="mlp/cnn: training images (default 2048)")
+    se.set_defaults(func=cmd_sensitivity)
 
     t = _command(sub, "train", "train a Fashion-MNIST workload (MLP or CNN) and save a safetensors checkpoint",
                  "hilt train --workload cnn --out cnn.safetensors", [_OUTPUT, _SEED])

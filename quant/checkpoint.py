@@ -153,6 +153,8 @@ def quantize_checkpoint(
     importance=None,
     codebooks: dict[str, torch.Tensor] | None = None,
     compensate: Callable[[list[str]], "Compensator"] | None = None,
+    formats: dict[str, QuantConfig] | None = None,
+    mixed: dict | None = None,
     on_tensor: Callable[[dict], None] | None = None,
     progress: bool = False,
 ) -> dict:
@@ -164,7 +166,9 @@ def quantize_checkpoint(
     k-means levels per tensor name (a QAT export), used instead of fitting. ``compensate``: makes a
     :class:`hilt.quant.compensate.Compensator` over the same model from the names of the tensors to
     quantize (called once the destination and the targets are checked); the tensors it covers are
-    quantized with error compensation, the others rounded as without it.
+    quantized with error compensation, the others rounded as without it. ``formats``: a format per
+    tensor name (mixed precision, from hilt.quant.allocate) replacing ``config`` for the tensors it
+    names; ``mixed`` (how they were chosen) is recorded in the header under ``"mixed"``.
 
     Returns the header written to ``dst/hilt.json``. ``on_tensor`` is called
     with each tensor's entry (name, kind, bits_per_weight, rel_error, ...).
@@ -174,6 +178,10 @@ def quantize_checkpoint(
         raise HiltError("--importance applies to --method kmeans only")
     if importance is not None and compensate is not None:
         raise HiltError("--importance and --compensate exclude each other: compensation weighs columns by its own calibration")
+    formats = formats or {}
+    if formats and (importance is not None or compensate is not None):
+        raise HiltError("per-tensor formats (--budget) exclude --importance and --compensate: the formats were "
+                        "chosen by the error of plain rounding")
     partial = _check_destination(dst, overwrite, resume)
     weights = {} if importance is None else load_importance(importance)
     source = open_source(src)
@@ -181,9 +189,12 @@ def quantize_checkpoint(
         targets = set(select_targets(source, only, ignore))
         if not targets:
             raise HiltError(f"{src}: no tensor selected for quantization (check --only/--ignore)")
+        unknown = sorted(set(formats) - targets)
+        if unknown:
+            raise HiltError(f"{src}: a format is given for '{unknown[0]}', which is not among the tensors to quantize")
         for name in source.names():
             if name in targets:
-                check_quantizable(name, source.shape(name), config)
+                check_quantizable(name, source.shape(name), formats.get(name, config))
         if weights and not targets & set(weights):
             raise HiltError(f"{importance}: lists none of the tensors to quantize (made for another model?)")
         compensator = None if compensate is None else compensate([n for n in source.names() if n in targets])
@@ -196,13 +207,15 @@ def quantize_checkpoint(
             "compensation": None if compensator is None else compensator.settings,
             "shard_bytes": shard_bytes,
         }
+        if formats:  # only mixed checkpoints carry the key, so uniform headers stay as they were
+            settings["mixed"] = {**(mixed or {}), "formats": {n: asdict(c) for n, c in sorted(formats.items())}}
         try:
             state = _start_or_resume(partial, settings, resume)
         except OSError as e:
             raise HiltError(f"{dst}: cannot write there ({e.strerror})") from None
         try:
-            _stream(source, targets, weights, codebooks or {}, compensator, config, partial, state, shard_bytes,
-                    on_tensor, progress)
+            _stream(source, targets, weights, codebooks or {}, compensator, config, formats, partial, state,
+                    shard_bytes, on_tensor, progress)
             header = {
                 "format": FORMAT_NAME,
                 "format_version": FORMAT_VERSION,
@@ -241,8 +254,8 @@ def _start_or_resume(partial: Path, settings: dict, resume: bool) -> dict:
     return state
 
 
-def _stream(source, targets, importance, codebooks, compensator, config, partial, state, shard_bytes, on_tensor,
-            progress):
+def _stream(source, targets, importance, codebooks, compensator, config, formats, partial, state, shard_bytes,
+            on_tensor, progress):
     from tqdm import tqdm
 
     done = set(state["tensors"])
@@ -263,7 +276,8 @@ def _stream(source, targets, importance, codebooks, compensator, config, partial
                 extra = {"compensated": compensator.stats[name]["compensated"],
                          **{k: round(v, 6) for k, v in compensator.stats[name].items() if k.startswith("output")}}
             else:
-                q = quantize_tensor(w, config, name=name, importance=importance.get(name), codebook=codebooks.get(name))
+                q = quantize_tensor(w, formats.get(name, config), name=name, importance=importance.get(name),
+                                    codebook=codebooks.get(name))
             parts = _tensor_parts(name, q)
             entry = {
                 "kind": "quantized",

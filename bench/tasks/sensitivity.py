@@ -1,0 +1,266 @@
+"""`hilt sensitivity`: per-layer TPV (hilt.quant.sensitivity) on the models hilt runs, from
+calibration data that the evaluations never use.
+
+- SmolLM2 (or a Llama GGUF): windows of 512 tokens of Macbeth; outputs are the next-token logits
+  in the softmax (Fisher) metric, so TPV / 2 predicts the mean KL divergence per token.
+- MiniLM (or a BERT folder): Macbeth sentences; outputs are the unit-norm sentence embeddings,
+  so TPV / 2 predicts 1 - cosine similarity.
+- The Fashion-MNIST workloads (mlp, cnn): training images; outputs are the logits, so TPV
+  predicts the mean squared logit change per image.
+
+The evaluations use Hamlet and the test images.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+from torch import nn
+
+from hilt.errors import HiltError
+from hilt.progress import Progress
+from hilt.quant.sensitivity import (Variance, estimate_tpv, format_label, parse_candidates, quantization_variance,
+                                    resolve, weight_params)
+
+WORKLOAD_NAMES = ("mlp", "cnn")
+DEFAULT_CANDIDATES = {"lm": "kmeans1-8,int2-8", "workload": "kmeans1-8@row,int2-8@row"}
+PREDICTS = {"llama": "mean KL divergence of the next-token distribution per token (TPV / 2)",
+            "bert": "1 - cosine similarity of the sentence embeddings (TPV / 2)",
+            "workload": "mean squared change of the logits per image (TPV)"}
+
+
+@dataclass
+class Subject:
+    """A model with what its sensitivity needs: calibration batches, the output, its metric, and the
+    weights to measure (name -> parameter, names as the model's checkpoint names them)."""
+
+    kind: str  # llama | bert | workload
+    model: nn.Module
+    batches: list
+    output: Callable
+    metric: str
+    params: dict
+    calibration: str
+    path: str
+    tokenizer: object = None
+
+
+def _bert_output(model, ids, mask):
+    hidden = model(ids, mask)
+    m = mask.unsqueeze(-1).to(hidden.dtype)
+    return torch.nn.functional.normalize((hidden * m).sum(1) / m.sum(1).clamp(min=1e-9), dim=-1)
+
+
+def _llama_output(model, ids):
+    return model(ids)[:, :-1]  # the last position predicts past the window
+
+
+def load_subject(model: str, checkpoint=None, calibration=None, tokens: int = 2048, sentences: int = 256,
+                 images: int = 2048) -> Subject:
+    """``model``: smollm2, minilm, mlp, cnn, a Llama GGUF file or a BERT folder."""
+    from hilt.bench.tasks.compensate import bert_batches, llama_batches, model_kind
+    from hilt.quant.checkpoint import select_targets
+    from hilt.quant.sources import open_source
+
+    if model in WORKLOAD_NAMES:
+        from hilt.bench.data.fashion_mnist import load_fashion_mnist
+        from hilt.bench.tasks.drift import workload_model
+
+        net, path = workload_model(model, checkpoint)
+        x, _ = load_fashion_mnist("train", limit=images)
+        batches = [(x[i:i + 64],) for i in range(0, x.shape[0], 64)]  # more, smaller samples
+        return Subject("workload", net.eval(), batches, lambda m, a: m(a), "euclidean", weight_params(net),
+                       f"{x.shape[0]} Fashion-MNIST training images", str(path))
+    if checkpoint is not None:
+        raise HiltError("--checkpoint applies to the workloads (mlp, cnn) only")
+    if model == "smollm2":
+        from hilt.bench.models.llama import smollm2_path
+        src = smollm2_path()
+    elif model == "minilm":
+        from hilt.bench.models.bert import minilm_path
+        src = minilm_path()
+    else:
+        src = Path(model)
+        if not src.exists():
+            raise HiltError(f"{model}: no such file or folder (models: smollm2, minilm, mlp, cnn, a Llama GGUF "
+                            "file or a BERT folder)")
+    kind = model_kind(src)
+    with open_source(src) as source:
+        targets = select_targets(source)
+    if kind == "llama":
+        from hilt.bench.models import llama
+
+        net, tokenizer = llama.load_llama(src)
+        windows, seen = llama_batches(tokenizer, calibration, tokens)
+        batches = [(w[i:i + 1],) for w in (b[0] for b in windows) for i in range(w.shape[0])]  # a window a pass
+        output, metric = _llama_output, "softmax"
+    else:
+        from hilt.bench.models import bert
+
+        net, tokenizer = bert.load_minilm(src)
+        batches, seen = bert_batches(tokenizer, calibration, sentences)
+        output, metric = _bert_output, "euclidean"
+    own = dict(net.named_parameters())
+    params = {n: own[n] for n in targets if n in own}
+    return Subject(kind, net, batches, output, metric, params, seen, str(src), tokenizer)
+
+
+def candidate_variances(subject: Subject, candidates, progress: bool = False, keep_error: bool = False
+                        ) -> dict[str, dict[str, Variance]]:
+    """Each measured weight quantized in each candidate format it can take: the per-block error."""
+    out: dict[str, dict[str, Variance]] = {}
+    bar = Progress(len(subject.params), "quantize candidates", "tensor", enabled=progress)
+    with bar, torch.no_grad():
+        for name, w in subject.params.items():
+            out[name] = {}
+            for c in candidates:
+                fitted = resolve(c, w.shape)
+                if fitted is not None:
+                    out[name][format_label(c)] = quantization_variance(w, fitted, name, keep_error)
+            bar.done(name, f"{len(out[name])} formats")
+    return out
+
+
+def sensitivity_run(model="smollm2", checkpoint=None, candidates=None, block_size: int = 64, probes: int = 2,
+                    calibration=None, tokens: int = 2048, sentences: int = 256, images: int = 2048, seed: int = 0,
+                    progress: bool = False, subject: Subject | None = None, full: bool = False) -> dict:
+    """Tr(H_eff) per layer and the predicted output change of every candidate format per layer."""
+    if probes < 1:
+        raise HiltError(f"--probes must be at least 1, got {probes}")
+    subject = subject or load_subject(model, checkpoint, calibration, tokens, sentences, images)
+    if not subject.params:
+        raise HiltError(f"{subject.path}: no quantizable layer (no Linear or convolution weight) to measure")
+    spec = candidates or DEFAULT_CANDIDATES["workload" if subject.kind == "workload" else "lm"]
+    formats = parse_candidates(spec, block_size)
+    t0 = time.perf_counter()
+    variances = candidate_variances(subject, formats, progress, keep_error=full)
+    t1 = time.perf_counter()
+    total = len(subject.batches) * probes
+    bar = Progress(total, "sensitivity", "probe", enabled=progress)
+    with bar:
+        layers = estimate_tpv(subject.model, subject.batches, subject.params, variances, output=subject.output,
+                              metric=subject.metric, probes=probes, seed=seed,
+                              on_sample=lambda i: bar.done(f"probe {i}"))
+    t2 = time.perf_counter()
+    rows = []
+    for name, layer in layers.items():
+        row = layer.as_dict()
+        row["bits"] = {label: v.bits for label, v in variances[name].items()}
+        row["rel_error"] = {label: round(v.rel_error, 6) for label, v in variances[name].items()}
+        rows.append(row)
+    return {
+        "model": subject.path, "kind": subject.kind, "metric": subject.metric,
+        "predicts": PREDICTS[subject.kind], "calibration": subject.calibration, "probes": probes,
+        "samples": total, "seed": seed, "candidates": [format_label(c) for c in formats],
+        "seconds": {"candidates": round(t1 - t0, 2), "probes": round(t2 - t1, 2)}, "layers": rows,
+    }
+
+
+def read_sensitivity(path) -> dict:
+    """A `hilt sensitivity --json` file, checked."""
+    path = Path(path)
+    try:
+        result = json.loads(path.read_text())
+    except OSError as e:
+        raise HiltError(f"{path}: cannot read ({e.strerror or e})") from None
+    except ValueError as e:
+        raise HiltError(f"{path}: not JSON ({e})") from None
+    if not isinstance(result, dict) or not isinstance(result.get("layers"), list) or \
+            any(not {"name", "tpv", "bits"} <= set(r) for r in result["layers"]):
+        raise HiltError(f"{path}: not a `hilt sensitivity --json` file (no per-layer tpv and bits)")
+    return result
+
+
+def plot(result: dict, path) -> None:
+    """Per-layer trace of H_eff (with its standard error) and the TPV of a few formats, log scale."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = result["layers"]
+    x = range(len(rows))
+    fig, (a, b) = plt.subplots(2, 1, figsize=(max(7, len(rows) * 0.06 + 4), 7), sharex=True)
+    a.errorbar(x, [r["trace"] for r in rows], yerr=[r["trace_se"] if math.isfinite(r["trace_se"]) else 0
+                                                      for r in rows], fmt="o", ms=3, capsize=2)
+    a.set_yscale("log")
+    a.set_ylabel("Tr(H_eff) per example")
+    a.set_title(f"TPV sensitivity of {Path(result['model']).name} ({result['samples']} probe samples)")
+    shown = [c for c in result["candidates"] if all(c in r["tpv"] for r in rows)][:: max(1, len(result["candidates"]) // 5)]
+    for c in shown:
+        b.plot(x, [max(r["tpv"][c], 1e-30) for r in rows], marker=".", label=c)
+    b.set_yscale("log")
+    b.set_ylabel("predicted output change (TPV)")
+    b.legend(fontsize=7, ncol=3)
+    if len(rows) <= 40:
+        b.set_xticks(list(x), [r["name"].removesuffix(".weight") for r in rows], rotation=90, fontsize=6)
+    else:
+        b.set_xlabel("layer (checkpoint order)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def budget_plan(src, budget: float, sensitivity=None, candidates=None, block_size: int = 64, only=None,
+                ignore=None, estimate: str = "full", progress: bool = False, log=None) -> dict:
+    """A format per tensor of ``src`` (those `hilt quantize` would quantize) with at most ``budget``
+    bits per weight on average, minimising the summed predicted TPV (hilt.quant.allocate).
+
+    ``sensitivity``: a `hilt sensitivity --json` file of this model; without one it is measured
+    here on the default calibration data (``src`` must then be a model hilt runs). ``estimate``:
+    ``full`` (eᵀ H_eff e with each format's actual error, where the file has it) or ``blocks``
+    (the block-diagonal TPV). Returns {"formats": name -> QuantConfig, "mixed": what the header records,
+    "rows": per tensor}.
+    """
+    from hilt.quant.allocate import allocate
+    from hilt.quant.checkpoint import select_targets
+    from hilt.quant.sources import open_source
+
+    if estimate not in ("full", "blocks"):
+        raise HiltError(f"unknown TPV estimate {estimate!r}; choose full or blocks")
+    with open_source(src) as source:
+        targets = select_targets(source, only, ignore)
+        shapes = {n: tuple(source.shape(n)) for n in targets}
+    if not targets:
+        raise HiltError(f"{src}: no tensor selected for quantization (check --only/--ignore)")
+    if sensitivity is not None:
+        if candidates is not None:
+            raise HiltError("--candidates applies when the sensitivity is measured here; the file "
+                            f"{sensitivity} already fixes its candidate formats")
+        sens, origin = read_sensitivity(sensitivity), str(sensitivity)
+    else:
+        if log is not None:
+            log(f"measuring the sensitivity of {src} (save it with `hilt sensitivity --json` to reuse it)")
+        sens = sensitivity_run(str(src), candidates=candidates, block_size=block_size, progress=progress,
+                               full=estimate == "full")
+        origin = f"measured on {sens['calibration']}"
+    rows = {r["name"]: r for r in sens["layers"]}
+    options = {}
+    for name in targets:
+        r = rows.get(name)
+        if r is None:
+            raise HiltError(f"{origin}: no sensitivity for tensor '{name}' (measured on another model?)")
+        if tuple(r["shape"]) != shapes[name]:
+            raise HiltError(f"{origin}: tensor '{name}' has shape {tuple(r['shape'])} there, {shapes[name]} in {src}")
+        key = "tpv_full" if estimate == "full" and "tpv_full" in r else "tpv"
+        options[name] = {label: (float(r[key][label]), int(r["bits"][label])) for label in r["bits"]}
+    weights = sum(math.prod(shapes[n]) for n in targets)
+    lo = sum(min(b for _, b in o.values()) for o in options.values()) / weights
+    hi = sum(max(b for _, b in o.values()) for o in options.values()) / weights
+    if not lo <= budget <= hi:
+        raise HiltError(f"--budget {budget} bits/weight is outside what the candidate formats reach on {src}: "
+                        f"{lo:.3f} (all smallest) to {hi:.3f} (all largest)")
+    plan = allocate(options, budget * weights)
+    formats = {n: resolve(parse_candidates(plan.choice[n])[0], shapes[n]) for n in targets}
+    out_rows = [{"name": n, "shape": list(shapes[n]), "format": plan.choice[n],
+                 "bits_per_weight": options[n][plan.choice[n]][1] / math.prod(shapes[n]),
+                 "predicted": options[n][plan.choice[n]][0]} for n in targets]
+    mixed = {"budget": budget, "bits_per_weight": plan.bits / weights, "predicted_tpv": plan.cost,
+             "lower_bound": plan.lower_bound, "gap": plan.gap, "estimate": estimate, "sensitivity": origin,
+             "metric": sens.get("metric"), "candidates": sens.get("candidates")}
+    return {"formats": formats, "mixed": mixed, "rows": out_rows}
