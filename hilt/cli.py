@@ -356,7 +356,7 @@ def _budget_plan(args) -> dict | None:
                         ("--importance", args.importance is not None), ("--compensate", args.compensate)):
         if given:
             raise UsageError(f"{flag} does not go with --budget: the formats come from --candidates "
-                             "(default kmeans1-8,int2-8 at --block-size)")
+                             "(default kmeans1-4,int2-8 at --block-size)")
     if args.resume:
         raise UsageError("--resume does not go with --budget; rerun the whole command")
     from hilt.bench.tasks.sensitivity import budget_plan
@@ -718,6 +718,35 @@ def cmd_bench_ptq(args) -> int:
     return 0
 
 
+def cmd_bench_sensitivity(args) -> int:
+    from hilt.bench.studies import sensitivity
+
+    models = args.models or (["minilm", "cnn"] if args.quick else ["minilm", "cnn", "smollm2"])
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    r = sensitivity.run(out=out / "sensitivity_validation.json", quick=args.quick, models=models, log=LOG.info)
+    for name, m in r["models"].items():
+        for label, f in m["formats"].items():
+            print(f"{name:<8} {label:<11} Spearman {f['spearman']:.3f} (blocks {f['spearman_blocks']:.3f}) over "
+                  f"{f['layers']} layers; whole model predicted {f['whole_model_predicted']:.4g}, "
+                  f"measured {f['whole_model_measured']:.4g}")
+    _write_json(args, r)
+    return 0
+
+
+def cmd_bench_mixed(args) -> int:
+    from hilt.bench.studies import mixed
+
+    models = args.models or (["minilm"] if args.quick else ["minilm", "smollm2"])
+    budgets = args.budgets or ([3.0] if args.quick else list(mixed.BUDGETS))
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    r = mixed.run(out=out / "mixed.json", quick=args.quick, models=models, budgets=budgets, log=LOG.info)
+    print(r["table"])
+    _write_json(args, r)
+    return 0
+
+
 def cmd_bench_quantize(args) -> int:
     from hilt.bench.perf import quantize_speed
 
@@ -791,7 +820,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "now on the default calibration data)")
     q.add_argument("--candidates", metavar="LIST",
                    help="with --budget: the formats to choose from, e.g. kmeans2-4,int8@128 (default "
-                        "kmeans1-8,int2-8 at --block-size)")
+                        "kmeans1-4,int2-8 at --block-size)")
     q.add_argument("--estimate", choices=["full", "blocks"],
                    help="with --budget: TPV from each format's error itself (full, default) or from its "
                         "per-block variance (blocks)")
@@ -827,7 +856,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="smollm2, minilm, mlp, cnn, a Llama GGUF file or a BERT folder (default smollm2)")
     se.add_argument("--checkpoint", metavar="FILE", help="mlp/cnn: the workload checkpoint (default the trained one)")
     se.add_argument("--candidates", metavar="LIST",
-                    help="formats METHOD BITS[@BLOCK], ranges allowed: default kmeans1-8,int2-8 (mlp/cnn: @row)")
+                    help="formats METHOD BITS[@BLOCK], ranges allowed: default kmeans1-4,int2-8 (mlp/cnn: @row)")
     se.add_argument("--block-size", type=_POSITIVE, default=64, help="block size of a candidate without @ (default 64)")
     se.add_argument("--probes", type=_POSITIVE, default=2, help="probe backward passes per calibration batch (default 2)")
     se.add_argument("--estimate", choices=["full", "blocks"], default="full",
@@ -1090,6 +1119,26 @@ def build_parser() -> argparse.ArgumentParser:
     bp.add_argument("--models", nargs="+", choices=["smollm2", "minilm"], help="default: both (--quick: minilm)")
     bp.add_argument("--bits", type=_int(2, 8), nargs="+", help="default: 4 3 2 (--quick: 3)")
     bp.set_defaults(func=cmd_bench_ptq)
+
+    bsen = _command(bsub, "sensitivity", "does TPV predict what quantizing a layer costs? Each layer quantized on "
+                    "its own against its prediction (rank correlation), and the whole model",
+                    "hilt bench sensitivity --models minilm cnn --out report/", [_OUTPUT])
+    bsen.add_argument("--out", default="report", metavar="DIR",
+                      help="folder for sensitivity_validation.json and .png")
+    bsen.add_argument("--quick", action="store_true", help="fewer samples and layers (minilm and cnn: about a minute)")
+    bsen.add_argument("--models", nargs="+", choices=["minilm", "cnn", "smollm2"],
+                      help="default: minilm cnn smollm2 (--quick: minilm cnn)")
+    bsen.set_defaults(func=cmd_bench_sensitivity)
+
+    bmix = _command(bsub, "mixed", "mixed precision under a bits budget: uniform, llama.cpp's rule, HAWQ and TPV "
+                    "allocations at 2.5/3/3.5/4.25 bits/weight on SmolLM2 and MiniLM",
+                    "hilt bench mixed --out report/", [_OUTPUT])
+    bmix.add_argument("--out", default="report", metavar="DIR", help="folder for mixed.json, mixed.md, mixed.png")
+    bmix.add_argument("--quick", action="store_true", help="MiniLM at 3 bits/weight on fewer sentences")
+    bmix.add_argument("--models", nargs="+", choices=["smollm2", "minilm"], help="default: both (--quick: minilm)")
+    bmix.add_argument("--budgets", type=_POSITIVE_NUMBER, nargs="+", metavar="BITS",
+                      help="default: 2.5 3 3.5 4.25 (--quick: 3)")
+    bmix.set_defaults(func=cmd_bench_mixed)
 
     r = _command(sub, "report", "the end-to-end run on the embedded defaults (real models): quantization, LUT "
                  "kernels, FP8 attention, CIM drift, DWP robustness, energy, ONNX; writes DIR/report.md",

@@ -30,9 +30,11 @@ from typing import Callable, Iterable
 
 import torch
 from torch import nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from hilt.errors import HiltError
 from hilt.quant.quantize import QuantConfig, quantize_tensor
+from hilt.quant.qweight import QuantizedWeight
 
 METRICS = ("euclidean", "softmax")
 ROW = 1 << 30  # a block_size that means "one block per row": resolved against each tensor
@@ -98,13 +100,14 @@ class Variance:
     bits: int | None = None  # storage bits of the tensor in this format (codes + scales + codebooks)
     rel_error: float | None = None
     error: torch.Tensor | None = None  # the error itself (out x in, float16), for the full quadratic form
+    qweight: QuantizedWeight | None = None  # the quantized weight, kept with the error
 
 
 def quantization_variance(w: torch.Tensor, config: QuantConfig, name: str = "tensor", keep_error: bool = False
                           ) -> Variance:
     """The actual error of quantizing ``w`` (2-D, or a conv weight flattened to out x rest) in
-    ``config`` (already resolved to it), as a per-block mean squared error (and the error itself
-    with ``keep_error``)."""
+    ``config`` (already resolved to it), as a per-block mean squared error (and, with ``keep_error``,
+    the error itself and the quantized weight)."""
     w2 = w.detach().reshape(w.shape[0], -1).float()
     q = quantize_tensor(w2, config, name=name)
     e = w2 - q.dequantize().float()
@@ -113,7 +116,7 @@ def quantization_variance(w: torch.Tensor, config: QuantConfig, name: str = "ten
     ref = float(w2.square().sum())
     return Variance(err.view(n, k // config.block_size, config.block_size).mean(-1), config.block_size,
                     q.storage_bits(), (float(err.sum()) / ref) ** 0.5 if ref > 0 else 0.0,
-                    e.half() if keep_error else None)
+                    e.half() if keep_error else None, q if keep_error else None)
 
 
 # ------------------------------------------------------------------ the estimate
@@ -249,6 +252,51 @@ def estimate_tpv(
             layer.tpv_full[label], layer.tpv_full_se[label] = _mean_se(xs)
         out[name] = layer
     return out
+
+
+def loss_hessian_trace(
+    model: nn.Module,
+    batches: Iterable[tuple],
+    params: dict[str, torch.Tensor],
+    loss: Callable[..., torch.Tensor],
+    *,
+    probes: int = 1,
+    seed: int = 0,
+    on_sample: Callable[[int], None] | None = None,
+) -> dict[str, tuple[float, float]]:
+    """Per layer, the trace of the loss Hessian over its weights and its standard error (HAWQ's
+    measure): Hutchinson with a Rademacher z over the weights, H z from a second backward pass.
+    ``loss(model, *args)`` is a mean over the batch's examples."""
+    gen = torch.Generator().manual_seed(seed)
+    names = list(params)
+    weights = [params[n] for n in names]
+    samples = {n: [] for n in names}
+    was = {p: p.requires_grad for p in model.parameters()}
+    for p in model.parameters():
+        p.requires_grad_(False)
+    for p in weights:
+        p.requires_grad_(True)
+    count = 0
+    try:
+        for args in batches:
+            # the fused CPU attention kernels have no second derivative; the plain one does
+            with torch.enable_grad(), sdpa_kernel([SDPBackend.MATH]):
+                grads = torch.autograd.grad(loss(model, *args), weights, create_graph=True)
+                for k in range(probes):
+                    zs = [torch.randint(0, 2, w.shape, generator=gen).to(w.dtype) * 2 - 1 for w in weights]
+                    hz = torch.autograd.grad(grads, weights, grad_outputs=zs, retain_graph=k + 1 < probes)
+                    for name, z, h in zip(names, zs, hz):
+                        samples[name].append(float((z * h).sum(dtype=torch.float64)))
+                    count += 1
+                    if on_sample is not None:
+                        on_sample(count)
+            del grads
+    finally:
+        for p, flag in was.items():
+            p.requires_grad_(flag)
+    if count == 0:
+        raise HiltError("no calibration batch: nothing to estimate the Hessian trace from")
+    return {n: _mean_se(samples[n]) for n in names}
 
 
 def weight_params(model: nn.Module, select: Callable[[str, nn.Module], bool] | None = None) -> dict[str, torch.Tensor]:

@@ -3,6 +3,7 @@
 import itertools
 import json
 import math
+import re
 
 import pytest
 import torch
@@ -164,6 +165,14 @@ def test_mixed_checkpoint_loads_per_tensor_formats(tmp_path):
     x = torch.randn(3, 128)
     ref = (x @ load_checkpoint(tmp_path / "q2")["up.weight"].dequantize().T)
     torch.testing.assert_close(m.up(x), ref, rtol=1e-4, atol=1e-4)
+    from hilt.kernels.lut_matmul import lut_matmul_reference
+    from hilt.kernels.lut_matmul_triton import lut_matmul_triton
+
+    for layer in (m.up, m.down):  # the Triton kernel (interpreted here) takes each tensor's own width
+        xk = torch.randn(3, layer.in_features)
+        y = lut_matmul_triton(xk, layer.packed)
+        assert torch.isfinite(y).all()
+        torch.testing.assert_close(y, lut_matmul_reference(xk, layer.packed), rtol=1e-3, atol=1e-3)
     with pytest.raises(HiltError, match="exclude --importance and --compensate"):
         quantize_checkpoint(src, tmp_path / "q3", QuantConfig(bits=4), formats=formats, compensate=lambda n: None)
     with pytest.raises(HiltError, match="not among the tensors to quantize"):
@@ -241,3 +250,28 @@ def test_sensitivity_command_on_the_cnn(tmp_path):
     assert r.returncode == 1 and "bad candidate format" in r.stderr
     r = run_hilt("sensitivity", tmp_path / "nothing.gguf")
     assert r.returncode == 1 and "no such file" in r.stderr
+
+
+def test_budget_on_minilm_through_eval_and_onnx(minilm_dir, tmp_path):
+    """A real model: sensitivity, a --budget checkpoint, then `hilt eval embed` and `hilt export onnx` take it."""
+    pytest.importorskip("onnxruntime")
+    from hilt.bench.tasks.sensitivity import sensitivity_run
+
+    sens = tmp_path / "minilm-tpv.json"
+    r = sensitivity_run(str(minilm_dir), candidates="kmeans2,int4,int8", sentences=16, probes=1, full=True)
+    sens.write_text(json.dumps(r))
+    used = [x for x in r["layers"] if not x.get("unused")]
+    assert len(used) == 36 and all(x["tpv_full"]["kmeans2@64"] > x["tpv_full"]["int8@64"] for x in used)
+    assert [x["name"] for x in r["layers"] if x.get("unused")] == ["pooler.dense.weight"]  # not in the embedding
+    dst = tmp_path / "q"
+    out = run_hilt("quantize", minilm_dir, dst, "--budget", "4", "--sensitivity", sens)
+    assert out.returncode == 0, out.stderr
+    header = json.loads((dst / "hilt.json").read_text())
+    widths = {e["bits"] for e in header["tensors"].values() if e["kind"] == "quantized"}
+    assert len(widths) > 1 and header["totals"]["bits_per_weight"] <= 4
+    out = run_hilt("eval", "embed", minilm_dir, "--quantized", dst, "--sentences", "16")
+    assert out.returncode == 0, out.stderr
+    cos = float(re.search(r"similarity to fp32 embeddings ([0-9.]+)", out.stdout)[1])
+    assert 0.8 < cos < 1.0  # between 2 and 4 bits per weight, most of the embedding survives
+    out = run_hilt("export", "onnx", dst, tmp_path / "m.onnx")
+    assert out.returncode == 0, out.stderr

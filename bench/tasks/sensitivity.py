@@ -16,7 +16,7 @@ from __future__ import annotations
 import json
 import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
@@ -29,7 +29,8 @@ from hilt.quant.sensitivity import (Variance, estimate_tpv, format_label, parse_
                                     resolve, weight_params)
 
 WORKLOAD_NAMES = ("mlp", "cnn")
-DEFAULT_CANDIDATES = {"lm": "kmeans1-8,int2-8", "workload": "kmeans1-8@row,int2-8@row"}
+# k-means where learned levels pay most (1-4 bits; above, its optimal fit costs more than it gains), integers to 8
+DEFAULT_CANDIDATES = {"lm": "kmeans1-4,int2-8", "workload": "kmeans1-4@row,int2-8@row"}
 PREDICTS = {"llama": "mean KL divergence of the next-token distribution per token (TPV / 2)",
             "bert": "1 - cosine similarity of the sentence embeddings (TPV / 2)",
             "workload": "mean squared change of the logits per image (TPV)"}
@@ -49,6 +50,7 @@ class Subject:
     calibration: str
     path: str
     tokenizer: object = None
+    unused: dict = field(default_factory=dict)  # tensors `hilt quantize` takes that the outputs never use
 
 
 def _bert_output(model, ids, mask):
@@ -93,6 +95,7 @@ def load_subject(model: str, checkpoint=None, calibration=None, tokens: int = 20
     kind = model_kind(src)
     with open_source(src) as source:
         targets = select_targets(source)
+        shapes = {n: tuple(source.shape(n)) for n in targets}
     if kind == "llama":
         from hilt.bench.models import llama
 
@@ -108,16 +111,21 @@ def load_subject(model: str, checkpoint=None, calibration=None, tokens: int = 20
         output, metric = _bert_output, "euclidean"
     own = dict(net.named_parameters())
     params = {n: own[n] for n in targets if n in own}
-    return Subject(kind, net, batches, output, metric, params, seen, str(src), tokenizer)
+    unused = {}
+    if len(params) < len(targets):  # e.g. MiniLM's pooler: in the file, not in the sentence embedding
+        with open_source(src) as source:
+            unused = {n: source.get(n) for n in targets if n not in own}
+    return Subject(kind, net, batches, output, metric, params, seen, str(src), tokenizer, unused)
 
 
 def candidate_variances(subject: Subject, candidates, progress: bool = False, keep_error: bool = False
                         ) -> dict[str, dict[str, Variance]]:
     """Each measured weight quantized in each candidate format it can take: the per-block error."""
     out: dict[str, dict[str, Variance]] = {}
-    bar = Progress(len(subject.params), "quantize candidates", "tensor", enabled=progress)
+    tensors = {**subject.params, **subject.unused}
+    bar = Progress(len(tensors), "quantize candidates", "tensor", enabled=progress)
     with bar, torch.no_grad():
-        for name, w in subject.params.items():
+        for name, w in tensors.items():
             out[name] = {}
             for c in candidates:
                 fitted = resolve(c, w.shape)
@@ -143,8 +151,9 @@ def sensitivity_run(model="smollm2", checkpoint=None, candidates=None, block_siz
     t1 = time.perf_counter()
     total = len(subject.batches) * probes
     bar = Progress(total, "sensitivity", "probe", enabled=progress)
+    used = {n: v for n, v in variances.items() if n in subject.params}
     with bar:
-        layers = estimate_tpv(subject.model, subject.batches, subject.params, variances, output=subject.output,
+        layers = estimate_tpv(subject.model, subject.batches, subject.params, used, output=subject.output,
                               metric=subject.metric, probes=probes, seed=seed,
                               on_sample=lambda i: bar.done(f"probe {i}"))
     t2 = time.perf_counter()
@@ -154,6 +163,12 @@ def sensitivity_run(model="smollm2", checkpoint=None, candidates=None, block_siz
         row["bits"] = {label: v.bits for label, v in variances[name].items()}
         row["rel_error"] = {label: round(v.rel_error, 6) for label, v in variances[name].items()}
         rows.append(row)
+    for name, w in subject.unused.items():  # the outputs do not depend on it: every format costs nothing
+        zero = {label: 0.0 for label in variances[name]}
+        rows.append({"name": name, "shape": list(w.shape), "weights": w.numel(), "trace": 0.0, "trace_se": 0.0,
+                     "samples": total, "unused": True, "tpv": zero, "tpv_se": zero, "tpv_full": zero,
+                     "tpv_full_se": zero, "bits": {label: v.bits for label, v in variances[name].items()},
+                     "rel_error": {label: round(v.rel_error, 6) for label, v in variances[name].items()}})
     return {
         "model": subject.path, "kind": subject.kind, "metric": subject.metric,
         "predicts": PREDICTS[subject.kind], "calibration": subject.calibration, "probes": probes,
@@ -183,7 +198,7 @@ def plot(result: dict, path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    rows = result["layers"]
+    rows = [r for r in result["layers"] if not r.get("unused")]
     x = range(len(rows))
     fig, (a, b) = plt.subplots(2, 1, figsize=(max(7, len(rows) * 0.06 + 4), 7), sharex=True)
     a.errorbar(x, [r["trace"] for r in rows], yerr=[r["trace_se"] if math.isfinite(r["trace_se"]) else 0
