@@ -485,10 +485,18 @@ def cmd_calibrate(args) -> int:
 def cmd_sensitivity(args) -> int:
     from hilt.bench.tasks import sensitivity
 
+    cim = None
+    if args.preset is None:
+        for flag, value in (("--time", args.time), ("--chips", args.chips), ("--gdc", args.gdc)):
+            if value is not None:
+                raise UsageError(f"{flag} applies with --preset only")
+    else:
+        cim = {"preset_name": args.preset, "time_text": args.time or "1y", "chips": args.chips or 8,
+               "gdc": args.gdc or "global"}
     r = sensitivity.sensitivity_run(args.model, checkpoint=args.checkpoint, candidates=args.candidates,
                                     block_size=args.block_size, probes=args.probes, calibration=args.calibration,
                                     tokens=args.tokens, sentences=args.sentences, images=args.images, seed=args.seed,
-                                    progress=True, full=args.estimate == "full")
+                                    progress=True, full=args.estimate == "full", cim=cim)
     key = "tpv_full" if args.estimate == "full" else "tpv"
     shown = r["candidates"][:4]
     print(f"{len(r['layers'])} layers of {r['model']}, {r['samples']} probe samples on {r['calibration']}; "
@@ -721,10 +729,18 @@ def cmd_bench_ptq(args) -> int:
 def cmd_bench_sensitivity(args) -> int:
     from hilt.bench.studies import sensitivity
 
-    models = args.models or (["minilm", "cnn"] if args.quick else ["minilm", "cnn", "smollm2"])
+    models = args.models or (["minilm", "cnn", "cim"] if args.quick else ["minilm", "cnn", "smollm2", "cim"])
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     r = sensitivity.run(out=out / "sensitivity_validation.json", quick=args.quick, models=models, log=LOG.info)
+    if "cim" in r:
+        c = r["cim"]
+        print(f"cnn on {c['label']}: Spearman {c['spearman_kl']:.3f} (KL), {c['spearman_accuracy_drop']:.3f} "
+              f"(accuracy drop) over {len(c['rows'])} layers each alone on {c['chips']} chips")
+        for key, k in c["keep_digital"].items():
+            last = k["curve"][-1]
+            print(f"  keep digital {', '.join(k['digital']) or 'nothing':<14} ({key}): accuracy at {last['time']} "
+                  f"{last['accuracy_mean']:.4f} ± {last['accuracy_std']:.4f}")
     for name, m in r["models"].items():
         for label, f in m["formats"].items():
             print(f"{name:<8} {label:<11} Spearman {f['spearman']:.3f} (blocks {f['spearman_blocks']:.3f}) over "
@@ -866,6 +882,11 @@ def build_parser() -> argparse.ArgumentParser:
     se.add_argument("--tokens", type=_POSITIVE, default=2048, help="causal LM: calibration tokens (default 2048)")
     se.add_argument("--sentences", type=_POSITIVE, default=256, help="encoder: calibration sentences (default 256)")
     se.add_argument("--images", type=_POSITIVE, default=2048, help="mlp/cnn: training images (default 2048)")
+    se.add_argument("--preset", choices=CIM_PRESETS,
+                    help="mlp/cnn: instead of quantization formats, the weight errors of this CIM chip preset")
+    se.add_argument("--time", help="with --preset: time after programming (default 1y)")
+    se.add_argument("--chips", type=_int(2), help="with --preset: chips drawn for the error statistics (default 8)")
+    se.add_argument("--gdc", choices=DRIFT_COMPENSATION, help="with --preset: drift compensation (default global)")
     se.set_defaults(func=cmd_sensitivity)
 
     t = _command(sub, "train", "train a Fashion-MNIST workload (MLP or CNN) and save a safetensors checkpoint",
@@ -1126,8 +1147,9 @@ def build_parser() -> argparse.ArgumentParser:
     bsen.add_argument("--out", default="report", metavar="DIR",
                       help="folder for sensitivity_validation.json and .png")
     bsen.add_argument("--quick", action="store_true", help="fewer samples and layers (minilm and cnn: about a minute)")
-    bsen.add_argument("--models", nargs="+", choices=["minilm", "cnn", "smollm2"],
-                      help="default: minilm cnn smollm2 (--quick: minilm cnn)")
+    bsen.add_argument("--models", nargs="+", choices=["minilm", "cnn", "smollm2", "cim"],
+                      help="cim: the CNN on a PCM chip a year after programming, layer by layer, and which "
+                           "layers to keep digital (default: all; --quick: minilm cnn cim)")
     bsen.set_defaults(func=cmd_bench_sensitivity)
 
     bmix = _command(bsub, "mixed", "mixed precision under a bits budget: uniform, llama.cpp's rule, HAWQ and TPV "

@@ -99,7 +99,7 @@ class Variance:
     block: int
     bits: int | None = None  # storage bits of the tensor in this format (codes + scales + codebooks)
     rel_error: float | None = None
-    error: torch.Tensor | None = None  # the error itself (out x in, float16), for the full quadratic form
+    error: torch.Tensor | None = None  # the error itself (out x in, or draws x out x in; float16): eᵀ H_eff e
     qweight: QuantizedWeight | None = None  # the quantized weight, kept with the error
 
 
@@ -230,9 +230,10 @@ def estimate_tpv(
                         per_block = g2.view(g2.shape[0], -1, v_.block).sum(-1)
                         tpv_samples[name][label].append(float((per_block * v_.var).sum(dtype=torch.float64))
                                                         / examples)
-                        if v_.error is not None:  # E[(g·e)²] = eᵀ H_eff e over the probes
-                            dot = float((g * v_.error).sum(dtype=torch.float64))
-                            full_samples[name][label].append(dot * dot / examples)
+                        if v_.error is not None:  # E[(g·e)²] = eᵀ H_eff e over the probes (mean over draws)
+                            e = v_.error.reshape(-1, *g.shape)
+                            dots = (g * e).flatten(1).sum(-1, dtype=torch.float64)
+                            full_samples[name][label].append(float(dots.square().mean()) / examples)
                 sample += 1
                 if on_sample is not None:
                     on_sample(sample)
@@ -252,6 +253,65 @@ def estimate_tpv(
             layer.tpv_full[label], layer.tpv_full_se[label] = _mean_se(xs)
         out[name] = layer
     return out
+
+
+def estimate_output_tpv(
+    model: nn.Module,
+    batches: Iterable[tuple],
+    layers: dict[str, nn.Module],
+    perturbed: dict[str, Callable[[torch.Tensor], torch.Tensor]],
+    *,
+    output: Callable[..., torch.Tensor] | None = None,
+    metric: str = "euclidean",
+    probes: int = 1,
+    seed: int = 0,
+) -> dict[str, tuple[float, float]]:
+    """Per layer, the predicted output change when the layer's *outputs* are perturbed: eᵀ H_z e with
+    e = ``perturbed[path](x) - layer(x)`` on the layer's own calibration input x, H_z the second moment
+    of the model outputs' Jacobian in that layer's outputs (probe gradients at the layer output).
+    ``perturbed[path](x)`` may return several draws stacked first (chips): the mean over them.
+    This counts what acts on activations too (converters, output noise), not only weight errors."""
+    if metric not in METRICS:
+        raise HiltError(f"unknown output metric {metric!r}; choose one of {', '.join(METRICS)}")
+    output = output or (lambda m, *args: m(*args))
+    gen = torch.Generator().manual_seed(seed)
+    samples = {p: [] for p in layers}
+    seen: dict[str, tuple] = {}
+
+    def keep(path):
+        def hook(module, inputs, out):
+            seen[path] = (inputs[0].detach(), out)
+        return hook
+    handles = [m.register_forward_hook(keep(p)) for p, m in layers.items()]
+    try:
+        for args in batches:
+            seen.clear()
+            with torch.enable_grad():
+                # grads flow to the layer outputs only: make the input require grad to build the graph
+                args = tuple(a.detach().float().requires_grad_() if torch.is_tensor(a) and a.is_floating_point()
+                             else a for a in args)
+                y = output(model, *args)
+            y = y.reshape(-1, y.shape[-1])
+            examples = y.shape[0]
+            outs = [seen[p][1] for p in layers]
+            errors = {}
+            with torch.no_grad():
+                for p in layers:
+                    x, z = seen[p]
+                    e = perturbed[p](x).reshape(-1, *z.shape) - z.detach()
+                    errors[p] = e
+            for k in range(probes):
+                v = probe(y.detach(), metric, gen)
+                grads = torch.autograd.grad((y * v).sum(), outs, retain_graph=k + 1 < probes)
+                for p, g in zip(layers, grads):
+                    dots = (g.detach() * errors[p]).flatten(1).sum(-1, dtype=torch.float64)
+                    samples[p].append(float(dots.square().mean()) / examples)
+    finally:
+        for h in handles:
+            h.remove()
+    if not any(samples.values()):
+        raise HiltError("no calibration batch: nothing to estimate the sensitivity from")
+    return {p: _mean_se(xs) for p, xs in samples.items()}
 
 
 def loss_hessian_trace(

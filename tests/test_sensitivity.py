@@ -46,6 +46,24 @@ def test_trace_and_tpv_match_the_exact_values_of_a_linear_map():
     assert all(math.isfinite(v) for v in (layer.trace_se, layer.tpv_se["int3"]))
 
 
+def test_output_tpv_of_a_perturbed_layer_equals_the_weight_form():
+    """Perturbing a linear layer's output by E x is the weight error E: the same eᵀ H e, draws averaged."""
+    from hilt.quant.sensitivity import estimate_output_tpv
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 8), nn.Tanh(), nn.Linear(8, 4))
+    x = torch.randn(2048, 16)
+    errors = torch.randn(3, 8, 16) * 0.05  # three "chips"
+    perturbed = {"0": lambda inp: torch.stack([inp @ (model[0].weight + e).T + model[0].bias for e in errors])}
+    got = estimate_output_tpv(model, [(x[i:i + 64],) for i in range(0, 2048, 64)], {"0": model[0]}, perturbed,
+                              probes=4)["0"]
+    with torch.no_grad():
+        h = torch.tanh(model[0](x))
+        d = 1 - h * h  # tanh'
+        exact = sum(float(((d * (x @ e.T)) @ model[2].weight.T).square().sum(-1).mean()) for e in errors) / 3
+    assert abs(got[0] - exact) < 4 * got[1] + 0.02 * exact
+
+
 def test_softmax_metric_predicts_twice_the_kl():
     """A small perturbation of a softmax classifier: TPV / 2 is the mean KL divergence."""
     torch.manual_seed(0)
@@ -246,6 +264,13 @@ def test_sensitivity_command_on_the_cnn(tmp_path):
         assert row["tpv_full"]["int2@row"] > row["tpv_full"]["int4@row"] > 0
         assert row["trace"] > 0 and row["trace_se"] > 0
     assert png.stat().st_size > 10_000
+    r = run_hilt("sensitivity", "cnn", "--preset", "pcm", "--time", "1d", "--chips", "2", "--images", "128",
+                 "--json", js)
+    assert r.returncode == 0, r.stderr
+    for row in read_json(js)["layers"]:  # the weights' error alone, and the whole analog layer at its output
+        assert row["tpv_full"]["pcm@1d"] > 0 and row["tpv_chip"]["pcm@1d"] > 0
+    r = run_hilt("sensitivity", "cnn", "--time", "1y")
+    assert r.returncode == 2 and "--time applies with --preset only" in r.stderr
     r = run_hilt("sensitivity", "cnn", "--candidates", "fp4")
     assert r.returncode == 1 and "bad candidate format" in r.stderr
     r = run_hilt("sensitivity", tmp_path / "nothing.gguf")

@@ -8,7 +8,8 @@ data the calibration never saw:
   (predicted: TPV / 2);
 - SmolLM2: mean KL divergence of the next-token distribution per token over 1024 tokens of Hamlet,
   and the perplexity (predicted KL: TPV / 2); every second layer (every fifth with --quick);
-- CNN (Fashion-MNIST): mean squared logit change per test image (predicted: TPV), and accuracy.
+- CNN (Fashion-MNIST): mean KL divergence of the class distribution per test image (predicted:
+  TPV / 2), with the accuracy and the mean squared logit change beside it.
 
 Predicted is eᵀ H_eff e with each format's actual error e (``predicted``), and the block-diagonal
 TPV (``predicted_blocks``: each block's error variance times its share of the trace). Reported:
@@ -18,6 +19,8 @@ whole model quantized in that format the predicted sum against the measured chan
 
 from __future__ import annotations
 
+import contextlib
+import json
 import math
 import time
 from pathlib import Path
@@ -84,7 +87,9 @@ class _Measure:
                     n += w.numel() - 1
                 return {"change": kl / n, "perplexity": math.exp(nll / n)}
             logits = s.model(self.x)
-            return {"change": float((logits - self.ref).square().sum(-1).mean()),
+            p, q = F.log_softmax(self.ref, -1), F.log_softmax(logits, -1)
+            return {"change": float((p.exp() * (p - q)).sum(-1).mean()),
+                    "logit_mse": float((logits - self.ref).square().sum(-1).mean()),
                     "accuracy": float((logits.argmax(-1) == self.y).float().mean())}
 
 
@@ -96,7 +101,7 @@ def study(model: str, quick: bool = False, log=print, formats: str | None = None
     t0 = time.perf_counter()
     sens = sensitivity_run(subject=subject, candidates=spec, probes=2 if quick else 4, full=True)
     log(f"{model}: sensitivity of {len(sens['layers'])} layers in {time.perf_counter() - t0:.1f} s")
-    half = 1.0 if subject.kind == "workload" else 0.5  # what the measured change is in units of TPV
+    half = 0.5  # the measured change (KL, 1 - cosine) is half the squared output change TPV predicts
     measure = _Measure(subject, quick)
     base = measure()
     rows = []
@@ -155,13 +160,115 @@ def study(model: str, quick: bool = False, log=print, formats: str | None = None
             "layers_every": every, "rows": rows, "sensitivity_seconds": sens["seconds"]}
 
 
+def _on_chip(model, analog_paths, config, chips: int, times, x, y, gdc="global", seed=0) -> list[dict]:
+    """The model with the layers ``analog_paths`` on CIM arrays (the rest digital), ``chips`` chips:
+    at each time, per chip, the accuracy and the mean squared logit change against the digital model."""
+    import copy
+
+    from hilt.cim_sim import drift_to, parse_time, program
+    from hilt.cim_sim.analog import AnalogConv1d, AnalogConv2d, AnalogLinear
+    from hilt.quant.nn import replace_module
+
+    kinds = {torch.nn.Linear: AnalogLinear, torch.nn.Conv2d: AnalogConv2d, torch.nn.Conv1d: AnalogConv1d}
+    chip = copy.deepcopy(model)
+    for path in analog_paths:
+        module = chip.get_submodule(path)
+        replace_module(chip, path, kinds[type(module)](module, config))
+    chip.eval()
+    program(chip, seeds=[seed + k for k in range(chips)])
+    with torch.inference_mode():
+        ref = model(x)
+    out = []
+    for i, t in enumerate(times):
+        drift_to(chip, parse_time(t), seeds=[10_000 * (seed + k + 1) + i for k in range(chips)], gdc=gdc)
+        logits = []
+        with torch.inference_mode():
+            for j in range(0, x.shape[0], 500):
+                logits.append(chip(x[j:j + 500]).view(chips, -1, ref.shape[-1]))
+        logits = torch.cat(logits, 1)
+        p, q = F.log_softmax(ref, -1), F.log_softmax(logits, -1)
+        out.append({"time": t, "accuracy": (logits.argmax(-1) == y).float().mean(1).tolist(),
+                    "logit_mse": (logits - ref).square().sum(-1).mean(1).tolist(),
+                    "kl": (p.exp() * (p - q)).sum(-1).mean(1).tolist()})
+    return out
+
+
+def cim_study(workload: str = "cnn", preset_name: str = "pcm", time_text: str = "1y", chips: int = 8,
+              quick: bool = False, log=print) -> dict:
+    """Which layers a CIM chip hurts: TPV with the chip's weight errors against each layer put on the
+    arrays alone (the rest digital), and which layers to keep digital: the k of largest TPV against
+    the usual rule (the first and the last layer), accuracy from 1 s to a year."""
+    from hilt.cim_sim import preset
+    from hilt.bench.data.fashion_mnist import load_fashion_mnist
+
+    subject = load_subject(workload, images=512 if quick else 2048)
+    cim = {"preset_name": preset_name, "time_text": time_text, "chips": chips, "gdc": "global"}
+    sens = sensitivity_run(subject=subject, probes=2 if quick else 4, cim=cim)
+    label = sens["candidates"][0]
+    x, y = load_fashion_mnist("test", limit=2000 if quick else 10_000)
+    config = preset(preset_name)
+    paths = [r["name"].removesuffix(".weight") for r in sens["layers"]]
+    rows = []
+    for r, path in zip(sens["layers"], paths):
+        m = _on_chip(subject.model, [path], config, chips, [time_text], x, y)[0]
+        rows.append({"layer": r["name"], "predicted": r["tpv_chip"][label] / 2, "predicted_se": r["tpv_chip_se"][label] / 2,
+                     "predicted_weights": r["tpv_full"][label] / 2, "predicted_weights_se": r["tpv_full_se"][label] / 2,
+                     "predicted_blocks": r["tpv"][label] / 2, "measured_kl": sum(m["kl"]) / chips,
+                     "measured_logit_mse": sum(m["logit_mse"]) / chips,
+                     "measured_accuracy": sum(m["accuracy"]) / chips})
+        log(f"{workload} {label}: {path} alone on the chip: KL {rows[-1]['measured_kl']:.3g} "
+            f"(predicted {rows[-1]['predicted']:.3g}), accuracy {rows[-1]['measured_accuracy']:.4f}")
+    with torch.inference_mode():
+        digital = float((subject.model(x).argmax(-1) == y).float().mean())
+    summary = {
+        "spearman_kl": spearman([r["predicted"] for r in rows], [r["measured_kl"] for r in rows]),
+        "spearman_accuracy_drop": spearman([r["predicted"] for r in rows],
+                                           [digital - r["measured_accuracy"] for r in rows]),
+        "spearman_weights_kl": spearman([r["predicted_weights"] for r in rows], [r["measured_kl"] for r in rows]),
+        "spearman_weights_accuracy_drop": spearman([r["predicted_weights"] for r in rows],
+                                                   [digital - r["measured_accuracy"] for r in rows]),
+    }
+    times = ["1s", "1h", "1d", "1mo", "1y"]
+    by_tpv = [p for _, p in sorted(zip([-r["predicted"] for r in rows], paths))]
+    keep = {}
+    for k in (1, 2):
+        rule = [paths[0], paths[-1]][:k] if k == 2 else [paths[-1]]
+        for name, digital_set in (("tpv", by_tpv[:k]), ("first/last", rule), ("none", [])):
+            if name == "none" and k == 2:
+                continue
+            key = f"{name}" if name == "none" else f"{name}, k={k}"
+            on_chip = [p for p in paths if p not in digital_set]
+            curve = _on_chip(subject.model, on_chip, config, chips, times, x, y)
+            keep[key] = {"digital": digital_set, "curve": [
+                {"time": c["time"], "accuracy_mean": sum(c["accuracy"]) / chips,
+                 "accuracy_std": float(torch.tensor(c["accuracy"]).std()), "accuracy": c["accuracy"]} for c in curve]}
+            log(f"{workload} keep digital [{', '.join(digital_set) or 'none'}] ({key}): accuracy at {times[-1]} "
+                f"{keep[key]['curve'][-1]['accuracy_mean']:.4f} ± {keep[key]['curve'][-1]['accuracy_std']:.4f}")
+    return {"workload": workload, "label": label, "chips": chips, "digital_accuracy": digital,
+            "calibration": sens["calibration"], "samples": sens["samples"], "rows": rows, **summary,
+            "keep_digital": keep}
+
+
 def plot(results: dict, path) -> None:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     models = list(results["models"])
-    fig, axes = plt.subplots(1, len(models), figsize=(4.6 * len(models), 4.2), squeeze=False)
+    panels = len(models) + ("cim" in results)
+    fig, axes = plt.subplots(1, panels, figsize=(4.6 * panels, 4.2), squeeze=False)
+    if "cim" in results:
+        c, ax = results["cim"], axes[0][-1]
+        for r in c["rows"]:
+            ax.errorbar(r["predicted"], r["measured_kl"], xerr=r["predicted_se"], fmt="o", ms=5, capsize=2)
+            ax.annotate(r["layer"].removesuffix(".weight"), (r["predicted"], r["measured_kl"]), fontsize=8,
+                        xytext=(4, 4), textcoords="offset points")
+        lo = min(min(r["predicted"], r["measured_kl"]) for r in c["rows"]) / 2
+        hi = max(max(r["predicted"], r["measured_kl"]) for r in c["rows"]) * 2
+        ax.loglog([lo, hi], [lo, hi], "k:", lw=1)
+        ax.set_xlabel("predicted KL (TPV / 2, the layer's output error on the chip)")
+        ax.set_ylabel("measured KL, one layer on the chip")
+        ax.set_title(f"cnn, {c['label']}, {c['chips']} chips (ρ={c['spearman_kl']:.2f})", fontsize=10)
     for ax, name in zip(axes[0], models):
         r = results["models"][name]
         for label in r["formats"]:
@@ -171,7 +278,7 @@ def plot(results: dict, path) -> None:
         lo = min(min(x["predicted"], x["measured_change"]) for x in r["rows"] if x["measured_change"] > 0)
         hi = max(max(x["predicted"], x["measured_change"]) for x in r["rows"])
         ax.plot([lo, hi], [lo, hi], "k:", lw=1)
-        ax.set_xlabel("predicted (TPV)")
+        ax.set_xlabel("predicted (TPV / 2)")
         ax.set_ylabel("measured, one layer quantized")
         ax.set_title(name, fontsize=10)
         ax.legend(fontsize=7)
@@ -180,10 +287,21 @@ def plot(results: dict, path) -> None:
     plt.close(fig)
 
 
-def run(out=None, quick: bool = False, models=("minilm", "cnn"), log=print) -> dict:
+def run(out=None, quick: bool = False, models=("minilm", "cnn", "cim"), log=print) -> dict:
+    """The studies of ``models`` ("cim": the CNN on a PCM chip a year after programming); into ``out``
+    (JSON, and a plot beside it), where the entries not run this time are kept from an earlier run of
+    the same mode."""
     results = {"quick": quick, "models": {}}
+    if out is not None and Path(out).exists():
+        with contextlib.suppress(ValueError, OSError):
+            earlier = json.loads(Path(out).read_text())
+            if earlier.get("quick") == quick:
+                results = earlier
     for m in models:
-        results["models"][m] = study(m, quick=quick, log=log)
+        if m == "cim":
+            results["cim"] = cim_study(quick=quick, log=log)
+        else:
+            results["models"][m] = study(m, quick=quick, log=log)
     if out is not None:
         out = Path(out)
         write_json(out, results)

@@ -5,8 +5,9 @@ calibration data that the evaluations never use.
   in the softmax (Fisher) metric, so TPV / 2 predicts the mean KL divergence per token.
 - MiniLM (or a BERT folder): Macbeth sentences; outputs are the unit-norm sentence embeddings,
   so TPV / 2 predicts 1 - cosine similarity.
-- The Fashion-MNIST workloads (mlp, cnn): training images; outputs are the logits, so TPV
-  predicts the mean squared logit change per image.
+- The Fashion-MNIST workloads (mlp, cnn): training images; outputs are the class logits in the
+  softmax metric, so TPV / 2 predicts the mean KL divergence of the class distribution per image
+  (a shift common to all logits changes no decision, and this metric does not count it).
 
 The evaluations use Hamlet and the test images.
 """
@@ -25,15 +26,15 @@ from torch import nn
 
 from hilt.errors import HiltError
 from hilt.progress import Progress
-from hilt.quant.sensitivity import (Variance, estimate_tpv, format_label, parse_candidates, quantization_variance,
-                                    resolve, weight_params)
+from hilt.quant.sensitivity import (Variance, estimate_output_tpv, estimate_tpv, format_label, parse_candidates,
+                                    quantization_variance, resolve, weight_params)
 
 WORKLOAD_NAMES = ("mlp", "cnn")
 # k-means where learned levels pay most (1-4 bits; above, its optimal fit costs more than it gains), integers to 8
 DEFAULT_CANDIDATES = {"lm": "kmeans1-4,int2-8", "workload": "kmeans1-4@row,int2-8@row"}
 PREDICTS = {"llama": "mean KL divergence of the next-token distribution per token (TPV / 2)",
             "bert": "1 - cosine similarity of the sentence embeddings (TPV / 2)",
-            "workload": "mean squared change of the logits per image (TPV)"}
+            "workload": "mean KL divergence of the predicted class distribution per image (TPV / 2)"}
 
 
 @dataclass
@@ -77,7 +78,7 @@ def load_subject(model: str, checkpoint=None, calibration=None, tokens: int = 20
         net, path = workload_model(model, checkpoint)
         x, _ = load_fashion_mnist("train", limit=images)
         batches = [(x[i:i + 64],) for i in range(0, x.shape[0], 64)]  # more, smaller samples
-        return Subject("workload", net.eval(), batches, lambda m, a: m(a), "euclidean", weight_params(net),
+        return Subject("workload", net.eval(), batches, lambda m, a: m(a), "softmax", weight_params(net),
                        f"{x.shape[0]} Fashion-MNIST training images", str(path))
     if checkpoint is not None:
         raise HiltError("--checkpoint applies to the workloads (mlp, cnn) only")
@@ -135,19 +136,73 @@ def candidate_variances(subject: Subject, candidates, progress: bool = False, ke
     return out
 
 
+def cim_variances(subject: Subject, preset_name: str, time_text: str, chips: int = 8, gdc: str = "global",
+                  seed: int = 0) -> tuple[str, dict[str, dict[str, Variance]], nn.Module]:
+    """The weight errors a CIM chip makes ``time_text`` after programming: each layer programmed on
+    ``chips`` chips of ``preset_name``, drifted, read and compensated (``gdc``), against the digital
+    weights. Per weight the variance over the chips (block 1), and every chip's error; and the
+    chips themselves (the converted model)."""
+    from hilt.cim_sim import analog_layers, convert_to_analog, drift_to, parse_time, preset, program
+
+    if subject.kind != "workload":
+        raise HiltError("--preset (a CIM chip) applies to the Fashion-MNIST workloads (mlp, cnn)")
+    if chips < 2:
+        raise HiltError(f"--chips must be at least 2 (the variance is over chips), got {chips}")
+    t = parse_time(time_text)
+    analog = convert_to_analog(subject.model, preset(preset_name))
+    program(analog, seeds=[seed + k for k in range(chips)])
+    drift_to(analog, t, seeds=[10_000 + seed + k for k in range(chips)], gdc=gdc)
+    label = f"{preset_name}@{time_text}"
+    out = {}
+    for path, layer in analog_layers(analog):
+        name = f"{path}.weight"
+        if name not in subject.params:
+            continue
+        w = layer.w_digital.reshape(layer.w_digital.shape[0], -1)
+        w_eff = layer.w_eff.reshape(chips, *w.shape) * layer.gdc_scale.reshape(chips, -1, 1)
+        e = w_eff - w
+        out[name] = {label: Variance(e.square().mean(0), 1, None, None, e.half())}
+    return label, out, analog
+
+
+def _chip_layers(subject: Subject, analog: nn.Module) -> tuple[dict, dict]:
+    """The digital layers and, for each, its analog twin as a function of the layer's input (all chips)."""
+    from hilt.cim_sim import analog_layers
+
+    twins = dict(analog_layers(analog))
+    layers = {n.removesuffix(".weight"): subject.model.get_submodule(n.removesuffix(".weight")) for n in subject.params}
+
+    def run(layer):
+        def forward(x):
+            layer.shared_batch = x.shape[0]
+            return layer(x)
+        return forward
+    return layers, {p: run(twins[p]) for p in layers}
+
+
 def sensitivity_run(model="smollm2", checkpoint=None, candidates=None, block_size: int = 64, probes: int = 2,
                     calibration=None, tokens: int = 2048, sentences: int = 256, images: int = 2048, seed: int = 0,
-                    progress: bool = False, subject: Subject | None = None, full: bool = False) -> dict:
-    """Tr(H_eff) per layer and the predicted output change of every candidate format per layer."""
+                    progress: bool = False, subject: Subject | None = None, full: bool = False,
+                    cim: dict | None = None) -> dict:
+    """Tr(H_eff) per layer and the predicted output change of every candidate format per layer, or
+    with ``cim`` (keyword arguments of :func:`cim_variances`: preset_name, time_text, chips, gdc) of
+    the chip's weight errors instead."""
     if probes < 1:
         raise HiltError(f"--probes must be at least 1, got {probes}")
     subject = subject or load_subject(model, checkpoint, calibration, tokens, sentences, images)
     if not subject.params:
         raise HiltError(f"{subject.path}: no quantizable layer (no Linear or convolution weight) to measure")
-    spec = candidates or DEFAULT_CANDIDATES["workload" if subject.kind == "workload" else "lm"]
-    formats = parse_candidates(spec, block_size)
     t0 = time.perf_counter()
-    variances = candidate_variances(subject, formats, progress, keep_error=full)
+    if cim is not None:
+        if candidates is not None:
+            raise HiltError("--candidates (quantization formats) and --preset (a CIM chip) exclude each other")
+        label, variances, analog = cim_variances(subject, seed=seed, **cim)
+        labels = [label]
+    else:
+        spec = candidates or DEFAULT_CANDIDATES["workload" if subject.kind == "workload" else "lm"]
+        formats = parse_candidates(spec, block_size)
+        variances = candidate_variances(subject, formats, progress, keep_error=full)
+        labels = [format_label(c) for c in formats]
     t1 = time.perf_counter()
     total = len(subject.batches) * probes
     bar = Progress(total, "sensitivity", "probe", enabled=progress)
@@ -156,12 +211,21 @@ def sensitivity_run(model="smollm2", checkpoint=None, candidates=None, block_siz
         layers = estimate_tpv(subject.model, subject.batches, subject.params, used, output=subject.output,
                               metric=subject.metric, probes=probes, seed=seed,
                               on_sample=lambda i: bar.done(f"probe {i}"))
+    chip = {}
+    if cim is not None:  # the whole analog layer: weights, converters and output noise at its output
+        digital_layers, twins = _chip_layers(subject, analog)
+        chip = estimate_output_tpv(subject.model, subject.batches, digital_layers, twins, output=subject.output,
+                                   metric=subject.metric, probes=probes, seed=seed)
     t2 = time.perf_counter()
     rows = []
     for name, layer in layers.items():
         row = layer.as_dict()
-        row["bits"] = {label: v.bits for label, v in variances[name].items()}
-        row["rel_error"] = {label: round(v.rel_error, 6) for label, v in variances[name].items()}
+        if chip:
+            mean, se = chip[name.removesuffix(".weight")]
+            row["tpv_chip"], row["tpv_chip_se"] = {labels[0]: mean}, {labels[0]: se}
+        row["bits"] = {label: v.bits for label, v in variances[name].items() if v.bits is not None}
+        row["rel_error"] = {label: round(v.rel_error, 6) for label, v in variances[name].items()
+                            if v.rel_error is not None}
         rows.append(row)
     for name, w in subject.unused.items():  # the outputs do not depend on it: every format costs nothing
         zero = {label: 0.0 for label in variances[name]}
@@ -172,7 +236,7 @@ def sensitivity_run(model="smollm2", checkpoint=None, candidates=None, block_siz
     return {
         "model": subject.path, "kind": subject.kind, "metric": subject.metric,
         "predicts": PREDICTS[subject.kind], "calibration": subject.calibration, "probes": probes,
-        "samples": total, "seed": seed, "candidates": [format_label(c) for c in formats],
+        "samples": total, "seed": seed, "candidates": labels, **({"cim": cim} if cim else {}),
         "seconds": {"candidates": round(t1 - t0, 2), "probes": round(t2 - t1, 2)}, "layers": rows,
     }
 
