@@ -300,3 +300,22 @@ def test_budget_on_minilm_through_eval_and_onnx(minilm_dir, tmp_path):
     assert 0.8 < cos < 1.0  # between 2 and 4 bits per weight, most of the embedding survives
     out = run_hilt("export", "onnx", dst, tmp_path / "m.onnx")
     assert out.returncode == 0, out.stderr
+
+
+def test_bench_mixed_quick_on_minilm(minilm_dir, tmp_path):
+    from hilt.bench.studies import mixed
+
+    assert [i for i in range(30) if mixed.promoted(f"blk.{i}.attn_v.weight", 30)] == \
+        [0, 1, 2, 5, 8, 11, 14, 17, 20, 23, 26, 27, 28, 29]  # llama.cpp's use_more_bits on 30 layers
+    assert not mixed.promoted("blk.0.attn_q.weight", 30)
+    assert mixed.promoted("encoder.layer.5.output.dense.weight", 6)
+    assert not mixed.promoted("encoder.layer.5.attention.output.dense.weight", 6)
+    r = mixed.run(out=tmp_path / "mixed.json", quick=True, models=("minilm",), budgets=(3.0,),
+                  candidates="kmeans2,kmeans3,kmeans4,int4@128,int8", log=lambda *a: None)
+    rows = r["models"]["minilm"]["rows"]
+    assert {x["allocator"] for x in rows} == {"unquantized", *mixed.ALLOCATORS}
+    for x in rows:
+        if x["budget"] is not None:
+            assert x["bits_per_weight"] <= 3.0 and 0 < x["cosine"] < 1
+    assert next(x for x in rows if x["allocator"] == "uniform")["formats"] == {"kmeans2@64": 36}
+    assert (tmp_path / "mixed.png").stat().st_size > 10_000 and "| 3.0 |" in (tmp_path / "mixed.md").read_text()

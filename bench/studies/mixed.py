@@ -125,13 +125,13 @@ class _Quality:
         return bert.embedding_similarity(self.ref, bert.embed(s.model, s.tokenizer, self.sentences))
 
 
-def study(model: str, budgets=BUDGETS, quick: bool = False, log=print) -> dict:
+def study(model: str, budgets=BUDGETS, quick: bool = False, log=print, candidates: str = CANDIDATES) -> dict:
     opts = {"smollm2": dict(tokens=1024), "minilm": dict(sentences=64)}[model] if quick else {}
     subject = load_subject(model, **opts)
     params = subject.params
     weights = {n: p.numel() for n, p in params.items()}
     t0 = time.perf_counter()
-    variances = candidate_variances(subject, parse_candidates(CANDIDATES), keep_error=True)
+    variances = candidate_variances(subject, parse_candidates(candidates), keep_error=True)
     variances = {n: variances[n] for n in params}  # what the outputs never use is not in the comparison
     t1 = time.perf_counter()
     probes = 2
@@ -180,7 +180,7 @@ def study(model: str, budgets=BUDGETS, quick: bool = False, log=print) -> dict:
             log(f"{model} budget {budget}: {allocator:<10} {used:.4f} bits/weight, {quality.name} {value:.4f}")
     return {"model": subject.path, "kind": subject.kind, "quality": quality.name,
             "higher_is_better": quality.higher_is_better, "calibration": subject.calibration,
-            "candidates": CANDIDATES, "probes": probes, "samples": len(subject.batches) * probes,
+            "candidates": candidates, "probes": probes, "samples": len(subject.batches) * probes,
             "seconds": {"candidates": round(t1 - t0, 1), "tpv": round(t2 - t1, 1), "hawq": round(t3 - t2, 1)},
             "rows": rows}
 
@@ -227,10 +227,11 @@ def plot(results: dict, path) -> None:
     plt.close(fig)
 
 
-def run(out=None, quick: bool = False, models=("minilm", "smollm2"), budgets=BUDGETS, log=print) -> dict:
+def run(out=None, quick: bool = False, models=("minilm", "smollm2"), budgets=BUDGETS, log=print,
+        candidates: str = CANDIDATES) -> dict:
     results = {"quick": quick, "budgets": list(budgets), "models": {}}
     for m in models:
-        results["models"][m] = study(m, budgets, quick=quick, log=log)
+        results["models"][m] = study(m, budgets, quick=quick, log=log, candidates=candidates)
     results["table"] = table(results)
     if out is not None:
         out = Path(out)

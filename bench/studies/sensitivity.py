@@ -228,22 +228,23 @@ def cim_study(workload: str = "cnn", preset_name: str = "pcm", time_text: str = 
         "spearman_weights_accuracy_drop": spearman([r["predicted_weights"] for r in rows],
                                                    [digital - r["measured_accuracy"] for r in rows]),
     }
-    times = ["1s", "1h", "1d", "1mo", "1y"]
+    times = ["1s", "1mo", "1y"]
     by_tpv = [p for _, p in sorted(zip([-r["predicted"] for r in rows], paths))]
-    keep = {}
-    for k in (1, 2):
-        rule = [paths[0], paths[-1]][:k] if k == 2 else [paths[-1]]
-        for name, digital_set in (("tpv", by_tpv[:k]), ("first/last", rule), ("none", [])):
-            if name == "none" and k == 2:
-                continue
-            key = f"{name}" if name == "none" else f"{name}, k={k}"
+    keep, curves = {}, {}
+    choices = [("none", [])]
+    for k in (1, 2):  # the usual rule keeps the last layer, then the first one too
+        choices += [(f"tpv, k={k}", by_tpv[:k]), (f"first/last, k={k}", [paths[-1], paths[0]][:k])]
+    for key, digital_set in choices:
+        chosen = tuple(sorted(digital_set))
+        if chosen not in curves:  # the same layers kept digital: the same chips, measured once
             on_chip = [p for p in paths if p not in digital_set]
-            curve = _on_chip(subject.model, on_chip, config, chips, times, x, y)
-            keep[key] = {"digital": digital_set, "curve": [
+            curves[chosen] = [
                 {"time": c["time"], "accuracy_mean": sum(c["accuracy"]) / chips,
-                 "accuracy_std": float(torch.tensor(c["accuracy"]).std()), "accuracy": c["accuracy"]} for c in curve]}
-            log(f"{workload} keep digital [{', '.join(digital_set) or 'none'}] ({key}): accuracy at {times[-1]} "
-                f"{keep[key]['curve'][-1]['accuracy_mean']:.4f} ± {keep[key]['curve'][-1]['accuracy_std']:.4f}")
+                 "accuracy_std": float(torch.tensor(c["accuracy"]).std()), "accuracy": c["accuracy"]}
+                for c in _on_chip(subject.model, on_chip, config, chips, times, x, y)]
+        keep[key] = {"digital": digital_set, "curve": curves[chosen]}
+        log(f"{workload} keep digital [{', '.join(digital_set) or 'none'}] ({key}): accuracy at {times[-1]} "
+            f"{keep[key]['curve'][-1]['accuracy_mean']:.4f} ± {keep[key]['curve'][-1]['accuracy_std']:.4f}")
     return {"workload": workload, "label": label, "chips": chips, "digital_accuracy": digital,
             "calibration": sens["calibration"], "samples": sens["samples"], "rows": rows, **summary,
             "keep_digital": keep}
