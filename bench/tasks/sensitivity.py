@@ -286,14 +286,14 @@ def plot(result: dict, path) -> None:
 
 
 def budget_plan(src, budget: float, sensitivity=None, candidates=None, block_size: int = 64, only=None,
-                ignore=None, estimate: str = "full", progress: bool = False, log=None) -> dict:
+                ignore=None, estimate: str = "blocks", progress: bool = False, log=None) -> dict:
     """A format per tensor of ``src`` (those `hilt quantize` would quantize) with at most ``budget``
     bits per weight on average, minimising the summed predicted TPV (hilt.quant.allocate).
 
     ``sensitivity``: a `hilt sensitivity --json` file of this model; without one it is measured
     here on the default calibration data (``src`` must then be a model hilt runs). ``estimate``:
-    ``full`` (eᵀ H_eff e with each format's actual error, where the file has it) or ``blocks``
-    (the block-diagonal TPV). Returns {"formats": name -> QuantConfig, "mixed": what the header records,
+    ``blocks`` (the block-diagonal TPV) or ``full`` (eᵀ H_eff e with each format's actual error,
+    where the file has it). Returns {"formats": name -> QuantConfig, "mixed": what the header records,
     "rows": per tensor}.
     """
     from hilt.quant.allocate import allocate
