@@ -620,6 +620,17 @@ def cmd_export_onnx(args) -> int:
     return 0
 
 
+def cmd_export_gguf(args) -> int:
+    from hilt.quant.gguf_export import export_gguf
+
+    r = export_gguf(args.src, args.out, overwrite=args.overwrite)
+    kinds = ", ".join(f"{v} {k}" for k, v in sorted(r["types"].items()))
+    print(f"wrote {r['out']}: {r['tensors']} tensors ({kinds}), {r['bytes'] / 1e6:.1f} MB; metadata and tokenizer "
+          f"from {r['source']}")
+    _write_json(args, r)
+    return 0
+
+
 def cmd_fp8_scales(args) -> int:
     from hilt.bench.studies import fp8_scales
 
@@ -934,6 +945,14 @@ def build_parser() -> argparse.ArgumentParser:
     xo.add_argument("--gdc", default="global", choices=DRIFT_COMPENSATION, help="drift compensation (default global)")
     xo.add_argument("--overwrite", action="store_true")
     xo.set_defaults(func=cmd_export_onnx)
+
+    xg = _command(xsub, "gguf", "a checkpoint of integer weights (4-bit and 8-bit int, 4-bit int-asym) as a GGUF "
+                  "file llama.cpp reads (Q4_0, Q8_0, Q4_1), losslessly; metadata and tokenizer from its source GGUF",
+                  "hilt export gguf smol-int4 smol-int4.gguf", [_OUTPUT])
+    xg.add_argument("src", help="hilt checkpoint folder quantized from a GGUF file")
+    xg.add_argument("out", help="the .gguf file to write")
+    xg.add_argument("--overwrite", action="store_true")
+    xg.set_defaults(func=cmd_export_gguf)
 
     f8sub = _group(sub, "fp8", "FP8 attention: logit bounds and scales from the weights", "what")
     fs = _command(f8sub, "scales", "per layer and head: the weight-only bound on |attention logit| "

@@ -1,0 +1,151 @@
+"""`hilt export gguf`: a hilt checkpoint of integer weights as a GGUF file, losslessly.
+
+llama.cpp's block types hold exactly hilt's integer formats, in blocks of 32 along a row:
+
+* symmetric 4-bit (``int``, levels -8..7 times the block scale) -> Q4_0: x = d (q - 8), q = level + 8;
+* symmetric 8-bit (levels -128..127) -> Q8_0: x = d q;
+* asymmetric 4-bit (``int-asym``, levels 0..15 times the scale plus the block minimum) -> Q4_1:
+  x = d q + m.
+
+A hilt block of B = 32 k weights is k GGUF blocks sharing its scale. d (and m) are fp16 in GGUF
+and bf16 in hilt; every bf16 value whose exponent fp16 can hold converts exactly, and a scale that
+does not is refused, so the file's dequantization equals hilt's bit for bit. k-means is refused:
+GGUF has no learned-codebook block type. Dense tensors are written as stored (F32, F16; bf16 as
+F32, which holds it exactly).
+
+Metadata, tokenizer and tensor names come from the GGUF file the checkpoint was quantized from:
+hilt's names for a GGUF source are its tensor names.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from hilt.errors import HiltError
+from hilt.kernels.packing import unpack_codes
+from hilt.quant.checkpoint import load_checkpoint, read_header
+from hilt.quant.qweight import QuantizedWeight
+
+GGUF_BLOCK = 32
+
+
+def gguf_type(q: QuantizedWeight, name: str):
+    """The GGUF block type that holds ``q`` exactly, or a one-line refusal naming the tensor."""
+    import gguf
+
+    T = gguf.GGMLQuantizationType
+    if q.method == "kmeans" or q.method == "binary":
+        raise HiltError(f"'{name}' is {q.method}: GGUF has no block type with a learned or sign codebook; "
+                        "export integer formats (--method int, 4 or 8 bits), or use `hilt export onnx`")
+    kind = {("int", 4): T.Q4_0, ("int", 8): T.Q8_0, ("int-asym", 4): T.Q4_1}.get((q.method, q.bits))
+    if kind is None:
+        raise HiltError(f"'{name}' is {q.method} {q.bits}-bit: GGUF holds symmetric 4- and 8-bit and asymmetric "
+                        "4-bit integers exactly (Q4_0, Q8_0, Q4_1)")
+    if q.block_size % GGUF_BLOCK:
+        raise HiltError(f"'{name}' has blocks of {q.block_size}: GGUF blocks are {GGUF_BLOCK} weights, so hilt's "
+                        f"block size must be a multiple of {GGUF_BLOCK}")
+    return kind
+
+
+def _fp16_exact(t: torch.Tensor, name: str, what: str) -> np.ndarray:
+    h = t.to(torch.float16)
+    if not torch.equal(h.float(), t.float()):
+        raise HiltError(f"'{name}': a {what} does not fit fp16 exactly (GGUF stores them as fp16)")
+    return h.numpy()
+
+
+def gguf_blocks(q: QuantizedWeight, name: str = "tensor") -> tuple[np.ndarray, object]:
+    """``q`` as GGUF block bytes, (out, in / 32 * block bytes) uint8, and its block type."""
+    import gguf
+
+    kind = gguf_type(q, name)
+    n, k = q.shape
+    per = q.block_size // GGUF_BLOCK
+    codes = unpack_codes(q.codes, q.bits, k).to(torch.int64).view(n, k // GGUF_BLOCK, GGUF_BLOCK)
+    d = _fp16_exact(q.scales.repeat_interleave(per, dim=1), name, "block scale").reshape(n, -1, 1)
+    parts = [d.view(np.uint8)]
+    if kind == gguf.GGMLQuantizationType.Q4_1:
+        parts.append(_fp16_exact(q.offsets.repeat_interleave(per, dim=1), name, "block minimum").reshape(n, -1, 1)
+                     .view(np.uint8))
+    if kind == gguf.GGMLQuantizationType.Q8_0:
+        levels = codes - 128  # hilt's code i is the level i - 128
+        parts.append(levels.to(torch.int8).numpy().view(np.uint8))
+    else:  # Q4_0 stores level + 8 = hilt's code; Q4_1 stores the code; low nibbles first half, high second
+        nib = codes.to(torch.uint8)
+        parts.append((nib[..., :16] | (nib[..., 16:] << 4)).numpy())
+    blocks = np.concatenate(parts, axis=-1)
+    return np.ascontiguousarray(blocks.reshape(n, -1)), kind
+
+
+def _copy_metadata(reader, writer) -> None:
+    import gguf
+
+    # the writer writes the architecture from its own argument; the source's file type (its main block
+    # type) would no longer be true
+    skip = {"general.architecture", "general.file_type"}
+    for field in reader.fields.values():
+        if field.name.startswith("GGUF.") or field.name in skip:
+            continue
+        vtype = field.types[0]
+        sub = field.types[-1] if vtype == gguf.GGUFValueType.ARRAY else None
+        writer.add_key_value(field.name, field.contents(), vtype, sub)
+
+
+def export_gguf(dst, out, overwrite: bool = False) -> dict:
+    """Write the hilt checkpoint ``dst`` (quantized from a GGUF file) as the GGUF file ``out``."""
+    import gguf
+
+    out = Path(out)
+    header = read_header(dst)
+    source = Path(header["source"]["path"])
+    if header["source"]["format"] != "gguf":
+        raise HiltError(f"{dst}: quantized from a {header['source']['format']} file; `hilt export gguf` takes its "
+                        "metadata and tokenizer from the GGUF the checkpoint came from")
+    if not source.is_file():
+        raise HiltError(f"{dst}: its source {source} is gone; the GGUF export needs its metadata and tokenizer")
+    if out.exists() and not overwrite:
+        raise HiltError(f"{out}: already exists; pass --overwrite to replace it")
+    if not out.parent.is_dir():
+        raise HiltError(f"{out}: folder {out.parent} does not exist")
+    for name, e in header["tensors"].items():  # refuse before writing anything
+        if e["kind"] == "quantized":
+            gguf_type(_Meta(e), name)
+    reader = gguf.GGUFReader(source)
+    arch = reader.fields["general.architecture"].contents()
+    tensors = load_checkpoint(dst)
+    tmp = out.with_name(out.name + ".partial")
+    counts: dict[str, int] = {}
+    try:
+        writer = gguf.GGUFWriter(str(tmp), arch)
+        _copy_metadata(reader, writer)
+        for name, value in tensors.items():
+            if isinstance(value, QuantizedWeight):
+                blocks, kind = gguf_blocks(value, name)
+                writer.add_tensor(name, blocks, raw_dtype=kind)
+                counts[kind.name] = counts.get(kind.name, 0) + 1
+            else:  # bf16 goes as F32, which holds it exactly
+                arr = (value.float() if value.dtype == torch.bfloat16 else value).contiguous().numpy()
+                writer.add_tensor(name, arr)
+                kind = {np.dtype(np.float32): "F32", np.dtype(np.float16): "F16"}.get(arr.dtype, str(arr.dtype))
+                counts[kind] = counts.get(kind, 0) + 1
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_tensors_to_file()
+        writer.close()
+        os.replace(tmp, out)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    return {"out": str(out), "source": str(source), "tensors": len(tensors), "types": counts,
+            "bytes": out.stat().st_size}
+
+
+class _Meta:
+    """A header entry seen as the parts gguf_type reads."""
+
+    def __init__(self, entry: dict):
+        self.method, self.bits, self.block_size = entry["method"], entry["bits"], entry["block_size"]
