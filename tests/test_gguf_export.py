@@ -69,3 +69,10 @@ def test_what_gguf_cannot_hold_is_refused(tmp_path):
     assert r.returncode == 1 and "already exists" in r.stderr and len(r.stderr.strip().splitlines()) == 1
     r = run_hilt("export", "gguf", tmp_path / "q4kmeans64", tmp_path / "k.gguf")
     assert r.returncode == 1 and "learned" in r.stderr and not (tmp_path / "k.gguf").exists()
+
+
+def test_needs_a_gguf_source(tiny_ckpt, tmp_path):
+    q = tmp_path / "q"
+    quantize_checkpoint(tiny_ckpt, q, QuantConfig("int", 4, 64))
+    with pytest.raises(HiltError, match="quantized from a safetensors file"):
+        export_gguf(q, tmp_path / "x.gguf")
