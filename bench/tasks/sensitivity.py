@@ -72,6 +72,9 @@ def load_subject(model: str, checkpoint=None, calibration=None, tokens: int = 20
     from hilt.quant.sources import open_source
 
     if model in WORKLOAD_NAMES:
+        if calibration is not None:
+            raise HiltError("--calibration (a text file) applies to the text models; mlp and cnn calibrate on "
+                            "Fashion-MNIST training images (--images)")
         from hilt.bench.data.fashion_mnist import load_fashion_mnist
         from hilt.bench.tasks.drift import workload_model
 
@@ -96,7 +99,6 @@ def load_subject(model: str, checkpoint=None, calibration=None, tokens: int = 20
     kind = model_kind(src)
     with open_source(src) as source:
         targets = select_targets(source)
-        shapes = {n: tuple(source.shape(n)) for n in targets}
     if kind == "llama":
         from hilt.bench.models import llama
 
