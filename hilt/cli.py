@@ -894,7 +894,8 @@ def build_parser() -> argparse.ArgumentParser:
     se.add_argument("--sentences", type=_POSITIVE, default=256, help="encoder: calibration sentences (default 256)")
     se.add_argument("--images", type=_POSITIVE, default=2048, help="mlp/cnn: training images (default 2048)")
     se.add_argument("--preset", choices=CIM_PRESETS,
-                    help="mlp/cnn: instead of quantization formats, the weight errors of this CIM chip preset")
+                    help="mlp/cnn: instead of quantization formats, this CIM chip preset's errors (of the weights, "
+                         "and of each whole analog layer at its output)")
     se.add_argument("--time", help="with --preset: time after programming (default 1y)")
     se.add_argument("--chips", type=_int(2), help="with --preset: chips drawn for the error statistics (default 8)")
     se.add_argument("--gdc", choices=DRIFT_COMPENSATION, help="with --preset: drift compensation (default global)")
