@@ -23,6 +23,7 @@ The allocation of formats under a bits budget from these numbers is ``hilt.quant
 
 from __future__ import annotations
 
+import contextlib
 import math
 import re
 from dataclasses import dataclass, field, replace
@@ -163,6 +164,21 @@ def _mean_se(xs: list[float]) -> tuple[float, float]:
     return mean, (var / n) ** 0.5
 
 
+@contextlib.contextmanager
+def _grads_only_for(model: nn.Module, weights: list[torch.Tensor]):
+    """Gradients for ``weights`` alone (the rest of ``model`` frozen), put back as they were after."""
+    was = {p: p.requires_grad for p in model.parameters()}
+    for p in model.parameters():
+        p.requires_grad_(False)
+    for p in weights:
+        p.requires_grad_(True)
+    try:
+        yield
+    finally:
+        for p, flag in was.items():
+            p.requires_grad_(flag)
+
+
 def estimate_tpv(
     model: nn.Module,
     batches: Iterable[tuple],
@@ -204,13 +220,8 @@ def estimate_tpv(
     trace_samples = {n: [] for n in names}
     tpv_samples = {n: {label: [] for label in variances.get(n, {})} for n in names}
     full_samples = {n: {label: [] for label, v in variances.get(n, {}).items() if v.error is not None} for n in names}
-    was = {p: p.requires_grad for p in model.parameters()}
-    for p in model.parameters():
-        p.requires_grad_(False)
-    for p in weights:
-        p.requires_grad_(True)
     sample = 0
-    try:
+    with _grads_only_for(model, weights):
         for args in batches:
             with torch.enable_grad():
                 y = output(model, *args)
@@ -238,9 +249,6 @@ def estimate_tpv(
                 if on_sample is not None:
                     on_sample(sample)
             del y
-    finally:
-        for p, flag in was.items():
-            p.requires_grad_(flag)
     if sample == 0:
         raise HiltError("no calibration batch: nothing to estimate the sensitivity from")
     out = {}
@@ -331,13 +339,8 @@ def loss_hessian_trace(
     names = list(params)
     weights = [params[n] for n in names]
     samples = {n: [] for n in names}
-    was = {p: p.requires_grad for p in model.parameters()}
-    for p in model.parameters():
-        p.requires_grad_(False)
-    for p in weights:
-        p.requires_grad_(True)
     count = 0
-    try:
+    with _grads_only_for(model, weights):
         for args in batches:
             # the fused CPU attention kernels have no second derivative; the plain one does
             with torch.enable_grad(), sdpa_kernel([SDPBackend.MATH]):
@@ -351,9 +354,6 @@ def loss_hessian_trace(
                     if on_sample is not None:
                         on_sample(count)
             del grads
-    finally:
-        for p, flag in was.items():
-            p.requires_grad_(flag)
     if count == 0:
         raise HiltError("no calibration batch: nothing to estimate the Hessian trace from")
     return {n: _mean_se(samples[n]) for n in names}

@@ -32,7 +32,7 @@ from hilt.bench import RESULTS
 from hilt.bench.tasks.sensitivity import load_subject, sensitivity_run
 from hilt.quant.checkpoint import write_json
 from hilt.quant.quantize import quantize_tensor
-from hilt.quant.sensitivity import parse_candidates, resolve, spearman
+from hilt.quant.sensitivity import format_label, parse_candidates, resolve, spearman
 
 FORMATS = {"minilm": "int3,kmeans2", "cnn": "int3@row,kmeans2@row", "smollm2": "int3,kmeans3"}
 # calibration size, and every how many layers one is measured (SmolLM2 has 210: each costs a forward)
@@ -107,8 +107,6 @@ def study(model: str, quick: bool = False, log=print, formats: str | None = None
     rows = []
     layers = [r for r in sens["layers"] if not r.get("unused")][::every]
     for cfg in parse_candidates(spec):
-        from hilt.quant.sensitivity import format_label
-
         label = format_label(cfg)
         for r in layers:
             p = subject.params[r["name"]]
