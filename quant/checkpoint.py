@@ -5,9 +5,14 @@ A quantized checkpoint is a folder (documented in docs/format.md):
     DST/hilt.json                  header: format name and version, tool version,
                                    settings, and per tensor its kind, method,
                                    bits, block size, shape, dtype, shard, stats
-    DST/model-00001.safetensors    shards: for a quantized tensor NAME the parts
-    DST/model-00002.safetensors    NAME.codes, NAME.codebook, NAME.scales
-    ...                            (and NAME.offsets); other tensors as they were
+    DST/model.safetensors          one shard, or model-00001-of-00003.safetensors ...
+                                   with model.safetensors.index.json (Hugging Face's
+                                   layout): for a quantized weight MODULE.weight the
+                                   parts MODULE.codes, .codebook, .scales (.offsets),
+                                   the buffers of QuantLinear; other tensors as they were
+    DST/config.json, tokenizer...  from a Hugging Face model folder: its files, the
+                                   config with a "quantization_config" (quant_method
+                                   "hilt") that transformers loads (hilt.quant.hf_quantizer)
 
 Writing streams tensor by tensor, so memory follows the largest tensor plus
 one shard. Everything is written under ``DST.partial/``, each shard to a
@@ -33,6 +38,8 @@ from safetensors.torch import save_file
 
 from hilt import __version__
 from hilt.errors import HiltError
+from hilt.progress import LOG
+from hilt.quant import hf_folder
 from hilt.quant.quantize import QuantConfig, check_quantizable, quantize_tensor, relative_error
 from hilt.quant.qweight import QuantizedWeight
 from hilt.quant.sources import Source, open_source
@@ -41,7 +48,7 @@ if TYPE_CHECKING:
     from hilt.quant.compensate import Compensator
 
 FORMAT_NAME = "hilt-quantized"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: parts named after the module (MODULE.codes), Hugging Face shard names
 TOOL_VERSION = __version__  # the installed package's, as `hilt --version` prints
 HEADER = "hilt.json"
 PROGRESS = "progress.json"
@@ -136,8 +143,17 @@ def write_json(path, obj, *, sort_keys: bool = False) -> None:
         tmp.unlink(missing_ok=True)
 
 
+def part_key(name: str, part: str, version: int = FORMAT_VERSION) -> str:
+    """The shard key of one part of the quantized tensor ``name``. From version 2 the parts of a
+    ``MODULE.weight`` are named after the module (``MODULE.codes``: QuantLinear's buffers, so
+    transformers loads them as they are); version 1 named them after the tensor."""
+    if version >= 2 and name.endswith(".weight"):
+        name = name.removesuffix(".weight")
+    return f"{name}.{part}"
+
+
 def _tensor_parts(name: str, q: QuantizedWeight) -> dict[str, torch.Tensor]:
-    return {f"{name}.{part}": t.contiguous() for part, t in q.packed.tensors().items()}
+    return {part_key(name, part): t.contiguous() for part, t in q.packed.tensors().items()}
 
 
 def quantize_checkpoint(
@@ -155,6 +171,7 @@ def quantize_checkpoint(
     compensate: Callable[[list[str]], "Compensator"] | None = None,
     formats: dict[str, QuantConfig] | None = None,
     mixed: dict | None = None,
+    dense_dtype: torch.dtype | None = None,
     on_tensor: Callable[[dict], None] | None = None,
     progress: bool = False,
 ) -> dict:
@@ -169,6 +186,11 @@ def quantize_checkpoint(
     quantized with error compensation, the others rounded as without it. ``formats``: a format per
     tensor name (mixed precision, from hilt.quant.allocate) replacing ``config`` for the tensors it
     names; ``mixed`` (how they were chosen) is recorded in the header under ``"mixed"``.
+    ``dense_dtype``: the dtype of every floating tensor left unquantized; by default each keeps the
+    dtype it is stored in, and a GGUF block type (already quantized) becomes bfloat16.
+
+    From a Hugging Face model folder (with a config.json) the output is one too: its config with a
+    ``quantization_config`` (hilt.quant.hf_folder) and its tokenizer and generation files.
 
     Returns the header written to ``dst/hilt.json``. ``on_tensor`` is called
     with each tensor's entry (name, kind, bits_per_weight, rel_error, ...).
@@ -182,6 +204,13 @@ def quantize_checkpoint(
     if formats and (importance is not None or compensate is not None):
         raise HiltError("per-tensor formats (--budget) exclude --importance and --compensate: the formats were "
                         "chosen by the error of plain rounding")
+    model_config = None
+    if hf_folder.is_hf_folder(src):
+        model_config = hf_folder.read_config(src)
+        if model_config.get("quantization_config"):
+            method = model_config["quantization_config"].get("quant_method", "unknown")
+            raise HiltError(f"{Path(src) / hf_folder.CONFIG}: the model is already quantized ({method}); "
+                            "quantize its unquantized folder")
     partial = _check_destination(dst, overwrite, resume)
     weights = {} if importance is None else load_importance(importance)
     source = open_source(src)
@@ -206,6 +235,7 @@ def quantize_checkpoint(
             "importance": None if importance is None else str(importance),
             "compensation": None if compensator is None else compensator.settings,
             "shard_bytes": shard_bytes,
+            "dense_dtype": None if dense_dtype is None else str(dense_dtype).removeprefix("torch."),
         }
         if formats:  # only mixed checkpoints carry the key, so uniform headers stay as they were
             settings["mixed"] = {**(mixed or {}), "formats": {n: asdict(c) for n, c in sorted(formats.items())}}
@@ -214,8 +244,9 @@ def quantize_checkpoint(
         except OSError as e:
             raise HiltError(f"{dst}: cannot write there ({e.strerror})") from None
         try:
-            _stream(source, targets, weights, codebooks or {}, compensator, config, formats, partial, state,
-                    shard_bytes, on_tensor, progress)
+            _stream(source, targets, weights, codebooks or {}, compensator, config, formats, dense_dtype, partial,
+                    state, shard_bytes, on_tensor, progress)
+            _name_shards(partial, state)
             header = {
                 "format": FORMAT_NAME,
                 "format_version": FORMAT_VERSION,
@@ -225,6 +256,10 @@ def quantize_checkpoint(
                 "tensors": state["tensors"],
                 "totals": _totals(state["tensors"]),
             }
+            if model_config is not None:
+                hf_folder.copy_companions(Path(src), partial)
+                write_json(partial / hf_folder.CONFIG,
+                           {**model_config, "quantization_config": hf_folder.quantization_config(header)})
             write_json(partial / HEADER, header, sort_keys=True)
             (partial / PROGRESS).unlink()
             _move_into_place(partial, dst)
@@ -254,8 +289,8 @@ def _start_or_resume(partial: Path, settings: dict, resume: bool) -> dict:
     return state
 
 
-def _stream(source, targets, importance, codebooks, compensator, config, formats, partial, state, shard_bytes,
-            on_tensor, progress):
+def _stream(source, targets, importance, codebooks, compensator, config, formats, dense_dtype, partial, state,
+            shard_bytes, on_tensor, progress):
     from tqdm import tqdm
 
     done = set(state["tensors"])
@@ -264,10 +299,15 @@ def _stream(source, targets, importance, codebooks, compensator, config, formats
     entries: dict[str, dict] = {}
     size = 0
     bar = tqdm(todo, desc="quantize", unit="tensor", disable=not progress, dynamic_ncols=True)
+    requantized = sorted({source.stored_type(n) for n in targets if source.is_block_quantized(n)})
     for name in bar:
         bar.set_postfix_str(name, refresh=False)
         if name in targets:
             w = source.get(name)
+            if requantized and source.is_block_quantized(name):  # once, when the first such tensor has been read
+                LOG.warning(f"{source.path}: its weights are already quantized ({', '.join(requantized)}); they are "
+                            "dequantized and quantized again, so their errors add up")
+                requantized = None
             extra = {}
             if compensator is not None and compensator.covers(name):
                 def written(names):  # a resumed run: the tensors already in finished shards
@@ -296,6 +336,8 @@ def _stream(source, targets, importance, codebooks, compensator, config, formats
             del w
         else:
             t = source.get_stored(name)
+            if t.is_floating_point() and (dense_dtype is not None or source.is_block_quantized(name)):
+                t = t.to(dense_dtype or torch.bfloat16)
             parts = {name: t.contiguous()}
             entry = {"kind": "dense", "shape": list(t.shape), "dtype": str(t.dtype).removeprefix("torch."),
                      "stored_type": source.stored_type(name)}
@@ -313,13 +355,31 @@ def _stream(source, targets, importance, codebooks, compensator, config, formats
 
 def _flush(partial: Path, state: dict, buffer: dict, entries: dict) -> None:
     """Write one complete shard (temporary name, then rename), then record it as done."""
-    shard = f"model-{len(state['shards']) + 1:05d}.safetensors"
+    shard = f"shard-{len(state['shards']) + 1:05d}.safetensors"  # named for good once the count is known
     save_safetensors(buffer, partial / shard, metadata={"format": "pt"})  # one key: map order is not stable
     for e in entries.values():
         e["shard"] = shard
     state["shards"].append(shard)
     state["tensors"].update(entries)
     write_json(partial / PROGRESS, state, sort_keys=True)
+
+
+def _name_shards(partial: Path, state: dict) -> None:
+    """Give the finished shards Hugging Face's names and, for more than one, write the index."""
+    final = hf_folder.shard_names(len(state["shards"]))
+    rename = dict(zip(state["shards"], final))
+    weight_map, total = {}, 0
+    for old, new in rename.items():
+        with safe_open(str(partial / old), framework="pt") as f:
+            weight_map.update({k: new for k in f.keys()})
+        total += (partial / old).stat().st_size
+        os.replace(partial / old, partial / new)
+    state["shards"] = final
+    for e in state["tensors"].values():
+        e["shard"] = rename[e["shard"]]
+    if len(final) > 1:
+        hf_folder.write_index(partial, weight_map, total, write_json)
+    write_json(partial / PROGRESS, state, sort_keys=True)  # a resumed run finds the shards by their new names
 
 
 def _totals(tensors: dict) -> dict:
@@ -392,10 +452,11 @@ def load_checkpoint(dst, names: Iterable[str] | None = None) -> dict[str, torch.
     missing = [n for n in wanted if n not in header["tensors"]]
     if missing:
         raise HiltError(f"{dst}: no tensor '{missing[0]}'")
-    return _read_tensors(dst, header["tensors"], wanted)
+    return _read_tensors(dst, header["tensors"], wanted, header["format_version"])
 
 
-def _read_tensors(folder: Path, entries: dict, names: list[str]) -> dict[str, torch.Tensor | QuantizedWeight]:
+def _read_tensors(folder: Path, entries: dict, names: list[str],
+                  version: int = FORMAT_VERSION) -> dict[str, torch.Tensor | QuantizedWeight]:
     """The tensors ``names`` of a checkpoint folder whose header entries are ``entries``, in that order."""
     by_shard: dict[str, list[str]] = {}
     for name in names:
@@ -409,7 +470,8 @@ def _read_tensors(folder: Path, entries: dict, names: list[str]) -> dict[str, to
                 if e["kind"] == "dense":
                     loaded[name] = f.get_tensor(name)
                     continue
-                parts = {p: f.get_tensor(f"{name}.{p}") if f"{name}.{p}" in keys else None for p in PARTS}
+                keyed = {p: part_key(name, p, version) for p in PARTS}
+                parts = {p: f.get_tensor(k) if k in keys else None for p, k in keyed.items()}
                 loaded[name] = QuantizedWeight(
                     parts["codes"], parts["codebook"], parts["scales"], parts["offsets"],
                     tuple(e["shape"]), getattr(torch, e["dtype"]), e["bits"], e["block_size"], e["method"],

@@ -16,6 +16,7 @@ import torch
 
 from hilt.errors import HiltError
 from hilt.kernels.lut_matmul import PackedWeight, dequantize_lut
+from hilt.kernels.packing import packed_row_bytes
 
 METHODS = ("kmeans", "int", "int-asym", "binary")
 
@@ -39,6 +40,23 @@ class QuantizedWeight:
         rows = self.packed.out_features  # making the PackedWeight checks the parts against in_features
         if rows != self.shape[0]:
             raise HiltError(f"codes have {rows} rows, the weight's shape is {self.shape}")
+
+    @classmethod
+    def empty(cls, shape: tuple[int, int], method: str, bits: int, block_size: int, codebook: str = "layer",
+              dtype: torch.dtype = torch.float32, device=None) -> "QuantizedWeight":
+        """Parts of the right shapes and dtypes, values unset: what a loader fills in place."""
+        n, k = shape
+        if block_size < 1 or k % block_size:
+            raise HiltError(f"in_features {k} is not a multiple of block size {block_size}")
+        blocks, levels = k // block_size, 1 << bits
+        book_shape = (levels,) if codebook == "layer" else (n, blocks, levels)
+        return cls(
+            torch.empty(n, packed_row_bytes(k, bits), dtype=torch.uint8, device=device),
+            torch.empty(book_shape, dtype=torch.float16, device=device),
+            torch.empty(n, blocks, dtype=torch.bfloat16, device=device),
+            torch.empty(n, blocks, dtype=torch.bfloat16, device=device) if method == "int-asym" else None,
+            shape, dtype, bits, block_size, method,
+        )
 
     @property
     def packed(self) -> PackedWeight:

@@ -55,6 +55,14 @@ class Source(ABC):
     def is_floating(self, name: str) -> bool:
         """Whether the tensor holds floating-point values (only those can be quantized)."""
 
+    def is_block_quantized(self, name: str) -> bool:
+        """Whether the file stores the tensor in a quantized block type (GGUF's Q4_1, Q8_0, ...)."""
+        return False
+
+    @abstractmethod
+    def nbytes(self) -> int:
+        """Bytes of the weight files on disk."""
+
     def close(self) -> None:
         pass
 
@@ -105,6 +113,9 @@ class SafetensorsSource(Source):
     def names(self):
         return list(self._where)
 
+    def nbytes(self):
+        return sum(f.stat().st_size for f in {f for f, _, _ in self._where.values()})
+
     def shape(self, name):
         return tuple(self._where[name][1]["shape"])
 
@@ -151,7 +162,7 @@ def _read_safetensors_header(f: Path) -> tuple[int, dict]:
 
 class GGUFSource(Source):
     format = "gguf"
-    _DIRECT = ("F64", "F32", "F16")
+    _NATIVE = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
     _INTEGER = ("I8", "I16", "I32", "I64")
 
     def __init__(self, path: Path):
@@ -176,21 +187,27 @@ class GGUFSource(Source):
     def is_floating(self, name):
         return self.stored_type(name) not in self._INTEGER
 
+    def is_block_quantized(self, name):
+        kind = self.stored_type(name)
+        return kind not in self._INTEGER and kind not in self._NATIVE
+
+    def nbytes(self):
+        return self.path.stat().st_size
+
     def get_stored(self, name):
+        """F64/F32/F16/BF16 in that dtype, integers as they are, block types dequantized to float32."""
         import gguf
 
         t = self._tensors[name]
         kind = t.tensor_type.name
-        if kind in self._INTEGER:
-            return torch.from_numpy(np.array(t.data)).reshape(self.shape(name))
-        try:
-            if kind in self._DIRECT:
-                arr = np.asarray(t.data, dtype=np.float32)
-            else:
-                arr = gguf.quants.dequantize(t.data, t.tensor_type)
+        if kind in self._INTEGER or kind in ("F32", "F64", "F16"):
+            return torch.from_numpy(np.array(t.data)).reshape(self.shape(name))  # a writable copy
+        try:  # block types, and BF16 (raw 16-bit words in the file)
+            arr = gguf.quants.dequantize(t.data, t.tensor_type)
         except (NotImplementedError, ValueError, KeyError) as e:
             raise HiltError(f"{self.path}: tensor '{name}' has GGUF type {kind}, which hilt cannot read ({_one_line(e)})") from None
-        return torch.from_numpy(np.array(arr, dtype=np.float32)).reshape(self.shape(name))  # a writable copy
+        out = torch.from_numpy(np.array(arr, dtype=np.float32)).reshape(self.shape(name))
+        return out.to(self._NATIVE.get(kind, torch.float32))
 
 
 def _one_line(e: Exception) -> str:

@@ -55,7 +55,7 @@ def test_quantize_inspect_and_json(tiny_ckpt, tmp_path):
         assert set(t) >= {"name", "bits_per_weight", "rel_error"}
         assert t["bits_per_weight"] == pytest.approx(2.25, abs=0.01) and 0 < t["rel_error"] < 0.6
     header = read_json(dst / "hilt.json")
-    assert header["format"] == "hilt-quantized" and header["format_version"] == 1
+    assert header["format"] == "hilt-quantized" and header["format_version"] == 2
     loaded = load_checkpoint(dst)
     assert torch.equal(loaded["lm_head.weight"], make_checkpoint(tmp_path / "again.safetensors")["lm_head.weight"])
     r = run_hilt("inspect", dst, "--tensors")
@@ -301,7 +301,7 @@ def test_interrupt_then_resume_gives_identical_bytes(tmp_path):
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     deadline = time.time() + 120
-    while not (partial / "model-00002.safetensors").exists() and proc.poll() is None and time.time() < deadline:
+    while not (partial / "shard-00002.safetensors").exists() and proc.poll() is None and time.time() < deadline:
         time.sleep(0.01)
     proc.send_signal(signal.SIGINT)
     out, err = proc.communicate(timeout=60)
