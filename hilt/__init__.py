@@ -44,12 +44,6 @@ class _AfterImport:
         return spec
 
 
-if _HF_REGISTRY in sys.modules:
-    _register_with_transformers()
-elif not any(isinstance(f, _AfterImport) for f in sys.meta_path):
-    sys.meta_path.insert(0, _AfterImport())
-
-
 def __getattr__(name: str):
     # __version__ on first use: importlib.metadata costs more than `hilt --help` itself
     if name == "__version__":
@@ -62,3 +56,9 @@ def __getattr__(name: str):
         globals()["__version__"] = value
         return value
     raise AttributeError(f"module 'hilt' has no attribute {name!r}")
+
+
+if _HF_REGISTRY in sys.modules:
+    _register_with_transformers()
+elif not any(isinstance(f, _AfterImport) for f in sys.meta_path):
+    sys.meta_path.insert(0, _AfterImport())

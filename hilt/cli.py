@@ -134,6 +134,7 @@ WORKLOADS = _Names("hilt.bench.models.classifiers", "WORKLOADS")
 TRAINING_METHODS = _Names("hilt.cim_sim.training", "METHODS")
 NOISE_MODELS = _Names("hilt.cim_sim.training", "NOISE_MODELS")
 WEIGHTINGS = _Names("hilt.cim_sim.training", "WEIGHTINGS")
+DENSE_DTYPES = ("bfloat16", "float16", "float32")
 
 
 def _model_spec(text: str) -> str:
@@ -259,6 +260,8 @@ def _resolve_bits(args, default: int) -> int:
 
 
 def cmd_quantize(args) -> int:
+    import torch
+
     from hilt.quant import QuantConfig, open_source, quantize_checkpoint
     from hilt.quant.checkpoint import PROGRESS, select_targets
     from hilt.quant.quantize import check_quantizable, expected_bits_per_weight
@@ -272,6 +275,7 @@ def cmd_quantize(args) -> int:
     compensate, compensators = _compensation(args, config)
     with open_source(args.src) as source:
         targets = select_targets(source, args.only, args.ignore)
+        source_bytes = source.nbytes()
         if args.dry_run:
             rows = []
             for name in targets:
@@ -317,13 +321,14 @@ def cmd_quantize(args) -> int:
                                      overwrite=args.overwrite, resume=args.resume, importance=args.importance,
                                      shard_bytes=int(args.shard_size * (1 << 20)), compensate=compensate,
                                      formats=plan and plan["formats"], mixed=plan and plan["mixed"],
+                                     dense_dtype=args.dense_dtype and getattr(torch, args.dense_dtype),
                                      on_tensor=on_tensor)
     totals = header["totals"]
     size = sum((Path(args.dst) / s).stat().st_size for s in header["shards"])
     what = "mixed formats under the budget" if plan else f"{config.method}, {config.bits} bits, block {config.block_size}"
     print(f"wrote {args.dst}: {totals['quantized_tensors']} of {totals['tensors']} tensors quantized "
           f"({what}), {totals['bits_per_weight']:.3f} bits/weight on quantized tensors, "
-          f"mean rel. error {totals['rel_error_mean']:.4f}, {size / 1e6:.1f} MB")
+          f"mean rel. error {totals['rel_error_mean']:.4f}; {source_bytes / 1e6:.1f} MB -> {size / 1e6:.1f} MB")
     if plan:
         print(_plan_line(plan["mixed"]))
     if args.json:
@@ -469,6 +474,18 @@ def cmd_report(args) -> int:
 
     summary = report.run(out=args.out, quick=not args.full, log=LOG.info, progress=True)
     _write_json(args, summary)
+    return 0
+
+
+def cmd_convert(args) -> int:
+    import torch
+
+    from hilt.bench.models.hf import gguf_to_hf
+
+    dst = gguf_to_hf(args.src, args.dst, dtype=getattr(torch, args.dtype), overwrite=args.overwrite)
+    size = sum(f.stat().st_size for f in dst.iterdir() if f.is_file())
+    print(f"wrote {dst}: a Hugging Face model folder ({args.dtype}), {size / 1e6:.1f} MB")
+    _write_json(args, {"src": str(args.src), "dst": str(dst), "dtype": args.dtype, "bytes": size})
     return 0
 
 
@@ -812,7 +829,8 @@ def build_parser() -> argparse.ArgumentParser:
     q = _command(sub, "quantize", "quantize a checkpoint (safetensors file or folder, GGUF)",
                  "hilt quantize model.safetensors out-2bit --method kmeans --bits 2", [_OUTPUT, _SEED])
     q.add_argument("src", help="safetensors file, Hugging Face-style folder, or GGUF file")
-    q.add_argument("dst", help="output folder (hilt format: safetensors shards + hilt.json)")
+    q.add_argument("dst", help="output folder: safetensors shards + hilt.json; from a Hugging Face folder also its "
+                               "config (with a quantization_config transformers loads) and tokenizer")
     q.add_argument("--method", choices=QUANT_METHODS, default="kmeans",
                    help="kmeans codebook (default), integer grid (int, int-asym: min/max with an offset), "
                         "or sign x absmean (binary, 1 bit)")
@@ -856,9 +874,20 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("--dry-run", action="store_true", help="list what would be quantized; write nothing")
     q.add_argument("--resume", action="store_true", help="continue an interrupted run (DST.partial)")
     q.add_argument("--overwrite", action="store_true", help="replace an existing DST (only once the new one is complete)")
+    q.add_argument("--dense-dtype", choices=DENSE_DTYPES,
+                   help="dtype of every floating tensor left unquantized (default: as stored; GGUF block types bfloat16)")
     q.add_argument("--shard-size", type=_POSITIVE_NUMBER, default=256, metavar="MB",
                    help="output shard size (default 256 MB; memory holds one shard)")
     q.set_defaults(func=cmd_quantize)
+
+    cv = _command(sub, "convert", "a GGUF model as a Hugging Face model folder (config, weights, tokenizer) that "
+                  "transformers and `hilt quantize` read; needs hilt[hf]", "hilt convert model.gguf model-hf", [_OUTPUT])
+    cv.add_argument("src", help="GGUF file (an architecture transformers reads from GGUF, e.g. llama)")
+    cv.add_argument("dst", help="output folder")
+    cv.add_argument("--dtype", choices=DENSE_DTYPES, default="bfloat16",
+                    help="dtype of the weights (default bfloat16; GGUF block types are dequantized to it)")
+    cv.add_argument("--overwrite", action="store_true")
+    cv.set_defaults(func=cmd_convert)
 
     i = _command(sub, "inspect", "show what is in a quantized checkpoint", "hilt inspect out-2bit --tensors", [_OUTPUT])
     i.add_argument("dst")
@@ -1060,17 +1089,21 @@ def build_parser() -> argparse.ArgumentParser:
     ce.set_defaults(func=cmd_certify)
 
     esub = _group(sub, "eval", "evaluate a model, quantized or not", "metric")
-    pp = _command(esub, "ppl", "perplexity of a Llama-architecture GGUF (SmolLM2-135M by default) on text",
-                  "hilt eval ppl smollm2 --quantized out-2bit --tokens 2048", [_OUTPUT])
-    pp.add_argument("model", nargs="?", default="smollm2", help="'smollm2' (the packaged model) or a GGUF path")
+    pp = _command(esub, "ppl", "perplexity of a causal LM on text: SmolLM2-135M (default), a Llama GGUF, or any "
+                  "Hugging Face folder (through transformers; hilt's quantized folders included)",
+                  "hilt eval ppl smollm2 --quantized out-2bit --tokens 2048\n  hilt eval ppl smol-hf-4bit", [_OUTPUT])
+    pp.add_argument("model", nargs="?", default="smollm2",
+                    help="'smollm2' (the packaged model), a GGUF path, or a Hugging Face causal-LM folder")
     pp.add_argument("--quantized", metavar="DST", help="hilt checkpoint made from MODEL by `hilt quantize`")
     pp.add_argument("--text", metavar="FILE", help="UTF-8 text file (default: Shakespeare's Hamlet)")
     pp.add_argument("--tokens", type=_int(2), default=2048, help="tokens to score (default 2048)")
     pp.add_argument("--context", type=_POSITIVE, default=512, help="window length (default 512)")
     pp.set_defaults(func=cmd_eval_ppl)
-    em = _command(esub, "embed", "cosine similarity of MiniLM sentence embeddings against the fp32 model",
+    em = _command(esub, "embed", "cosine similarity of sentence embeddings (masked mean, normalised) of a quantized "
+                  "encoder against its fp32 model: MiniLM (default) or any Hugging Face encoder folder",
                   "hilt eval embed minilm --quantized minilm-2bit", [_OUTPUT])
-    em.add_argument("model", nargs="?", default="minilm", help="'minilm' (the packaged model) or its folder")
+    em.add_argument("model", nargs="?", default="minilm",
+                    help="'minilm' (the packaged model), its folder, or a Hugging Face encoder folder")
     em.add_argument("--quantized", metavar="DST")
     em.add_argument("--sentences", type=_POSITIVE, default=256, help="sentences from Hamlet to embed (default 256)")
     em.set_defaults(func=cmd_eval_embed)

@@ -1,8 +1,9 @@
-"""Evaluation runs behind `hilt eval`: perplexity (SmolLM2) and embedding similarity (MiniLM).
+"""Evaluation runs behind `hilt eval`: perplexity of a causal LM and embedding similarity of an encoder.
 
-A quantized model is the unquantized model with the tensors of a hilt
-checkpoint (from `hilt quantize` of the same model) loaded over it: the
-quantized linear layers run as QuantLinear, everything else as stored.
+Built-in models (SmolLM2 from its GGUF, MiniLM) run hilt's own forward: the quantized model is the
+unquantized one with the tensors of a hilt checkpoint loaded over it (QuantLinear for the quantized
+layers). Any Hugging Face model folder runs through transformers; a folder `hilt quantize` made from
+one loads with its packed weights (hilt.quant.hf_quantizer).
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from pathlib import Path
 
 from hilt.errors import HiltError
 from hilt.quant import load_quantized_, read_header
+from hilt.quant.hf_folder import is_hf_folder
 
 
 def _resolve(model: str, default_name: str, default_path) -> Path:
@@ -19,7 +21,9 @@ def _resolve(model: str, default_name: str, default_path) -> Path:
 
 
 def perplexity_run(model="smollm2", quantized=None, text=None, tokens=2048, context=512, progress=False) -> dict:
-    """Perplexity of a Llama-architecture GGUF on ``tokens`` tokens of ``text`` (a file; default Hamlet)."""
+    """Perplexity of a causal LM on ``tokens`` tokens of ``text`` (a file; default Hamlet). ``model``:
+    smollm2, a Llama GGUF (``quantized``: a hilt checkpoint of it), or a Hugging Face causal-LM folder,
+    quantized by hilt or not (``quantized``: a hilt folder made from it, run instead)."""
     from hilt.bench.models import llama
     from hilt.bench.data.text import shakespeare_text
 
@@ -33,17 +37,24 @@ def perplexity_run(model="smollm2", quantized=None, text=None, tokens=2048, cont
             raise HiltError(f"{text}: cannot read text ({e})") from None
     if tokens < 2:
         raise HiltError(f"--tokens must be at least 2, got {tokens}")
-    net, tokenizer = llama.load_llama(path)
-    if quantized is not None:
-        load_quantized_(net, quantized, strict=False)
-    ids = tokenizer.encode(body)[:tokens]
+    if path.is_dir():
+        from hilt.bench.models import hf
+
+        net, tokenizer = hf.load_causal_lm(quantized or path)
+        forward, encode = (lambda ids: net(ids).logits), (lambda t: tokenizer(t, add_special_tokens=False)["input_ids"])
+    else:
+        net, tokenizer = llama.load_llama(path)
+        if quantized is not None:
+            load_quantized_(net, quantized, strict=False)
+        forward, encode = net, tokenizer.encode
+    ids = encode(body)[:tokens]
     if len(ids) < tokens:
         raise HiltError(f"{text_name}: only {len(ids)} tokens, asked for {tokens}")
     start = time.perf_counter()
-    ppl = llama.perplexity(net, ids, context=context, progress=progress)
+    ppl = llama.perplexity(forward, ids, context=context, progress=progress)
     return {
         "model": str(path), "quantized": None if quantized is None else str(quantized),
-        "bits_per_weight": _bits(quantized), "text": text_name, "tokens": len(ids), "context": context,
+        "bits_per_weight": _bits(quantized or path), "text": text_name, "tokens": len(ids), "context": context,
         "perplexity": ppl, "seconds": round(time.perf_counter() - start, 2),
     }
 
@@ -57,6 +68,16 @@ def embedding_run(model="minilm", quantized=None, sentences=256) -> dict:
 
     path = _resolve(model, "minilm", bert.minilm_path)
     batch = real_sentences(sentences)
+    if quantized is not None and is_hf_folder(quantized) and _is_hf_model(path):
+        from hilt.bench.models import hf
+
+        ref = hf.embed(*hf.load_encoder(path), batch)
+        other = hf.embed(*hf.load_encoder(quantized), batch)
+        cos = torch.nn.functional.cosine_similarity(ref.double(), other.double(), dim=-1)
+        return {
+            "model": str(path), "quantized": str(quantized), "bits_per_weight": _bits(quantized),
+            "sentences": len(batch), "cosine_similarity": float(cos.mean()), "cosine_similarity_min": float(cos.min()),
+        }
     ref_model, tokenizer = bert.load_minilm(path)
     ref = bert.embed(ref_model, tokenizer, batch)
     other = ref
@@ -71,5 +92,15 @@ def embedding_run(model="minilm", quantized=None, sentences=256) -> dict:
     }
 
 
-def _bits(quantized) -> float | None:
-    return None if quantized is None else read_header(quantized)["totals"]["bits_per_weight"]
+def _is_hf_model(path: Path) -> bool:
+    """A Hugging Face folder hilt's own BERT cannot run (it runs MiniLM's: model_type bert)."""
+    from hilt.quant.hf_folder import read_config
+
+    return is_hf_folder(path) and read_config(path).get("model_type") != "bert"
+
+
+def _bits(checkpoint) -> float | None:
+    """Bits per quantized weight of a hilt checkpoint; None for anything else."""
+    if checkpoint is None or not (Path(checkpoint) / "hilt.json").exists():
+        return None
+    return read_header(checkpoint)["totals"]["bits_per_weight"]

@@ -1,0 +1,138 @@
+"""Hugging Face model folders: a GGUF made into one, and any one run through transformers.
+
+transformers (the ``hf`` extra) is imported inside the functions. A folder ``hilt quantize`` wrote
+from a Hugging Face folder loads like any other once ``hilt`` is imported (hilt.quant.hf_quantizer).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+import torch
+
+from hilt.errors import HiltError
+from hilt.quant.hf_folder import CONFIG, is_hf_folder, read_config
+
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+def require_transformers():
+    try:
+        import transformers
+    except ImportError:
+        raise HiltError("this needs transformers: pip install 'hilt[hf]'") from None
+    return transformers
+
+
+def gguf_to_hf(src, dst, dtype: torch.dtype = torch.bfloat16, overwrite: bool = False) -> Path:
+    """Write the model of a GGUF file as a Hugging Face folder of its architecture: config, weights in
+    ``dtype`` (transformers' own GGUF reader maps the names and undoes llama.cpp's row order), generation
+    settings and chat template; the tokenizer is rebuilt from the GGUF's vocabulary as llama.cpp splits
+    text (digits one by one), which transformers' GGUF tokenizer does not. Written under ``DST.partial``
+    and renamed when complete."""
+    import gguf
+
+    from hilt.bench.models.llama import GGUFTokenizer
+
+    src, dst = Path(src), Path(dst)
+    if not src.is_file():
+        raise HiltError(f"{src}: no such GGUF file")
+    try:
+        reader = gguf.GGUFReader(str(src))
+    except Exception as e:  # gguf raises ValueError/struct errors on a bad file
+        raise HiltError(f"{src}: not a readable GGUF file ({' '.join(str(e).split())})") from None
+    field = reader.fields.get("general.architecture")
+    arch = field.contents() if field is not None else None
+    transformers = require_transformers()
+    from transformers.modeling_gguf_pytorch_utils import GGUF_SUPPORTED_ARCHITECTURES
+
+    if arch not in GGUF_SUPPORTED_ARCHITECTURES:
+        raise HiltError(f"{src}: architecture {arch!r} has no Hugging Face conversion here (supported: "
+                        f"{', '.join(sorted(GGUF_SUPPORTED_ARCHITECTURES))})")
+    if dst.exists() and not (overwrite and is_hf_folder(dst)):
+        raise HiltError(f"{dst}: already exists" + ("; pass --overwrite to replace it" if not overwrite else
+                                                     " and is not a model folder; refusing to replace it"))
+    partial = dst.with_name(dst.name + ".partial")
+    shutil.rmtree(partial, ignore_errors=True)
+    try:
+        model = transformers.AutoModelForCausalLM.from_pretrained(
+            str(src.parent), gguf_file=src.name, dtype=dtype,
+            quantization_config=transformers.GgufConfig(dequantize=True))
+        model.save_pretrained(partial)
+        del model
+        tokenizer = transformers.AutoTokenizer.from_pretrained(str(src.parent), gguf_file=src.name)
+        tokenizer.save_pretrained(partial)  # tokenizer_config, special tokens, chat template
+        GGUFTokenizer.from_gguf(src, reader).tk.save(str(partial / "tokenizer.json"))
+        umask = os.umask(0)
+        os.umask(umask)
+        for f in partial.iterdir():  # safetensors writes owner-only files
+            f.chmod(0o666 & ~umask)
+    except HiltError:
+        shutil.rmtree(partial, ignore_errors=True)
+        raise
+    except Exception as e:
+        shutil.rmtree(partial, ignore_errors=True)
+        raise HiltError(f"{src}: transformers could not convert it ({' '.join(str(e).split())[:300]})") from None
+    if dst.exists():
+        shutil.rmtree(dst)
+    os.replace(partial, dst)
+    return dst
+
+
+def _load(folder, auto_class: str, dtype=torch.float32):
+    """A model folder through transformers' ``auto_class``, in eval mode; errors in one line."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        raise HiltError(f"{folder}: not a model folder")
+    if not is_hf_folder(folder):
+        raise HiltError(f"{folder}: no {CONFIG}; a Hugging Face model folder is needed here")
+    config = read_config(folder)
+    transformers = require_transformers()
+    import hilt  # noqa: F401  (registers hilt's quantizer with transformers)
+
+    try:
+        model = getattr(transformers, auto_class).from_pretrained(str(folder), dtype=dtype)
+    except HiltError:
+        raise
+    except (ValueError, KeyError, OSError, RuntimeError) as e:
+        kind = config.get("model_type", "unknown")
+        raise HiltError(f"{folder}: transformers cannot load it as {auto_class} (model_type {kind!r}: "
+                        f"{' '.join(str(e).split())[:300]})") from None
+    return model.eval()
+
+
+def load_causal_lm(folder, dtype=torch.float32):
+    """(model, tokenizer) of a causal-LM folder, quantized by hilt or not."""
+    model = _load(folder, "AutoModelForCausalLM", dtype)
+    return model, _tokenizer(folder)
+
+
+def load_encoder(folder, dtype=torch.float32):
+    """(model, tokenizer) of an encoder folder (last hidden states), quantized by hilt or not."""
+    model = _load(folder, "AutoModel", dtype)
+    return model, _tokenizer(folder)
+
+
+def _tokenizer(folder):
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(str(folder))
+    except (ValueError, OSError, KeyError) as e:
+        raise HiltError(f"{folder}: no usable tokenizer ({' '.join(str(e).split())[:200]})") from None
+
+
+def embed(model, tokenizer, sentences: list[str], batch_size: int = 32, max_length: int = 256) -> torch.Tensor:
+    """Sentence embeddings as sentence-transformers makes them for mean-pooling models: the attention-masked
+    mean of the last hidden states, L2-normalised. float32 (n, hidden)."""
+    out = []
+    with torch.inference_mode():
+        for i in range(0, len(sentences), batch_size):
+            enc = tokenizer(sentences[i:i + batch_size], padding=True, truncation=True, max_length=max_length,
+                            return_tensors="pt")
+            hidden = model(**enc).last_hidden_state.float()
+            mask = enc["attention_mask"].unsqueeze(-1).float()
+            out.append(torch.nn.functional.normalize((hidden * mask).sum(1) / mask.sum(1), dim=-1))
+    return torch.cat(out)
