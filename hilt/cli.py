@@ -263,7 +263,7 @@ def cmd_quantize(args) -> int:
     import torch
 
     from hilt.quant import QuantConfig, open_source, quantize_checkpoint
-    from hilt.quant.checkpoint import PROGRESS, select_targets
+    from hilt.quant.checkpoint import PROGRESS, embedding_config, embedding_tables, select_targets
     from hilt.quant.quantize import check_quantizable, expected_bits_per_weight
 
     if args.asymmetric and args.method not in ("int", "int-asym"):
@@ -275,21 +275,25 @@ def cmd_quantize(args) -> int:
     compensate, compensators = _compensation(args, config)
     with open_source(args.src) as source:
         targets = select_targets(source, args.only, args.ignore)
+        tables = {}
+        if args.embeddings is not None:
+            tables = {n: embedding_config(args.embeddings, source.shape(n)) for n in embedding_tables(source, args.ignore)}
+        targets += [n for n in tables if n not in targets]
         source_bytes = source.nbytes()
         if args.dry_run:
             rows = []
             for name in targets:
-                cfg = plan["formats"][name] if plan else config
+                cfg = tables.get(name) or (plan["formats"][name] if plan else config)
                 check_quantizable(name, source.shape(name), cfg)
                 rows.append({"name": name, "shape": list(source.shape(name)),
                              "bits_per_weight": round(expected_bits_per_weight(source.shape(name), cfg), 4)})
-                if plan:
-                    rows[-1].update(format=plan["rows"][len(rows) - 1]["format"],
-                                    predicted=plan["rows"][len(rows) - 1]["predicted"])
+                chosen = plan and next((r for r in plan["rows"] if r["name"] == name), None)
+                if chosen:
+                    rows[-1].update(format=chosen["format"], predicted=chosen["predicted"])
             kept = len(source.names()) - len(targets)
     if args.dry_run:
         for r in rows:
-            fmt = f"  {r['format']:<11} predicted {r['predicted']:.3g}" if plan else ""
+            fmt = f"  {r['format']:<11} predicted {r['predicted']:.3g}" if "format" in r else ""
             print(f"would quantize {r['name']:<48} {str(tuple(r['shape'])):>14}  {r['bits_per_weight']:.3f} "
                   f"bits/weight{fmt}")
         if plan:
@@ -321,6 +325,7 @@ def cmd_quantize(args) -> int:
                                      overwrite=args.overwrite, resume=args.resume, importance=args.importance,
                                      shard_bytes=int(args.shard_size * (1 << 20)), compensate=compensate,
                                      formats=plan and plan["formats"], mixed=plan and plan["mixed"],
+                                     embeddings=args.embeddings,
                                      dense_dtype=args.dense_dtype and getattr(torch, args.dense_dtype),
                                      on_tensor=on_tensor)
     totals = header["totals"]
@@ -623,10 +628,13 @@ def cmd_export_onnx(args) -> int:
     if (src / "hilt.json").is_file():
         if args.cim_preset:
             raise HiltError(f"{src} is a quantized checkpoint; --cim-preset applies to workload checkpoints")
-        result = export.export_quantized(src, args.out, overwrite=args.overwrite, log=LOG.info)
+        result = export.export_quantized(src, args.out, overwrite=args.overwrite, packed_ops=not args.standard_ops,
+                                         log=LOG.info)
     elif src.suffix == ".safetensors" and src.is_file():
         from hilt.bench.tasks.train import load_workload
 
+        if args.standard_ops:
+            raise HiltError(f"{src} is a workload checkpoint; --standard-ops applies to quantized checkpoints")
         _, meta = load_workload(src)
         result = export.export_cim(meta["workload"], src, args.out, args.cim_preset or "pcm", args.time,
                                    seed=args.seed, gdc=args.gdc, overwrite=args.overwrite, log=LOG.info)
@@ -791,6 +799,22 @@ def cmd_bench_mixed(args) -> int:
     return 0
 
 
+def cmd_bench_decode(args) -> int:
+    from hilt.bench.perf import decode_speed
+
+    r = decode_speed.run(quick=args.quick, work=args.work, threads=args.threads, log=LOG.info)
+    print(r["table"])
+    if args.out:
+        from hilt.quant.checkpoint import write_json
+
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        write_json(out / "decode.json", r)
+        (out / "decode.md").write_text(r["table"] + "\n")
+    _write_json(args, r)
+    return 0
+
+
 def cmd_bench_quantize(args) -> int:
     from hilt.bench.perf import quantize_speed
 
@@ -874,6 +898,9 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("--dry-run", action="store_true", help="list what would be quantized; write nothing")
     q.add_argument("--resume", action="store_true", help="continue an interrupted run (DST.partial)")
     q.add_argument("--overwrite", action="store_true", help="replace an existing DST (only once the new one is complete)")
+    q.add_argument("--embeddings", type=_int(2, 8), metavar="BITS",
+                   help="also quantize embedding tables and output heads (tied ones once): symmetric integers, one "
+                        "scale per row (8 is the usual choice)")
     q.add_argument("--dense-dtype", choices=DENSE_DTYPES,
                    help="dtype of every floating tensor left unquantized (default: as stored; GGUF block types bfloat16)")
     q.add_argument("--shard-size", type=_POSITIVE_NUMBER, default=256, metavar="MB",
@@ -973,6 +1000,9 @@ def build_parser() -> argparse.ArgumentParser:
     xo.add_argument("--cim-preset", choices=CIM_PRESETS, help="workload checkpoints: the CIM preset (default pcm)")
     xo.add_argument("--time", default="1y", help="workload checkpoints: time after programming (default 1y)")
     xo.add_argument("--gdc", default="global", choices=DRIFT_COMPENSATION, help="drift compensation (default global)")
+    xo.add_argument("--standard-ops", action="store_true",
+                    help="quantized checkpoints: standard operators only (any ONNX runtime): integer weights are "
+                         "rebuilt by a subgraph like k-means, instead of ONNX Runtime's MatMulNBits (packed in the session)")
     xo.add_argument("--overwrite", action="store_true")
     xo.set_defaults(func=cmd_export_onnx)
 
@@ -1204,6 +1234,15 @@ def build_parser() -> argparse.ArgumentParser:
                       help="cim: the CNN on a PCM chip a year after programming, layer by layer, and which "
                            "layers to keep digital (default: all; --quick: minilm cnn cim)")
     bsen.set_defaults(func=cmd_bench_sensitivity)
+
+    bdec = _command(bsub, "decode", "CPU decode of SmolLM2 through transformers' from_pretrained: hilt's int4 and "
+                    "k-means 4-bit folders against the dense bf16 model and transformers' own GGUF loading, tokens/s "
+                    "and load memory (needs hilt[hf])", "hilt bench decode --out bench/results", [_OUTPUT])
+    bdec.add_argument("--quick", action="store_true", help="16 new tokens, 2 repeats (default 64, 3)")
+    bdec.add_argument("--threads", type=_POSITIVE, default=2, help="torch threads (default 2)")
+    bdec.add_argument("--work", metavar="DIR", help="where the converted and quantized folders go while it runs")
+    bdec.add_argument("--out", metavar="DIR", help="write decode.json and decode.md there")
+    bdec.set_defaults(func=cmd_bench_decode)
 
     bmix = _command(bsub, "mixed", "mixed precision under a bits budget: uniform, llama.cpp's rule, HAWQ and TPV "
                     "allocations at 2.5/3/3.5/4.25 bits/weight on SmolLM2 and MiniLM",

@@ -33,7 +33,8 @@ call and cached on disk per GPU target (see kernels.triton_util); ``config=`` fi
 one. The weights are read in their on-disk layout (no repacking).
 
 Dispatch: :func:`lut_matmul` runs CUDA tensors through Triton and CPU tensors
-through the reference. On the CPU the Triton code itself runs under
+through the reference, except bfloat16 inputs to symmetric 4-bit (and row-wise 8-bit) integer
+weights, which take PyTorch's fused CPU integer kernels (kernels.int_cpu). On the CPU the Triton code itself runs under
 Triton's interpreter (``kernels.backends.triton_kernels("lut_matmul_triton",
 interpret=True).lut_matmul_triton``): that is how the tests check it.
 """
@@ -177,11 +178,17 @@ def uses_byte_table(w: PackedWeight) -> bool:
     return w.bits in (1, 2, 4) and not w.per_block_codebook and w.block_size in (8, 16, 32, 64)
 
 
-def lut_matmul(x, w: PackedWeight, bias=None, path=None, table=None):
+def lut_matmul(x, w: PackedWeight, bias=None, path=None, table=None, cpu_pack=None):
     """Public entry: CUDA tensors -> Triton kernel (``path`` overrides the choice; ``table``: the
-    codebook's :func:`byte_table` if the caller keeps one), CPU -> reference."""
+    codebook's :func:`byte_table` if the caller keeps one). CPU: bfloat16 x with ``cpu_pack`` (the
+    weight's kernels.int_cpu.prepack, for symmetric int4 and row-wise int8) -> PyTorch's fused
+    integer kernels; otherwise the reference."""
     if x.is_cuda:
         from hilt.kernels.backends import triton_kernels
 
         return triton_kernels("lut_matmul_triton").lut_matmul_triton(x, w, bias, path, table=table)
+    if cpu_pack is not None and x.dtype == torch.bfloat16:
+        from hilt.kernels.int_cpu import int_matmul
+
+        return int_matmul(x, w, cpu_pack, bias)
     return lut_matmul_reference(x, w, bias)

@@ -92,6 +92,18 @@ def select_targets(source: Source, only: str | None = None, ignore: str | None =
     return chosen
 
 
+def embedding_tables(source: Source, ignore: str | None = None) -> list[str]:
+    """The embeddings and output heads (2-D floating ``*.weight`` tensors KEEP_DENSE names), in file order."""
+    ignore_re = re.compile(ignore) if ignore else None
+    return [n for n in source.names() if n.endswith("weight") and KEEP_DENSE.search(n) and len(source.shape(n)) == 2
+            and source.is_floating(n) and not (ignore_re is not None and ignore_re.search(n))]
+
+
+def embedding_config(bits: int, shape) -> QuantConfig:
+    """The format of an embedding table under --embeddings BITS: symmetric integers, one scale per row."""
+    return QuantConfig(method="int", bits=bits, block_size=int(shape[1]))
+
+
 def _check_destination(dst: Path, overwrite: bool, resume: bool) -> Path:
     partial = dst.with_name(dst.name + ".partial")
     parent = dst.parent if str(dst.parent) else Path(".")
@@ -171,6 +183,7 @@ def quantize_checkpoint(
     compensate: Callable[[list[str]], "Compensator"] | None = None,
     formats: dict[str, QuantConfig] | None = None,
     mixed: dict | None = None,
+    embeddings: int | None = None,
     dense_dtype: torch.dtype | None = None,
     on_tensor: Callable[[dict], None] | None = None,
     progress: bool = False,
@@ -186,7 +199,8 @@ def quantize_checkpoint(
     quantized with error compensation, the others rounded as without it. ``formats``: a format per
     tensor name (mixed precision, from hilt.quant.allocate) replacing ``config`` for the tensors it
     names; ``mixed`` (how they were chosen) is recorded in the header under ``"mixed"``.
-    ``dense_dtype``: the dtype of every floating tensor left unquantized; by default each keeps the
+    ``embeddings``: also quantize the embeddings and output heads, to symmetric integers of that many
+    bits with one scale per row. ``dense_dtype``: the dtype of every floating tensor left unquantized; by default each keeps the
     dtype it is stored in, and a GGUF block type (already quantized) becomes bfloat16.
 
     From a Hugging Face model folder (with a config.json) the output is one too: its config with a
@@ -221,12 +235,20 @@ def quantize_checkpoint(
         unknown = sorted(set(formats) - targets)
         if unknown:
             raise HiltError(f"{src}: a format is given for '{unknown[0]}', which is not among the tensors to quantize")
+        per_tensor = dict(formats)
+        if embeddings is not None:
+            tables = embedding_tables(source, ignore)
+            if not tables:
+                raise HiltError(f"{src}: --embeddings: no embedding table or output head found")
+            per_tensor.update({n: embedding_config(embeddings, source.shape(n)) for n in tables})
+            targets |= set(tables)
         for name in source.names():
             if name in targets:
-                check_quantizable(name, source.shape(name), formats.get(name, config))
+                check_quantizable(name, source.shape(name), per_tensor.get(name, config))
         if weights and not targets & set(weights):
             raise HiltError(f"{importance}: lists none of the tensors to quantize (made for another model?)")
-        compensator = None if compensate is None else compensate([n for n in source.names() if n in targets])
+        compensator = None if compensate is None else compensate([n for n in source.names()
+                                                                   if n in targets and n not in per_tensor])
         settings = {
             "config": asdict(config),
             "source": {"path": str(src), "format": source.format},
@@ -236,6 +258,7 @@ def quantize_checkpoint(
             "compensation": None if compensator is None else compensator.settings,
             "shard_bytes": shard_bytes,
             "dense_dtype": None if dense_dtype is None else str(dense_dtype).removeprefix("torch."),
+            "embeddings": embeddings,
         }
         if formats:  # only mixed checkpoints carry the key, so uniform headers stay as they were
             settings["mixed"] = {**(mixed or {}), "formats": {n: asdict(c) for n, c in sorted(formats.items())}}
@@ -244,7 +267,7 @@ def quantize_checkpoint(
         except OSError as e:
             raise HiltError(f"{dst}: cannot write there ({e.strerror})") from None
         try:
-            _stream(source, targets, weights, codebooks or {}, compensator, config, formats, dense_dtype, partial,
+            _stream(source, targets, weights, codebooks or {}, compensator, config, per_tensor, dense_dtype, partial,
                     state, shard_bytes, on_tensor, progress)
             _name_shards(partial, state)
             header = {

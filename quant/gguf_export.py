@@ -127,8 +127,12 @@ def export_gguf(dst, out, overwrite: bool = False) -> dict:
                 blocks, kind = gguf_blocks(value, name)
                 writer.add_tensor(name, blocks, raw_dtype=kind)
                 counts[kind.name] = counts.get(kind.name, 0) + 1
-            else:  # bf16 goes as F32, which holds it exactly
-                arr = (value.float() if value.dtype == torch.bfloat16 else value).contiguous().numpy()
+            elif value.dtype == torch.bfloat16:  # numpy has no bfloat16: its bytes, typed BF16
+                writer.add_tensor(name, value.contiguous().view(torch.uint8).numpy(),
+                                  raw_dtype=gguf.GGMLQuantizationType.BF16)
+                counts["BF16"] = counts.get("BF16", 0) + 1
+            else:
+                arr = value.contiguous().numpy()
                 writer.add_tensor(name, arr)
                 kind = {np.dtype(np.float32): "F32", np.dtype(np.float16): "F16"}.get(arr.dtype, str(arr.dtype))
                 counts[kind] = counts.get(kind, 0) + 1

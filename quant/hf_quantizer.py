@@ -53,11 +53,13 @@ class HiltHfQuantizer(HfQuantizer):
     quantization_config: HiltQuantizationConfig
 
     def _process_model_before_weight_loading(self, model, **kwargs):
-        from hilt.quant.nn import QuantLinear, replace_module
-        from hilt.quant.qweight import QuantizedWeight
         from torch import nn
 
+        from hilt.quant.nn import QuantEmbedding, QuantLinear, TiedHead, replace_module
+        from hilt.quant.qweight import QuantizedWeight
+
         prefix = getattr(model, "base_model_prefix", "")
+        replaced = {}
         for path, fmt in self.quantization_config.modules.items():
             # The folder may hold a base model's keys loaded into a model with a head (bert.encoder...), or the reverse
             found = [p for p in (path, f"{prefix}.{path}", path.removeprefix(f"{prefix}.")) if p]
@@ -65,13 +67,24 @@ class HiltHfQuantizer(HfQuantizer):
             if target is None:
                 raise HiltError(f"quantization_config names module '{path}', which {type(model).__name__} does not have")
             module = model.get_submodule(target)
-            if not isinstance(module, nn.Linear):
+            if not isinstance(module, (nn.Linear, nn.Embedding)):
                 raise HiltError(f"quantization_config names module '{path}', a {type(module).__name__} in "
-                                f"{type(model).__name__}, not an nn.Linear")
-            q = QuantizedWeight.empty((module.out_features, module.in_features), fmt["method"], fmt["bits"],
-                                      fmt["block_size"], fmt["codebook"], dtype=module.weight.dtype,
-                                      device=module.weight.device)
-            replace_module(model, target, QuantLinear(q, module.bias))
+                                f"{type(model).__name__}, not an nn.Linear or nn.Embedding")
+            q = QuantizedWeight.empty(tuple(module.weight.shape), fmt["method"], fmt["bits"], fmt["block_size"],
+                                      fmt["codebook"], dtype=module.weight.dtype, device=module.weight.device)
+            new = (QuantLinear(q, module.bias) if isinstance(module, nn.Linear)
+                   else QuantEmbedding(q, dtype=module.weight.dtype))
+            replace_module(model, target, new)
+            replaced[target] = new
+        # An output head tied to a quantized embedding (tie_word_embeddings) reads the embedding's buffers
+        # (TiedHead); transformers, which ties parameters by name, is told the tie is done.
+        tied = getattr(model, "all_tied_weights_keys", None) or {}
+        for head, table in list(tied.items()):
+            source = replaced.get(table.removesuffix(".weight"))
+            if isinstance(source, QuantEmbedding) and head.endswith(".weight"):
+                path = head.removesuffix(".weight")
+                replace_module(model, path, TiedHead(source, getattr(model.get_submodule(path), "bias", None)))
+                del tied[head]
         return model
 
     def is_serializable(self):

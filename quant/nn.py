@@ -12,28 +12,28 @@ import torch
 from torch import nn
 
 from hilt.errors import HiltError
-from hilt.kernels import byte_table, lut_matmul, uses_byte_table
+from hilt.kernels import byte_table, dequantize_lut, int_cpu, lut_matmul, uses_byte_table
 from hilt.kernels.lut_matmul import PackedWeight
 from hilt.quant.checkpoint import KEEP_DENSE, load_checkpoint
 from hilt.quant.quantize import QuantConfig, quantize_tensor
 from hilt.quant.qweight import QuantizedWeight
 
 
-class QuantLinear(nn.Module):
-    """A Linear whose weight is a QuantizedWeight; runs through ``kernels.lut_matmul``."""
+class _Packed(nn.Module):
+    """A weight kept as a QuantizedWeight's parts (buffers, so that .to(device) and state_dict carry
+    them), with what the kernels keep between calls."""
 
-    def __init__(self, qweight: QuantizedWeight, bias: torch.Tensor | None = None):
+    def __init__(self, qweight: QuantizedWeight):
         super().__init__()
         self.out_features, self.in_features = qweight.shape
         self.bits, self.block_size, self.method = qweight.bits, qweight.block_size, qweight.method
         self.weight_dtype = qweight.dtype
-        # buffers so that .to(device) and state_dict carry the packed weight
         self.register_buffer("codes", qweight.codes)
         self.register_buffer("codebook", qweight.codebook)
         self.register_buffer("scales", qweight.scales)
         self.register_buffer("offsets", qweight.offsets)
-        self.bias = None if bias is None else nn.Parameter(bias.detach().clone(), requires_grad=False)
         self._table, self._table_source, self._table_version = None, None, None
+        self._cpu_pack, self._cpu_pack_source = None, None
 
     @property
     def qweight(self) -> QuantizedWeight:
@@ -48,9 +48,9 @@ class QuantLinear(nn.Module):
         return PackedWeight(self.codes, self.codebook, self.scales, self.offsets, self.bits, self.block_size,
                             self.in_features)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def _matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         w = self.packed
-        return lut_matmul(x, w, self.bias, table=self._byte_table(x, w))
+        return lut_matmul(x, w, bias, table=self._byte_table(x, w), cpu_pack=self._int_pack(x, w))
 
     def _byte_table(self, x: torch.Tensor, w: PackedWeight) -> torch.Tensor | None:
         """The codebook's byte table for the kernel's one-row path, kept between calls (decode
@@ -64,9 +64,67 @@ class QuantLinear(nn.Module):
             self._table, self._table_source, self._table_version = byte_table(book, w.bits), book, version
         return self._table
 
+    def _int_pack(self, x: torch.Tensor, w: PackedWeight):
+        """The CPU integer kernels' copy of the weight (kernels.int_cpu), for bfloat16 inputs to symmetric
+        int4 and row-wise int8 weights: made at the first such call, remade when the codes, scales or
+        codebook are other tensors or were changed in place; None where no such kernel applies."""
+        if x.is_cuda or x.dtype != torch.bfloat16 or self.method != "int" or self.bits not in (4, 8):
+            return None
+        source = [(t, None if torch.is_inference(t) else t._version) for t in (w.codes, w.scales, w.codebook)]
+        kept = self._cpu_pack_source
+        if kept is None or any(a is not b or va != vb for (a, va), (b, vb) in zip(source, kept)):
+            self._cpu_pack = int_cpu.prepack(w) if int_cpu.supports(w) else None
+            self._cpu_pack_source = source
+        return self._cpu_pack
+
+    def _format_repr(self) -> str:
+        return f"method={self.method}, bits={self.bits}, block_size={self.block_size}"
+
+
+class QuantLinear(_Packed):
+    """A Linear whose weight is a QuantizedWeight; runs through ``kernels.lut_matmul``."""
+
+    def __init__(self, qweight: QuantizedWeight, bias: torch.Tensor | None = None):
+        super().__init__(qweight)
+        self.bias = None if bias is None else nn.Parameter(bias.detach().clone(), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self._matmul(x, self.bias)
+
     def extra_repr(self) -> str:
-        return (f"in_features={self.in_features}, out_features={self.out_features}, method={self.method}, "
-                f"bits={self.bits}, block_size={self.block_size}, bias={self.bias is not None}")
+        return (f"in_features={self.in_features}, out_features={self.out_features}, {self._format_repr()}, "
+                f"bias={self.bias is not None}")
+
+
+class QuantEmbedding(_Packed):
+    """An Embedding whose table is a QuantizedWeight (rows: tokens): a lookup dequantizes only the rows
+    it reads, in ``dtype`` (the model's). :meth:`linear` is the tied output head, logits = x @ table.T."""
+
+    def __init__(self, qweight: QuantizedWeight, dtype: torch.dtype = torch.float32):
+        super().__init__(qweight)
+        self.dtype = dtype
+
+    @property
+    def num_embeddings(self) -> int:
+        return self.out_features
+
+    @property
+    def embedding_dim(self) -> int:
+        return self.in_features
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        rows = ids.reshape(-1)
+        w = self.packed
+        book = w.codebook[rows] if w.per_block_codebook else w.codebook
+        offsets = None if w.offsets is None else w.offsets[rows]
+        picked = PackedWeight(w.codes[rows], book, w.scales[rows], offsets, w.bits, w.block_size, w.in_features)
+        return dequantize_lut(picked).to(self.dtype).reshape(*ids.shape, self.in_features)
+
+    def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        return self._matmul(x, bias)
+
+    def extra_repr(self) -> str:
+        return f"{self.num_embeddings}, {self.embedding_dim}, {self._format_repr()}"
 
 
 def replace_module(model: nn.Module, path: str, new: nn.Module) -> None:
@@ -111,32 +169,70 @@ def quantize_model_(model: nn.Module, config: QuantConfig, filter_fn=None) -> nn
     return model
 
 
+class TiedHead(nn.Module):
+    """An output head tied to a quantized embedding: logits = x @ table.T (+ bias), read from the
+    table's buffers at each call. It holds no buffers of its own, so nothing is stored twice and
+    moving or loading the table is all it needs; the table is not one of its submodules (the model
+    holds it once, where it is)."""
+
+    def __init__(self, table: QuantEmbedding, bias: torch.Tensor | None = None):
+        super().__init__()
+        self.__dict__["table"] = table
+        self.bias = None if bias is None else nn.Parameter(bias.detach().clone(), requires_grad=False)
+
+    @property
+    def in_features(self) -> int:
+        return self.table.in_features
+
+    @property
+    def out_features(self) -> int:
+        return self.table.out_features
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.table.linear(x, self.bias)
+
+    def extra_repr(self) -> str:
+        return f"tied to a quantized embedding {self.out_features} x {self.in_features}"
+
+
 def load_quantized_(model: nn.Module, dst, strict: bool = True) -> nn.Module:
     """Load a hilt checkpoint into ``model`` whose parameter names match its tensor names.
 
-    Linear layers whose weight was quantized become QuantLinear; every other
-    tensor is copied into the matching parameter or buffer. With ``strict``,
-    a checkpoint tensor with no home in the model is an error naming it;
-    without, such tensors (e.g. a pooler the model does not use) are skipped.
+    Linear layers whose weight was quantized become QuantLinear, embeddings QuantEmbedding (and a
+    Linear head sharing the embedding's weight, a tied head, a QuantLinear on the same buffers);
+    every other tensor is copied into the matching parameter or buffer. With ``strict``, a
+    checkpoint tensor with no home in the model is an error naming it; without, such tensors
+    (e.g. a pooler the model does not use) are skipped.
     """
     tensors = load_checkpoint(dst)
     modules = dict(model.named_modules())
     own = model.state_dict()
     if not any(n in own for n in tensors):
         raise HiltError(f"{dst}: no tensor name matches the model (was it quantized from another model?)")
+    heads: dict[int, list[str]] = {}  # a weight's id -> the Linear modules that hold it (tied heads)
+    for path, module in modules.items():
+        if isinstance(module, nn.Linear):
+            heads.setdefault(id(module.weight), []).append(path)
     dense = {}
     for name, value in tensors.items():
         if isinstance(value, QuantizedWeight):
             path = re.sub(r"\.weight$", "", name)
             module = modules.get(path)
-            if not isinstance(module, nn.Linear):
+            if not isinstance(module, (nn.Linear, nn.Embedding)):
                 if strict or name in own:
-                    raise HiltError(f"{dst}: quantized tensor '{name}' has no matching nn.Linear in the model")
+                    raise HiltError(f"{dst}: quantized tensor '{name}' has no matching nn.Linear or nn.Embedding "
+                                    "in the model")
                 continue
-            if (module.out_features, module.in_features) != value.shape:
+            if tuple(module.weight.shape) != value.shape:
                 raise HiltError(f"{dst}: tensor '{name}' has shape {value.shape}, layer '{path}' expects "
-                                f"{(module.out_features, module.in_features)}")
-            replace_module(model, path, QuantLinear(value, module.bias))
+                                f"{tuple(module.weight.shape)}")
+            if isinstance(module, nn.Linear):
+                replace_module(model, path, QuantLinear(value, module.bias))
+                continue
+            table = QuantEmbedding(value, module.weight.dtype)
+            replace_module(model, path, table)
+            for head in heads.get(id(module.weight), []):
+                replace_module(model, head, TiedHead(table, modules[head].bias))
         else:
             dense[name] = value
     unknown = [n for n in dense if n not in own]

@@ -8,6 +8,13 @@ compact as initializers, and a small subgraph of standard operators rebuilds the
 Every input of the subgraph is a constant, so ONNX Runtime folds it once when the session
 is created: the file keeps the quantized size, inference runs the float graph.
 (Opset 18+: BitwiseAnd.)
+
+Symmetric 2-, 4- and 8-bit integer weights go further (:func:`use_matmulnbits`): the
+``Transpose`` + ``MatMul`` that reads the weight becomes ONNX Runtime's ``MatMulNBits``
+(domain com.microsoft), which keeps the codes packed in the session and computes
+``(c - 2^(bits-1)) * scale`` per block, exactly hilt's level for code c (its codebook is
+-2^(bits-1) .. 2^(bits-1) - 1). Its codes are hilt's bytes as they are, one row of blocks per
+output; the scales become float32 (exact from bfloat16), the type of the activations.
 """
 
 from __future__ import annotations
@@ -76,6 +83,57 @@ def dequantize_subgraph(name: str, q: QuantizedWeight) -> tuple[list[onnx.Tensor
         out = p + "shifted_w"
     nodes.append(helper.make_node("Reshape", [out, p + "shape"], [name]))
     return inits, nodes
+
+
+MATMULNBITS_BITS = (2, 4, 8)  # what ONNX Runtime's CPU kernel takes
+
+
+def matmulnbits_fits(q: QuantizedWeight) -> bool:
+    """Whether MatMulNBits computes ``q`` exactly: symmetric integers of 2, 4 or 8 bits (the default zero
+    point 2^(bits-1) is then hilt's), blocks of a power of two from 16 on."""
+    b, block = q.bits, q.block_size
+    return (q.method == "int" and q.offsets is None and q.codebook.ndim == 1 and b in MATMULNBITS_BITS
+            and block >= 16 and block & (block - 1) == 0
+            and torch.equal(q.codebook.float(), torch.arange(-(1 << (b - 1)), 1 << (b - 1)).float()))
+
+
+def use_matmulnbits(model: onnx.ModelProto, weights: dict[str, QuantizedWeight]) -> list[str]:
+    """Replace each ``Transpose(NAME) -> MatMul(x, .)`` of a weight in ``weights`` that
+    :func:`matmulnbits_fits` by one MatMulNBits node reading the packed codes (in place). Returns the
+    names replaced; the others are left to :func:`replace_initializers`."""
+    graph = model.graph
+    by_name = {init.name: init for init in graph.initializer}
+    readers: dict[str, list] = {}
+    for node in graph.node:
+        for i in node.input:
+            readers.setdefault(i, []).append(node)
+    done, drop, swap = [], set(), {}
+    for name, q in weights.items():
+        transposes = readers.get(name, [])
+        if not matmulnbits_fits(q) or name not in by_name or len(transposes) != 1 or transposes[0].op_type != "Transpose":
+            continue
+        matmuls = readers.get(transposes[0].output[0], [])
+        if len(matmuls) != 1 or matmuls[0].op_type != "MatMul" or list(matmuls[0].input)[1] != transposes[0].output[0]:
+            continue
+        n, k = q.shape
+        blocks = k // q.block_size
+        codes = q.codes.contiguous().view(n, blocks, q.block_size * q.bits // 8)
+        graph.initializer.remove(by_name[name])
+        graph.initializer.extend([numpy_helper.from_array(codes.numpy(), f"{name}.codes"),
+                                  numpy_helper.from_array(q.scales.float().numpy(), f"{name}.scales")])
+        matmul = matmuls[0]
+        swap[id(matmul)] = helper.make_node(
+            "MatMulNBits", [matmul.input[0], f"{name}.codes", f"{name}.scales"], list(matmul.output),
+            name=f"{name}__matmulnbits", domain="com.microsoft", K=k, N=n, bits=q.bits, block_size=q.block_size)
+        drop.add(id(transposes[0]))
+        done.append(name)
+    if done:
+        nodes = [swap.get(id(node), node) for node in graph.node if id(node) not in drop]
+        del graph.node[:]
+        graph.node.extend(nodes)
+        if not any(o.domain == "com.microsoft" for o in model.opset_import):
+            model.opset_import.append(helper.make_opsetid("com.microsoft", 1))
+    return done
 
 
 def replace_initializers(model: onnx.ModelProto, weights: dict[str, QuantizedWeight]) -> onnx.ModelProto:

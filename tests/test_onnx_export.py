@@ -78,3 +78,41 @@ def test_quantized_minilm_export_is_compact_and_matches(minilm_dir, tmp_path):
     model = onnx.load(str(tmp_path / "m.onnx"))
     packed = [i for i in model.graph.initializer if i.name.endswith(".codes")]
     assert len(packed) == 36 and all(i.data_type == TensorProto.UINT8 for i in packed)
+
+
+@pytest.mark.parametrize("bits", [2, 4, 8])
+def test_integer_weights_run_packed_as_matmulnbits(bits, tmp_path):
+    """Transpose + MatMul of a symmetric integer weight becomes one MatMulNBits reading the packed
+    codes; ONNX Runtime then matches PyTorch. A k-means weight in the same model keeps the subgraph."""
+    import logging
+    import warnings
+
+    from hilt.quant import QuantLinear
+    from hilt.quant.onnx_export import replace_initializers, use_matmulnbits
+
+    torch.manual_seed(bits)
+    big = torch.nn.Sequential(torch.nn.Linear(64, 96), torch.nn.ReLU(), torch.nn.Linear(96, 40), torch.nn.GELU(),
+                              torch.nn.Linear(40, 32, bias=False))  # the last stays a plain weight
+    weights = {"0.weight": quantize_tensor(big[0].weight.detach(), QuantConfig("kmeans", 3, 32)),
+               "2.weight": quantize_tensor(big[2].weight.detach(), QuantConfig("int", bits, 32))}
+    x = torch.randn(2, 7, 64)
+    logging.getLogger("torch.onnx").setLevel(logging.ERROR)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        proto = torch.onnx.export(big, (x,), dynamo=True, optimize=False, opset_version=20, input_names=["x"],
+                                  output_names=["y"]).model_proto
+    assert use_matmulnbits(proto, weights) == ["2.weight"]
+    replace_initializers(proto, {"0.weight": weights["0.weight"]})
+    onnx.checker.check_model(proto)
+    ops = [n.op_type for n in proto.graph.node]
+    assert ops.count("MatMulNBits") == 1 and "GatherElements" not in ops and "Gather" in ops
+    packed = next(i for i in proto.graph.initializer if i.name == "2.weight.codes")
+    assert packed.data_type == TensorProto.UINT8 and list(packed.dims) == [40, 3, 32 * bits // 8]
+    sess = ort.InferenceSession(proto.SerializeToString(), providers=["CPUExecutionProvider"])
+    got = sess.run(None, {"x": x.numpy()})[0]
+    big[0] = QuantLinear(weights["0.weight"], big[0].bias)
+    big[2] = QuantLinear(weights["2.weight"], big[2].bias)
+    with torch.no_grad():
+        want = big(x).numpy()
+    assert np.isfinite(got).all()
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5 * np.abs(want).max())

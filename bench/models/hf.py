@@ -128,6 +128,7 @@ def embed(model, tokenizer, sentences: list[str], batch_size: int = 32, max_leng
     """Sentence embeddings as sentence-transformers makes them for mean-pooling models: the attention-masked
     mean of the last hidden states, L2-normalised. float32 (n, hidden)."""
     out = []
+    max_length = min(max_length, tokenizer.model_max_length)
     with torch.inference_mode():
         for i in range(0, len(sentences), batch_size):
             enc = tokenizer(sentences[i:i + batch_size], padding=True, truncation=True, max_length=max_length,

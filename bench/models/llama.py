@@ -28,6 +28,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
 from hilt.errors import HiltError
 from hilt.progress import Progress
+from hilt.quant.nn import QuantEmbedding
 from hilt.bench.models.weights import load_weights_
 
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -240,7 +241,13 @@ class Llama(nn.Module):
         x = self.token_embd(tokens)
         for i, block in enumerate(self.blk):
             x = block(x, cos, sin, None if cache is None else cache[i])
-        return F.linear(self.output_norm(x), self.token_embd.weight)  # tied LM head
+        return self.head(self.output_norm(x))
+
+    def head(self, h: torch.Tensor) -> torch.Tensor:
+        """The LM head, tied to the token embedding: logits = h @ token_embd.T (quantized or not)."""
+        if isinstance(self.token_embd, QuantEmbedding):
+            return self.token_embd.linear(h)
+        return F.linear(h, self.token_embd.weight)
 
     def fp8_attention_sites(self):
         """The hook of hilt.fp8.use_fp8_attention: each block's attention, behind its RMSNorm."""
@@ -306,7 +313,7 @@ def generate(model: Llama, tokenizer: GGUFTokenizer, prompt: str, max_new_tokens
     With a key/value cache: the prompt runs once, then each new token alone (one row through
     every layer, as decode does); ``cache=False`` re-runs the whole sequence per token instead.
     """
-    device = model.token_embd.weight.device
+    device = model.output_norm.weight.device
     ids = torch.tensor([tokenizer.encode(prompt)], dtype=torch.long, device=device)
     if ids.numel() == 0:
         raise HiltError("generate needs a non-empty prompt")

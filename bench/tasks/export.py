@@ -69,6 +69,27 @@ def _check_out(out) -> Path:
     return out
 
 
+_SESSION_MEMORY = """
+import sys, onnxruntime as ort
+def rss():
+    return int(next(l for l in open('/proc/self/status') if l.startswith('VmRSS')).split()[1]) * 1024
+base = rss()
+sess = ort.InferenceSession(sys.argv[1], providers=["CPUExecutionProvider"])
+print(rss() - base)
+"""
+
+
+def session_memory(path: Path) -> int | None:
+    """Resident bytes an ONNX Runtime session of ``path`` adds, in a fresh process (Linux; None elsewhere)."""
+    import subprocess
+    import sys
+
+    if not Path("/proc/self/status").exists():
+        return None
+    r = subprocess.run([sys.executable, "-c", _SESSION_MEMORY, str(path)], capture_output=True, text=True, timeout=600)
+    return int(r.stdout.strip().splitlines()[-1]) if r.returncode == 0 else None
+
+
 def _session(path: Path):
     import onnxruntime as ort
 
@@ -78,13 +99,16 @@ def _session(path: Path):
 # ------------------------------------------------------------------ quantized MiniLM
 
 
-def export_quantized(src, out, sentences: int = 64, overwrite: bool = False, log=print) -> dict:
-    """A hilt quantized checkpoint of all-MiniLM-L6-v2 -> ONNX (input_ids, attention_mask -> hidden states)."""
+def export_quantized(src, out, sentences: int = 64, overwrite: bool = False, packed_ops: bool = True,
+                     log=print) -> dict:
+    """A hilt quantized checkpoint of all-MiniLM-L6-v2 -> ONNX (input_ids, attention_mask -> hidden states).
+    ``packed_ops``: symmetric 2/4/8-bit integer weights as MatMulNBits (packed in the session); the
+    other formats, and all of them without it, as the rebuild subgraph (folded to float at load)."""
     from hilt.bench.models.bert import embed, load_minilm, minilm_path
     from hilt.bench.data.text import sentences as real_sentences
     from hilt.quant import QuantizedWeight
     from hilt.quant.checkpoint import load_checkpoint, read_header
-    from hilt.quant.onnx_export import replace_initializers
+    from hilt.quant.onnx_export import replace_initializers, use_matmulnbits
 
     out = _check_out(out)
     if out.exists() and not overwrite:
@@ -108,10 +132,11 @@ def export_quantized(src, out, sentences: int = 64, overwrite: bool = False, log
     batch, seq = torch.export.Dim("batch"), torch.export.Dim("seq", max=model.cfg.max_position_embeddings)
     proto = _export(model, (ids, torch.ones_like(ids)), ["input_ids", "attention_mask"], ["hidden"],
                     {"input_ids": {0: batch, 1: seq}, "attention_mask": {0: batch, 1: seq}}, optimize=False)
-    replace_initializers(proto, quantized)
+    as_op = use_matmulnbits(proto, quantized) if packed_ops else []
+    replace_initializers(proto, {n: q for n, q in quantized.items() if n not in as_op})
     size = _save(proto, out)
-    log(f"wrote {out}: {len(quantized)} quantized weights kept packed, {size / 1e6:.1f} MB "
-        f"({time.perf_counter() - start:.0f} s)")
+    log(f"wrote {out}: {len(quantized)} quantized weights kept packed ({len(as_op)} as MatMulNBits), "
+        f"{size / 1e6:.1f} MB ({time.perf_counter() - start:.0f} s)")
 
     # check against PyTorch on real sentences: hidden states and sentence embeddings
     sess = _session(out)
@@ -133,11 +158,13 @@ def export_quantized(src, out, sentences: int = 64, overwrite: bool = False, log
     shard_bytes = sum((src / s).stat().st_size for s in header["shards"])
     result = {"kind": "quantized", "source": str(src), "onnx": str(out), "onnx_bytes": size,
               "safetensors_bytes": shard_bytes, "size_ratio": size / shard_bytes, "quantized_weights": len(quantized),
+              "matmulnbits": len(as_op), "session_rss_bytes": session_memory(out),
               "sentences": len(text), "max_abs_error": worst_abs, "max_rel_error": worst_rel,
               "embedding_dim": int(embeddings_torch.shape[1]), "opset": OPSET}
     log(f"checked: onnx.checker passes; ONNX Runtime vs PyTorch on {len(text)} sentences: max |error| "
         f"{worst_abs:.2e}, relative to the largest output {worst_rel:.2e}; file size {size / shard_bytes:.3f}x "
-        f"the quantized safetensors ({shard_bytes / 1e6:.1f} MB)")
+        f"the quantized safetensors ({shard_bytes / 1e6:.1f} MB)"
+        + ("" if result["session_rss_bytes"] is None else f"; a session holds {result['session_rss_bytes'] / 1e6:.1f} MB"))
     return result
 
 

@@ -1,0 +1,111 @@
+"""CPU decode through transformers, hilt's 4-bit folders against the dense model: `hilt bench decode`.
+
+SmolLM2-135M made into a Hugging Face folder (`hilt convert`, bfloat16), quantized by `hilt quantize`
+to symmetric int4 (PyTorch's fused CPU int4 kernel) and to 4-bit k-means (the reference: dequantize,
+then matmul), each loaded with ``AutoModelForCausalLM.from_pretrained(dtype=bfloat16)`` and timed on
+greedy ``generate`` in one run, beside transformers' own loading of the packed GGUF. Each model's
+load runs once more in a child process, for its peak resident memory against the bytes of its weights.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from hilt.bench.models.hf import gguf_to_hf, require_transformers
+from hilt.quant import QuantConfig, quantize_checkpoint
+
+PROMPT = "The capital of France is Paris. The capital of Germany is"
+FORMATS = {"hilt int4 (block 64)": QuantConfig("int", 4, 64), "hilt k-means 4 (block 64)": QuantConfig("kmeans", 4, 64)}
+
+# Peak resident memory of a load, in a fresh process: baseline after the imports, peak after from_pretrained.
+_MEMORY_PROBE = """
+import json, resource, sys, torch, transformers, hilt
+def rss():
+    return int(next(l for l in open('/proc/self/status') if l.startswith('VmRSS')).split()[1]) * 1024
+base = rss()
+kwargs = json.loads(sys.argv[2])
+m = transformers.AutoModelForCausalLM.from_pretrained(sys.argv[1], dtype=torch.bfloat16, **kwargs)
+peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+print(json.dumps({"baseline": base, "peak": peak, "after": rss()}))
+"""
+
+
+def _tokens_per_second(model, ids, new_tokens: int, repeats: int) -> tuple[float, list[int]]:
+    with torch.inference_mode():
+        model.generate(ids, max_new_tokens=4, min_new_tokens=4, do_sample=False)  # warm up
+        times = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            out = model.generate(ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False)
+            times.append(time.perf_counter() - start)
+    return new_tokens / statistics.median(times), out[0, ids.shape[1]:].tolist()
+
+
+def _load_memory(folder: Path, kwargs: dict) -> dict:
+    r = subprocess.run([sys.executable, "-c", _MEMORY_PROBE, str(folder), json.dumps(kwargs)], capture_output=True,
+                       text=True, timeout=600)
+    if r.returncode != 0:
+        return {"error": (r.stderr.strip().splitlines() or ["failed"])[-1]}
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+def _weight_bytes(folder: Path) -> int:
+    return sum(f.stat().st_size for f in folder.glob("*.safetensors"))
+
+
+def run(quick: bool = False, work=None, threads: int = 2, log=print) -> dict:
+    from hilt.bench.models.llama import GGUF_FILE, smollm2_path
+
+    transformers = require_transformers()
+    torch.set_num_threads(threads)
+    new_tokens, repeats = (16, 2) if quick else (64, 3)
+    with tempfile.TemporaryDirectory(dir=work) as tmp:
+        tmp = Path(tmp)
+        log("converting SmolLM2's GGUF to a Hugging Face folder (bfloat16)")
+        dense = gguf_to_hf(smollm2_path(), tmp / "smollm2-hf")
+        folders = {"dense bf16": dense}
+        for label, config in FORMATS.items():
+            log(f"quantizing: {label}")
+            folders[label] = tmp / label.split(" (")[0].replace(" ", "-")
+            quantize_checkpoint(dense, folders[label], config)
+        tokenizer = transformers.AutoTokenizer.from_pretrained(str(dense))
+        ids = tokenizer(PROMPT, return_tensors="pt", add_special_tokens=False)["input_ids"]
+        rows = []
+        gguf_kwargs = {"gguf_file": GGUF_FILE}
+        cases = [(label, folder, {}) for label, folder in folders.items()]
+        cases.append(("transformers GGUF (Q4_1 file)", smollm2_path().parent, gguf_kwargs))
+        for label, folder, kwargs in cases:
+            log(f"decoding: {label}")
+            model = transformers.AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.bfloat16, **kwargs)
+            speed, tokens = _tokens_per_second(model.eval(), ids, new_tokens, repeats)
+            del model
+            weights = smollm2_path().stat().st_size if kwargs else _weight_bytes(folder)
+            memory = _load_memory(folder, kwargs)
+            rows.append({"model": label, "tokens_per_second": round(speed, 2), "weight_bytes": weights,
+                         "text": tokenizer.decode(tokens[:12]), **{f"rss_{k}": v for k, v in memory.items()}})
+    base = rows[0]["tokens_per_second"]
+    for r in rows:
+        r["vs_dense_bf16"] = round(r["tokens_per_second"] / base, 3)
+        if "rss_peak" in r:
+            r["load_peak_over_weights"] = round((r["rss_peak"] - r["rss_baseline"]) / r["weight_bytes"], 3)
+    return {"threads": threads, "new_tokens": new_tokens, "repeats": repeats, "prompt": PROMPT,
+            "device": "cpu", "torch": torch.__version__, "transformers": transformers.__version__,
+            "rows": rows, "table": table(rows)}
+
+
+def table(rows: list[dict]) -> str:
+    lines = ["| model (from_pretrained, bf16) | tokens/s | vs dense bf16 | weights MB | load peak RSS over weights |",
+             "|---|---|---|---|---|"]
+    for r in rows:
+        over = r.get("load_peak_over_weights")
+        lines.append(f"| {r['model']} | {r['tokens_per_second']:.2f} | {r['vs_dense_bf16']:.2f}x | "
+                     f"{r['weight_bytes'] / 1e6:.1f} | {'n/a' if over is None else f'{over:.2f}x'} |")
+    return "\n".join(lines)
