@@ -77,6 +77,16 @@ class _Packed(nn.Module):
             self._cpu_pack_source = source
         return self._cpu_pack
 
+    def _apply(self, fn, recurse=True):
+        """Moves keep each packed part's dtype: ``model.to(torch.bfloat16)`` or ``.half()`` would round the
+        float16 codebook (and a float32 one to bfloat16), changing the weights; only the device follows."""
+        kept = {n: b for n, b in self._buffers.items() if b is not None}
+        out = super()._apply(fn, recurse)
+        for name, old in kept.items():
+            if self._buffers[name].dtype != old.dtype:
+                self._buffers[name] = old.to(self._buffers[name].device)
+        return out
+
     def _format_repr(self) -> str:
         return f"method={self.method}, bits={self.bits}, block_size={self.block_size}"
 
@@ -103,6 +113,11 @@ class QuantEmbedding(_Packed):
     def __init__(self, qweight: QuantizedWeight, dtype: torch.dtype = torch.float32):
         super().__init__(qweight)
         self.dtype = dtype
+
+    def _apply(self, fn, recurse=True):
+        # a dtype cast of the model changes the dtype lookups return (the packed parts keep theirs)
+        self.dtype = fn(torch.zeros((), dtype=self.dtype, device=self.codes.device)).dtype
+        return super()._apply(fn, recurse)
 
     @property
     def num_embeddings(self) -> int:

