@@ -1,8 +1,9 @@
 """CPU decode through transformers, hilt's 4-bit folders against the dense model: `hilt bench decode`.
 
 SmolLM2-135M made into a Hugging Face folder (`hilt convert`, bfloat16), quantized by `hilt quantize`
-to symmetric int4 (PyTorch's fused CPU int4 kernel) and to 4-bit k-means (the reference: dequantize,
-then matmul), each loaded with ``AutoModelForCausalLM.from_pretrained(dtype=bfloat16)`` and timed on
+to symmetric int4 (PyTorch's fused CPU int4 kernel), the same with int8 embeddings (`--embeddings 8`:
+the tied head through the int8 kernel) and to 4-bit k-means (the reference: dequantize, then matmul),
+each loaded with ``AutoModelForCausalLM.from_pretrained(dtype=bfloat16)`` and timed on
 greedy ``generate`` in one run, beside transformers' own loading of the packed GGUF. Each model's
 load runs once more in a child process, for its peak resident memory against the bytes of its weights.
 """
@@ -23,7 +24,10 @@ from hilt.bench.models.hf import gguf_to_hf, require_transformers
 from hilt.quant import QuantConfig, quantize_checkpoint
 
 PROMPT = "The capital of France is Paris. The capital of Germany is"
-FORMATS = {"hilt int4 (block 64)": QuantConfig("int", 4, 64), "hilt k-means 4 (block 64)": QuantConfig("kmeans", 4, 64)}
+# label -> (format, --embeddings bits)
+FORMATS = {"hilt int4 (block 64)": (QuantConfig("int", 4, 64), None),
+           "hilt int4 + int8 embeddings": (QuantConfig("int", 4, 64), 8),
+           "hilt k-means 4 (block 64)": (QuantConfig("kmeans", 4, 64), None)}
 
 # Resident memory of a load, in a fresh process. The baseline is taken once the load path's own modules
 # are imported (transformers' quantizer registry, which registers hilt's, and the model's class: hundreds
@@ -82,10 +86,10 @@ def run(quick: bool = False, work=None, threads: int = 2, log=print) -> dict:
         log("converting SmolLM2's GGUF to a Hugging Face folder (bfloat16)")
         dense = gguf_to_hf(smollm2_path(), tmp / "smollm2-hf")
         folders = {"dense bf16": dense}
-        for label, config in FORMATS.items():
+        for i, (label, (config, embeddings)) in enumerate(FORMATS.items()):
             log(f"quantizing: {label}")
-            folders[label] = tmp / label.split(" (")[0].replace(" ", "-")
-            quantize_checkpoint(dense, folders[label], config)
+            folders[label] = tmp / f"quantized-{i}"
+            quantize_checkpoint(dense, folders[label], config, embeddings=embeddings)
         tokenizer = transformers.AutoTokenizer.from_pretrained(str(dense))
         ids = tokenizer(PROMPT, return_tensors="pt", add_special_tokens=False)["input_ids"]
         rows = []
