@@ -453,7 +453,7 @@ def cmd_eval_ppl(args) -> int:
 
     result = evaluate.perplexity_run(args.model, quantized=args.quantized, text=args.text, tokens=args.tokens,
                                      context=args.context, progress=True)
-    label = args.quantized or "unquantized"
+    label = result["quantized"] or "unquantized"
     print(f"perplexity {result['perplexity']:.3f} over {result['tokens']} tokens "
           f"(context {result['context']}) of {result['text']} — {label}")
     _write_json(args, result)

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from hilt.errors import HiltError
 from hilt.quant import load_quantized_, read_header
-from hilt.quant.hf_folder import is_hf_folder
+from hilt.quant.hf_folder import is_hf_folder, read_config
 
 
 def _resolve(model: str, default_name: str, default_path) -> Path:
@@ -40,6 +40,8 @@ def perplexity_run(model="smollm2", quantized=None, text=None, tokens=2048, cont
     if path.is_dir():
         from hilt.bench.models import hf
 
+        if quantized is None and is_hf_folder(path) and read_config(path).get("quantization_config"):
+            quantized = path  # a quantized folder given as the model: say so in the result
         net, tokenizer = hf.load_causal_lm(quantized or path)
         forward, encode = (lambda ids: net(ids).logits), (lambda t: tokenizer(t, add_special_tokens=False)["input_ids"])
     else:
@@ -54,7 +56,7 @@ def perplexity_run(model="smollm2", quantized=None, text=None, tokens=2048, cont
     ppl = llama.perplexity(forward, ids, context=context, progress=progress)
     return {
         "model": str(path), "quantized": None if quantized is None else str(quantized),
-        "bits_per_weight": _bits(quantized or path), "text": text_name, "tokens": len(ids), "context": context,
+        "bits_per_weight": _bits(quantized), "text": text_name, "tokens": len(ids), "context": context,
         "perplexity": ppl, "seconds": round(time.perf_counter() - start, 2),
     }
 
@@ -94,8 +96,6 @@ def embedding_run(model="minilm", quantized=None, sentences=256) -> dict:
 
 def _is_hf_model(path: Path) -> bool:
     """A Hugging Face folder hilt's own BERT cannot run (it runs MiniLM's: model_type bert)."""
-    from hilt.quant.hf_folder import read_config
-
     return is_hf_folder(path) and read_config(path).get("model_type") != "bert"
 
 
