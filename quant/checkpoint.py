@@ -200,8 +200,9 @@ def quantize_checkpoint(
     tensor name (mixed precision, from hilt.quant.allocate) replacing ``config`` for the tensors it
     names; ``mixed`` (how they were chosen) is recorded in the header under ``"mixed"``.
     ``embeddings``: also quantize the embeddings and output heads, to symmetric integers of that many
-    bits with one scale per row. ``dense_dtype``: the dtype of every floating tensor left unquantized; by default each keeps the
-    dtype it is stored in, and a GGUF block type (already quantized) becomes bfloat16.
+    bits with one scale per row. ``dense_dtype``: the dtype of every floating tensor left
+    unquantized; by default each keeps the dtype it is stored in, and a GGUF block type (already
+    quantized) becomes bfloat16.
 
     From a Hugging Face model folder (with a config.json) the output is one too: its config with a
     ``quantization_config`` (hilt.quant.hf_folder) and its tokenizer and generation files.

@@ -81,6 +81,7 @@ class _Packed(nn.Module):
         """Moves keep each packed part's dtype: ``model.to(torch.bfloat16)`` or ``.half()`` would round the
         float16 codebook (and a float32 one to bfloat16), changing the weights; only the device follows."""
         kept = {n: b for n, b in self._buffers.items() if b is not None}
+        self._cpu_pack = self._cpu_pack_source = None  # made again from the moved parts (and frees the old ones)
         out = super()._apply(fn, recurse)
         for name, old in kept.items():
             if self._buffers[name].dtype != old.dtype:
