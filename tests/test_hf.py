@@ -342,3 +342,23 @@ def test_dtype_casts_keep_the_packed_parts():
     assert model["table"](torch.tensor([[1, 2]])).dtype == torch.bfloat16
     model.float()
     assert model["table"](torch.tensor([3])).dtype == torch.float32 and model["table"].scales.dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize("config", [QuantConfig("kmeans", 4, 64), QuantConfig("int", 4, 64)])
+def test_minilm_folder_through_automodel(minilm_dir, tmp_path, config):
+    """The real MiniLM folder: AutoModel.from_pretrained of the quantized folder gives the last hidden
+    states of hilt's own path (the dense model with load_quantized_)."""
+    dst = tmp_path / "q"
+    quantize_checkpoint(minilm_dir, dst, config)
+    assert (dst / "tokenizer.json").is_file() and (dst / "1_Pooling").is_dir()
+    model = transformers.AutoModel.from_pretrained(str(dst), dtype=torch.float32).eval()
+    assert isinstance(model.encoder.layer[0].attention.self.query, QuantLinear)
+    own = load_quantized_(transformers.AutoModel.from_pretrained(str(minilm_dir), dtype=torch.float32).eval(), dst,
+                          strict=False)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(str(dst))
+    batch = tokenizer(["A quantized encoder.", "To be, or not to be, that is the question."], padding=True,
+                      return_tensors="pt")
+    with torch.inference_mode():
+        theirs, ours = model(**batch).last_hidden_state, own(**batch).last_hidden_state
+    assert torch.isfinite(theirs).all()
+    assert float((theirs - ours).abs().max() / ours.abs().max()) <= 1e-3
