@@ -434,7 +434,11 @@ def cmd_inspect(args) -> int:
         print(f"method      {c['method']}, {c['bits']} bits, block {c['block_size']}, codebook per {c['codebook']}")
     print(f"tensors     {t['tensors']} ({t['quantized_tensors']} quantized, {t['quantized_weights']:,} weights)")
     print(f"bits/weight {t['bits_per_weight']:.4f} on quantized tensors (codes + scales + codebooks)")
+    if h.get("embeddings"):
+        print(f"embeddings  int, {h['embeddings']} bits, one scale per row")
     print(f"size        {size / 1e6:.2f} MB in {len(h['shards'])} shard(s)")
+    if (dst / "config.json").is_file():
+        print("loads with  transformers' AutoModel*.from_pretrained (after `import hilt`)")
     if args.tensors:
         for name, e in h["tensors"].items():
             if e["kind"] == "quantized":
