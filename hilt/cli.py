@@ -420,7 +420,8 @@ def cmd_inspect(args) -> int:
     size = sum((dst / s).stat().st_size for s in h["shards"] if (dst / s).exists())
     c = h["config"]
     t = h["totals"]
-    print(f"{dst}: {h['format']} v{h['format_version']} (written by hilt {h['tool_version']})")
+    writer = f"hilt {h['tool_version']}" if h["tool_version"] else "transformers' save_pretrained"
+    print(f"{dst}: {h['format']} v{h['format_version']} (written by {writer})")
     print(f"source      {h['source']['path']} ({h['source']['format']})")
     if "mixed" in h:  # a format per tensor, chosen under a bits budget
         counts: dict[str, int] = {}

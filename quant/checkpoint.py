@@ -25,6 +25,7 @@ an uninterrupted run.
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import shutil
@@ -415,7 +416,8 @@ def _totals(tensors: dict) -> dict:
         "quantized_tensors": len(q),
         "quantized_weights": n_q,
         "bits_per_weight": round(bits_q / n_q, 6) if n_q else None,
-        "rel_error_mean": round(sum(t["rel_error"] for t in q) / len(q), 6) if q else None,
+        "rel_error_mean": (round(sum(t["rel_error"] for t in q) / len(q), 6)
+                           if q and all(t.get("rel_error") is not None for t in q) else None),
     }
 
 
@@ -456,7 +458,10 @@ def read_header(dst) -> dict:
     if not dst.exists():
         raise HiltError(f"{dst}: no such file or directory")
     if not path.exists():
-        raise HiltError(f"{dst}: not a hilt checkpoint (no {HEADER})")
+        header = _header_from_model_config(dst)
+        if header is None:
+            raise HiltError(f"{dst}: not a hilt checkpoint (no {HEADER})")
+        return header
     try:
         header = json.loads(path.read_text())
     except ValueError as e:
@@ -466,6 +471,54 @@ def read_header(dst) -> dict:
     if header.get("format_version", 0) > FORMAT_VERSION:
         raise HiltError(f"{path}: format version {header['format_version']} is newer than this hilt reads ({FORMAT_VERSION})")
     return header
+
+
+def _header_from_model_config(dst: Path) -> dict | None:
+    """The header of a folder that transformers' ``save_pretrained`` wrote from a model loaded from a
+    hilt folder (its config.json's quantization_config, no hilt.json), rebuilt from that config and
+    the shards: what the tensors are, not how they were made. None for any other folder."""
+    from hilt.quant.sources import _SAFETENSORS_DTYPES
+
+    if not hf_folder.is_hf_folder(dst):
+        return None
+    qc = hf_folder.read_config(dst).get("quantization_config") or {}
+    if qc.get("quant_method") != hf_folder.QUANT_METHOD:
+        return None
+    where = dst / hf_folder.CONFIG
+    if qc.get("format_version", 0) > FORMAT_VERSION:
+        raise HiltError(f"{where}: format version {qc['format_version']} is newer than this hilt reads ({FORMAT_VERSION})")
+    index = dst / hf_folder.INDEX
+    try:
+        shards = (sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.exists()
+                  else sorted(p.name for p in dst.glob("*.safetensors")))
+        modules = qc["modules"]
+        tensors = {}
+        for shard in shards:
+            with safe_open(str(dst / shard), framework="pt") as f:
+                slices = {k: f.get_slice(k) for k in f.keys()}
+            info = {k: (list(sl.get_shape()), _SAFETENSORS_DTYPES[sl.get_dtype()]) for k, sl in slices.items()}
+            parts = set()
+            for module, fmt in modules.items():
+                if f"{module}.codes" not in info:
+                    continue
+                n, blocks = info[f"{module}.scales"][0]
+                keys = [k for k in (f"{module}.{p}" for p in PARTS) if k in info]
+                parts.update(keys)
+                stored = sum(math.prod(info[k][0]) * info[k][1].itemsize for k in keys)
+                tensors[f"{module}.weight"] = {
+                    "kind": "quantized", "method": fmt["method"], "bits": fmt["bits"], "block_size": fmt["block_size"],
+                    "codebook": fmt["codebook"], "shape": [n, blocks * fmt["block_size"]], "dtype": "float32",
+                    "bits_per_weight": round(stored * 8 / (n * blocks * fmt["block_size"]), 6), "rel_error": None,
+                    "shard": shard}
+            for k in sorted(set(info) - parts):
+                tensors[k] = {"kind": "dense", "shape": info[k][0], "dtype": str(info[k][1]).removeprefix("torch."),
+                              "shard": shard}
+    except (OSError, ValueError, KeyError, TypeError, SafetensorError) as e:
+        raise HiltError(f"{where}: its quantization_config does not fit the shards ({e})") from None
+    config = {k: qc.get(k) for k in ("method", "bits", "block_size", "codebook")}
+    return {"format": FORMAT_NAME, "format_version": qc.get("format_version", FORMAT_VERSION), "tool_version": None,
+            "config": config, "source": {"path": str(dst), "format": "transformers save_pretrained"},
+            "shards": shards, "tensors": tensors, "totals": _totals(tensors)}
 
 
 def load_checkpoint(dst, names: Iterable[str] | None = None) -> dict[str, torch.Tensor | QuantizedWeight]:

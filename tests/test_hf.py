@@ -91,6 +91,16 @@ def test_from_pretrained_runs_the_packed_weights(tmp_path, config):
             assert f.get_tensor(k).dtype == g.get_tensor(k).dtype and torch.equal(f.get_tensor(k), g.get_tensor(k)), k
     again = json.loads((tmp_path / "again/config.json").read_text())["quantization_config"]
     assert again["modules"] == cfg["modules"]
+    # hilt reads that folder too (no hilt.json: the header comes from the config and the shards)
+    resaved, original = load_checkpoint(tmp_path / "again"), load_checkpoint(dst)
+    assert resaved.keys() == original.keys()
+    for name, value in original.items():
+        other = resaved[name]
+        if isinstance(value, torch.Tensor):
+            assert torch.equal(other, value), name
+        else:
+            assert other.method == value.method and other.shape == value.shape
+            assert torch.equal(other.dequantize(), value.dequantize()), name
     with torch.inference_mode():
         assert torch.equal(load_hf(tmp_path / "again")(ids).logits, theirs)
 
