@@ -69,11 +69,10 @@ def gguf_to_hf(src, dst, dtype: torch.dtype = torch.bfloat16, overwrite: bool = 
         os.umask(umask)
         for f in partial.iterdir():  # safetensors writes owner-only files
             f.chmod(0o666 & ~umask)
-    except HiltError:
+    except BaseException as e:  # an interrupted or failed conversion leaves nothing behind
         shutil.rmtree(partial, ignore_errors=True)
-        raise
-    except Exception as e:
-        shutil.rmtree(partial, ignore_errors=True)
+        if isinstance(e, HiltError) or not isinstance(e, Exception):
+            raise
         raise HiltError(f"{src}: transformers could not convert it ({' '.join(str(e).split())[:300]})") from None
     if dst.exists():
         shutil.rmtree(dst)
