@@ -235,8 +235,23 @@ def run(out="report", quick: bool = True, log=print, progress: bool = False) -> 
                   f"{r['aihwkit_over_digital']:.2f}x.", "", "![hilt and aihwkit](cim_sweep.png)"]
         return "\n".join(lines) + "\n"
 
+    def hugging_face():
+        import importlib.util
+
+        from hilt.bench.perf import decode_speed
+
+        if importlib.util.find_spec("transformers") is None:
+            return "transformers is not installed, so this section is left out (`pip install hilt[hf]`).\n"
+        result = decode_speed.run(quick=quick, work=out, log=log)
+        write_json(out / "decode.json", result)
+        return ("SmolLM2-135M made a Hugging Face folder by `hilt convert`, quantized by `hilt quantize`, loaded by "
+                f"transformers' `from_pretrained` in bf16; greedy decode on the CPU ({result['threads']} threads, "
+                f"{result['new_tokens']} new tokens, median of {result['repeats']}; `hilt bench decode`):\n\n"
+                + result["table"] + "\n")
+
     plan_sections = [
         ("Quantization: SmolLM2-135M and all-MiniLM-L6-v2", quantization),
+        ("Hugging Face folders: from_pretrained and CPU decode", hugging_face),
         ("LUT matmul kernels: correctness and decode", lambda: kernel_section(out, log)),
         ("FP8 attention: scales from the weights, transients, accuracy", fp8_section),
         ("Compute-in-memory: a year on PCM", cim_drift),
