@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from hilt.kernels.lut_matmul import PackedWeight, check_input
+from hilt.kernels.packing import unpack_codes
 
 INT4_GROUPS = (32, 64, 128, 256)  # what the int4 kernel takes
 _ROWS = 64  # the int4 kernel's widest row tile (AVX-512): pad N to it, convert in whole tiles
@@ -63,16 +64,10 @@ def prepack(w: PackedWeight, chunk_rows: int = 4096) -> IntPack:
     if rows != n:
         codes = torch.cat([codes, codes.new_zeros(rows - n, codes.shape[1])])
         scales = torch.cat([scales, scales.new_zeros(rows - n, scales.shape[1])])
-    parts = [torch.ops.aten._convert_weight_to_int4pack_for_cpu(_nibbles(codes[r:r + chunk_rows], k), 1)
+    parts = [torch.ops.aten._convert_weight_to_int4pack_for_cpu(unpack_codes(codes[r:r + chunk_rows], 4, k, torch.int32), 1)
              for r in range(0, rows, chunk_rows)]
     scales_and_zeros = torch.stack([scales, torch.zeros_like(scales)], dim=-1).transpose(0, 1).contiguous()
     return IntPack(4, torch.cat(parts), scales_and_zeros.to(torch.bfloat16), n, w.block_size)
-
-
-def _nibbles(codes: torch.Tensor, k: int) -> torch.Tensor:
-    """int32 (rows, k) codes of 4-bit packed bytes, low nibble first (kernels.packing), without the int64
-    intermediate of unpack_codes: fewer large temporaries while a whole model is prepacked."""
-    return torch.stack([codes & 0xF, codes >> 4], dim=-1).view(codes.shape[0], -1)[:, :k].to(torch.int32)
 
 
 def int_matmul(x: torch.Tensor, w: PackedWeight, pack: IntPack, bias: torch.Tensor | None = None) -> torch.Tensor:

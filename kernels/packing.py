@@ -48,8 +48,9 @@ def pack_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:
     return out.reshape(*lead, -1).to(torch.uint8)
 
 
-def unpack_codes(packed: torch.Tensor, bits: int, n_codes: int) -> torch.Tensor:
-    """Inverse of :func:`pack_codes`: uint8 (..., bytes) -> int64 (..., n_codes)."""
+def unpack_codes(packed: torch.Tensor, bits: int, n_codes: int, dtype: torch.dtype = torch.int64) -> torch.Tensor:
+    """Inverse of :func:`pack_codes`: uint8 (..., bytes) -> ``dtype`` (..., n_codes), int64 by default
+    (what indexing takes)."""
     codes_per_group, bytes_per_group = group_layout(bits)
     *lead, nbytes = packed.shape
     if nbytes != packed_row_bytes(n_codes, bits):
@@ -60,10 +61,10 @@ def unpack_codes(packed: torch.Tensor, bits: int, n_codes: int) -> torch.Tensor:
     if bytes_per_group == 1:  # 1, 2, 4, 8 bits: split each byte in uint8, a quarter of int64's memory traffic
         shifts = torch.arange(0, 8, bits, dtype=torch.uint8, device=packed.device)
         codes = (packed.to(torch.uint8).unsqueeze(-1) >> shifts) & ((1 << bits) - 1)
-        return codes.reshape(*lead, -1)[..., :n_codes].long()
+        return codes.reshape(*lead, -1)[..., :n_codes].to(dtype)
     b = packed.to(torch.int64).reshape(*lead, -1, bytes_per_group)
     byte_shifts = torch.arange(bytes_per_group, dtype=torch.int64, device=b.device) * 8
     group = (b << byte_shifts).sum(-1)
     shifts = torch.arange(codes_per_group, dtype=torch.int64, device=b.device) * bits
     codes = (group.unsqueeze(-1) >> shifts) & ((1 << bits) - 1)
-    return codes.reshape(*lead, -1)[..., :n_codes]
+    return codes.reshape(*lead, -1)[..., :n_codes].to(dtype)

@@ -65,7 +65,7 @@ def gguf_blocks(q: QuantizedWeight, name: str = "tensor") -> tuple[np.ndarray, o
     kind = gguf_type(q, name)
     n, k = q.shape
     per = q.block_size // GGUF_BLOCK
-    codes = unpack_codes(q.codes, q.bits, k).to(torch.int64).view(n, k // GGUF_BLOCK, GGUF_BLOCK)
+    codes = unpack_codes(q.codes, q.bits, k).view(n, k // GGUF_BLOCK, GGUF_BLOCK)
     d = _fp16_exact(q.scales.repeat_interleave(per, dim=1), name, "block scale").reshape(n, -1, 1)
     parts = [d.view(np.uint8)]
     if kind == gguf.GGMLQuantizationType.Q4_1:

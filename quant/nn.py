@@ -32,8 +32,8 @@ class _Packed(nn.Module):
         self.register_buffer("codebook", qweight.codebook)
         self.register_buffer("scales", qweight.scales)
         self.register_buffer("offsets", qweight.offsets)
-        self._table, self._table_source, self._table_version = None, None, None
-        self._cpu_pack, self._cpu_pack_source = None, None
+        self._table = self._cpu_pack = None  # what the kernels keep (see _kept)
+        self._derived_from: dict[str, list] = {}
 
     @property
     def qweight(self) -> QuantizedWeight:
@@ -52,36 +52,37 @@ class _Packed(nn.Module):
         w = self.packed
         return lut_matmul(x, w, bias, table=self._byte_table(x, w), cpu_pack=self._int_pack(x, w))
 
+    def _kept(self, name: str, parts: list[torch.Tensor], make):
+        """The attribute ``name``, a value made from ``parts`` and kept between calls (decode would
+        otherwise remake it every token); made again when a part is another tensor (moved, loaded) or
+        was changed in place (its version; inference tensors have none)."""
+        key = [(t, None if torch.is_inference(t) else t._version) for t in parts]
+        old = self._derived_from.get(name)
+        if old is None or any(a is not b or va != vb for (a, va), (b, vb) in zip(key, old)):
+            setattr(self, name, make())
+            self._derived_from[name] = key
+        return getattr(self, name)
+
     def _byte_table(self, x: torch.Tensor, w: PackedWeight) -> torch.Tensor | None:
-        """The codebook's byte table for the kernel's one-row path, kept between calls (decode
-        would otherwise rebuild it every token) and rebuilt when the codebook is another tensor
-        (moved, loaded) or was changed in place (its version; inference tensors have none)."""
-        book = w.codebook
+        """The codebook's byte table for the CUDA kernel's one-row path."""
         if not (x.is_cuda and uses_byte_table(w)):
             return None
-        version = None if torch.is_inference(book) else book._version
-        if self._table is None or self._table_source is not book or self._table_version != version:
-            self._table, self._table_source, self._table_version = byte_table(book, w.bits), book, version
-        return self._table
+        return self._kept("_table", [w.codebook], lambda: byte_table(w.codebook, w.bits))
 
     def _int_pack(self, x: torch.Tensor, w: PackedWeight):
         """The CPU integer kernels' copy of the weight (kernels.int_cpu), for bfloat16 inputs to symmetric
-        int4 and row-wise int8 weights: made at the first such call, remade when the codes, scales or
-        codebook are other tensors or were changed in place; None where no such kernel applies."""
+        int4 and row-wise int8 weights; None where no such kernel applies."""
         if x.is_cuda or x.dtype != torch.bfloat16 or self.method != "int" or self.bits not in (4, 8):
             return None
-        source = [(t, None if torch.is_inference(t) else t._version) for t in (w.codes, w.scales, w.codebook)]
-        kept = self._cpu_pack_source
-        if kept is None or any(a is not b or va != vb for (a, va), (b, vb) in zip(source, kept)):
-            self._cpu_pack = int_cpu.prepack(w) if int_cpu.supports(w) else None
-            self._cpu_pack_source = source
-        return self._cpu_pack
+        return self._kept("_cpu_pack", [w.codes, w.scales, w.codebook],
+                          lambda: int_cpu.prepack(w) if int_cpu.supports(w) else None)
 
     def _apply(self, fn, recurse=True):
         """Moves keep each packed part's dtype: ``model.to(torch.bfloat16)`` or ``.half()`` would round the
         float16 codebook (and a float32 one to bfloat16), changing the weights; only the device follows."""
         kept = {n: b for n, b in self._buffers.items() if b is not None}
-        self._cpu_pack = self._cpu_pack_source = None  # made again from the moved parts (and frees the old ones)
+        self._table = self._cpu_pack = None  # made again from the moved parts (and the old ones freed)
+        self._derived_from.clear()
         out = super()._apply(fn, recurse)
         for name, old in kept.items():
             if self._buffers[name].dtype != old.dtype:

@@ -185,11 +185,16 @@ def embed(model: Bert, tokenizer: Tokenizer, sentences: Sequence[str], batch_siz
             encs = tokenizer.encode_batch([sentences[i] for i in idx])
             ids = torch.tensor([e.ids for e in encs], dtype=torch.long)
             mask = torch.tensor([e.attention_mask for e in encs], dtype=torch.long)
-            hidden = model(ids, mask)
-            m = mask.unsqueeze(-1).to(hidden.dtype)
-            mean = (hidden * m).sum(1) / m.sum(1).clamp(min=1e-9)
-            out[idx] = F.normalize(mean.float(), dim=-1)
+            out[idx] = mean_pool(model(ids, mask), mask)
     return out
+
+
+def mean_pool(hidden: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Sentence embeddings as sentence-transformers makes them for mean-pooling models: the
+    attention-masked mean of the last hidden states (batch, seq, hidden), L2-normalised, float32."""
+    m = mask.unsqueeze(-1).to(hidden.dtype)
+    mean = (hidden * m).sum(1) / m.sum(1).clamp(min=1e-9)
+    return F.normalize(mean.float(), dim=-1)
 
 
 def embedding_similarity(ref: torch.Tensor, other: torch.Tensor) -> float:

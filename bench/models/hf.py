@@ -124,15 +124,14 @@ def _tokenizer(folder):
 
 
 def embed(model, tokenizer, sentences: list[str], batch_size: int = 32, max_length: int = 256) -> torch.Tensor:
-    """Sentence embeddings as sentence-transformers makes them for mean-pooling models: the attention-masked
-    mean of the last hidden states, L2-normalised. float32 (n, hidden)."""
+    """Sentence embeddings of a transformers encoder (bert.mean_pool), float32 (n, hidden)."""
+    from hilt.bench.models.bert import mean_pool
+
     out = []
     max_length = min(max_length, tokenizer.model_max_length)
     with torch.inference_mode():
         for i in range(0, len(sentences), batch_size):
             enc = tokenizer(sentences[i:i + batch_size], padding=True, truncation=True, max_length=max_length,
                             return_tensors="pt")
-            hidden = model(**enc).last_hidden_state.float()
-            mask = enc["attention_mask"].unsqueeze(-1).float()
-            out.append(torch.nn.functional.normalize((hidden * mask).sum(1) / mask.sum(1), dim=-1))
+            out.append(mean_pool(model(**enc).last_hidden_state.float(), enc["attention_mask"]))
     return torch.cat(out)
