@@ -31,10 +31,20 @@ from hilt.errors import HiltError
 _ZERO = torch.zeros(())  # addmm's ignored input (beta=0): a product scaled inside BLAS
 
 
-def _output_stage_eager(part, keys, noise_scale, levels, noise: bool, adc: bool):
-    """Output noise (draw i of chip k a hash of i and chip k's keys: no sequential generator, so
-    the pass is parallel and fused, and chip k's draws do not depend on the other chips), then the
-    ADC: clip at +-levels and round -> (part, per-row peak before the clip, or None without an ADC)."""
+def _combine_eager(planes, column_scale):
+    """The two int32 planes of an integer product (coarse codes, then fine codes) -> the product
+    in ADC steps: (coarse + fine / FINE) x each column's scale."""
+    n = planes.shape[-1] // 2
+    return (planes[..., :n] + planes[..., n:] * (1 / FINE)) * column_scale
+
+
+def _output_stage_eager(part, column_scale, keys, noise_scale, levels, noise: bool, adc: bool):
+    """The product (float, or an integer product's planes with ``column_scale``), output noise (draw
+    i of chip k a hash of i and chip k's keys: no sequential generator, so the pass is parallel and
+    fused, and chip k's draws do not depend on the other chips), then the ADC: clip at +-levels and
+    round -> (part, per-row peak before the clip, or None without an ADC)."""
+    if column_scale is not None:
+        part = _combine_eager(part, column_scale)
     if noise:
         part = part + noise_scale * hashed_normal(part[0].numel(), keys).view(part.shape)
     if not adc:
@@ -45,11 +55,13 @@ def _output_stage_eager(part, keys, noise_scale, levels, noise: bool, adc: bool)
 _output_stage = compiled(_output_stage_eager)
 
 
-def _input_stage_eager(x, in_step, levels):
+def _input_stage_eager(x, in_step, levels, as_int8: bool):
     """Noise management and the DAC: each row divided by its abs-max, in DAC steps, clipped at
-    +-levels and rounded -> (x in DAC steps, per-row scale). One compiled pass."""
+    +-levels and rounded -> (x in DAC steps, as int8 for the integer product, per-row scale).
+    One compiled pass."""
     scale = x.abs().amax(-1, keepdim=True).clamp_min(1e-12)
-    return (x * (1 / (scale * in_step))).clamp(-levels, levels).round(), scale
+    xq = (x * (1 / (scale * in_step))).clamp(-levels, levels).round()
+    return (xq.to(torch.int8) if as_int8 else xq), scale
 
 
 _input_stage = compiled(_input_stage_eager)
@@ -116,6 +128,33 @@ def preset(name: str) -> AnalogConfig:
     if name not in PRESETS:
         raise HiltError(f"unknown preset {name!r}; choose one of {', '.join(PRESETS)}")
     return PRESETS[name]
+
+
+# What an array holds: each weight as two int8 codes against its row's step s (the row's abs-max /
+# COARSE), w = s (coarse + fine / FINE): to 1/64,516 of the row's abs-max, far below the devices'
+# programming and read noise, and exactly what an int8 x int8 -> int32 product computes with.
+COARSE, FINE = 127, 254
+
+
+@dataclass(frozen=True)
+class HeldArray:
+    """One crossbar array (input rows k0:k1) on every chip: what it holds, chips first."""
+
+    k0: int
+    k1: int
+    codes: torch.Tensor  # (chips, 2 out, k) int8: the coarse codes' rows, then the fine codes'
+    scale: torch.Tensor  # (chips, out): each row's step s
+    w: torch.Tensor  # (chips, out, k): the held weights as floats
+    w_abs: torch.Tensor | None  # |w|, where per-read noise or IR drop need it
+
+    @classmethod
+    def of(cls, w: torch.Tensor, k0: int, k1: int, needs_abs: bool) -> HeldArray:
+        scale = w.abs().amax(-1, keepdim=True).clamp_min(1e-30) / COARSE
+        coarse = (w / scale).round().clamp_(-COARSE, COARSE)
+        fine = ((w - coarse * scale) * (FINE / scale)).round_().clamp_(-COARSE, COARSE)  # |fine| <= FINE / 2
+        held = (coarse + fine * (1 / FINE)) * scale
+        return cls(k0, k1, torch.cat([coarse, fine], -2).to(torch.int8), scale.squeeze(-1), held,
+                   held.abs() if needs_abs else None)
 
 
 class AnalogMixin:
@@ -205,8 +244,8 @@ class AnalogMixin:
         else:
             y = None
             tile_scale = getattr(self, "tile_scale", None)  # per-array drift compensation (gdc="aihwkit")
-            for i, (k0, k1, w, w_abs) in enumerate(self._tiles()):  # a loop over arrays (a handful), not over devices
-                part, x_scale = self._tile_mvm(x[..., k0:k1], w, w_abs)
+            for i, array in enumerate(self._tiles()):  # a loop over arrays (a handful), not over devices
+                part, x_scale = self._tile_mvm(x[..., array.k0 : array.k1], array)
                 if tile_scale is not None:
                     x_scale = x_scale * tile_scale[:, i].view(-1, 1, 1)
                 y = part.mul_(x_scale) if y is None else y.addcmul_(part, x_scale)
@@ -217,22 +256,24 @@ class AnalogMixin:
             return y.mul_(factor)
         return torch.addcmul(bias, y, factor) if torch.is_tensor(factor) else y.mul_(factor).add_(bias)
 
-    def _tile_mvm(self, x: torch.Tensor, w: torch.Tensor, w_abs, fused: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    def _tile_mvm(self, x: torch.Tensor, array: HeldArray, fused: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
         """One array on every chip: noise management, DAC, MVM, ADC, bound management -> (ADC
         output in steps (chips, rows, out), input scale). ``fused``: the compiled passes (else the
         same functions run eagerly: for small one-off inputs that would only add compiled shapes)."""
         c = self.config
         in_step, out_step = self._steps()
+        as_int8 = self.integer_product
         if c.dac_bits is not None:
             # one shape family (3-D, contiguous) for the compiled pass, so that it compiles once
             x3 = (x if x.dim() == 3 else x.unsqueeze(0)).contiguous()
             stage = _input_stage if fused else _input_stage_eager
-            xq, x_scale = stage(x3, *(torch.tensor(v, dtype=torch.float32) for v in (in_step, c.inp_bound / in_step)))
+            xq, x_scale = stage(x3, *(torch.tensor(v, dtype=torch.float32) for v in (in_step, c.inp_bound / in_step)),
+                                as_int8)
             if x.dim() == 2:
                 xq, x_scale = xq[0], x_scale[0]
         else:
             xq, x_scale = x, torch.ones(*x.shape[:-1], 1)
-        part, peak = self._read_out(xq, w, w_abs, self.gens, fused)
+        part, peak = self._read_out(xq, array, slice(None), self.gens, fused)
         if not c.bound_management or peak is None or not bool((peak >= c.out_bound / out_step).any()):
             return part, x_scale
         for chip in range(self.chips):  # bound management: retry the saturated rows at half the input scale
@@ -247,16 +288,18 @@ class AnalogMixin:
                 xq = xc[rows].mul_(1 / (sc[rows] * (factor * in_step)))
                 if c.dac_bits is not None:
                     xq.clamp_(-c.inp_bound / in_step, c.inp_bound / in_step).round_()
-                retry, chip_peak = self._read_out(xq, w[chip : chip + 1], None if w_abs is None else w_abs[chip : chip + 1],
-                                                  self.gens[chip : chip + 1], fused)
+                # eager: a few rows, one chip (a compiled pass would compile another shape for them)
+                retry, chip_peak = self._read_out(xq.to(torch.int8) if as_int8 else xq, array,
+                                                  slice(chip, chip + 1), self.gens[chip : chip + 1], fused=False)
                 part[chip, rows] = retry[0].mul_(factor)
                 chip_peak = chip_peak[0]
         return part, x_scale
 
-    def _read_out(self, xq: torch.Tensor, w: torch.Tensor, w_abs, gens, fused: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """One pass through an array on each chip of ``w`` (chips, out, k): xq the DAC's output in
-        its steps (|xq| <= 1 / DAC step), (rows, k) shared or (chips, rows, k) -> (ADC output in steps
-        (chips, rows, out), per-row peak (chips, rows) before clipping; None without an ADC).
+    def _read_out(self, xq: torch.Tensor, array: HeldArray, chips: slice, gens, fused: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """One pass through ``array`` on the chips ``chips`` selects: xq the DAC's output in its
+        steps (|xq| <= 1 / DAC step; int8 for the integer product), (rows, k) shared or (chips, rows, k)
+        -> (ADC output in steps (chips, rows, out), per-row peak (chips, rows) before clipping; None
+        without an ADC).
 
         Converters work in integer steps: the DAC's step is folded into the input scaling
         and the ADC's into the product's scale and the final scaling, so each pass over the data is one
@@ -264,33 +307,45 @@ class AnalogMixin:
         """
         c = self.config
         in_step, out_step = self._steps()
-        chips, rows = w.shape[0], xq.shape[-2]
-        part = torch.empty(chips, rows, w.shape[1])
+        to_steps = in_step / (out_step * self.w_unit)  # weights x DAC steps -> ADC steps
+        n_chips, rows, n_out = len(gens), xq.shape[-2], array.scale.shape[-1]
         chip_x = (lambda i: xq) if xq.dim() == 2 else (lambda i: xq[i])
-        for i in range(chips):
-            # w is a view of the weights (/ w_unit inside the product; BLAS scales for free), in ADC steps
-            torch.addmm(_ZERO, chip_x(i), w[i].T, beta=0, alpha=in_step / (out_step * self.w_unit), out=part[i])
+        if xq.dtype == torch.int8:  # int8 x int8 -> int32: exact, two planes (coarse, fine codes)
+            codes = array.codes[chips]
+            part = torch.empty(n_chips, rows, 2 * n_out, dtype=torch.int32)
+            for i in range(n_chips):
+                torch._int_mm(chip_x(i), codes[i].T, out=part[i])
+            column_scale = (array.scale[chips] * to_steps).unsqueeze(1)
+        else:
+            w = array.w[chips]
+            part, column_scale = torch.empty(n_chips, rows, n_out), None
+            for i in range(n_chips):  # BLAS scales the product for free
+                torch.addmm(_ZERO, chip_x(i), w[i].T, beta=0, alpha=to_steps, out=part[i])
         if c.w_noise or c.ir_drop:
+            if column_scale is not None:
+                part, column_scale = _combine_eager(part, column_scale), None
             # both need |w| against a function of x: one matmul for both
-            moments = torch.cat([xq * xq, xq.abs()], -2)
-            for i in range(chips):
+            xf = xq.float()
+            moments = torch.cat([xf * xf, xf.abs()], -2)
+            w_abs = array.w_abs[chips]
+            for i in range(n_chips):
                 stats = torch.addmm(_ZERO, moments if xq.dim() == 2 else moments[i], w_abs[i].T, beta=0,
                                     alpha=1 / self.w_unit)
                 if c.ir_drop:
                     # first-order IR drop (our approximation): a bit line carrying a large total
                     # current loses a share of it, 5% at full current on every row of the array
-                    part[i] *= 1 - (0.05 * c.ir_drop * in_step / w.shape[2]) * stats[rows:]
+                    part[i] *= 1 - (0.05 * c.ir_drop * in_step / (array.k1 - array.k0)) * stats[rows:]
                 if c.w_noise:  # per-read PCM noise: std w_noise * sqrt(sum_j |w_ij| x_j^2)
                     noise = gaussian_(torch.empty(part.shape[1:]), gens[i]).mul_(stats[:rows].sqrt_())
                     part[i].add_(noise, alpha=c.w_noise * in_step / out_step)
         if not c.out_noise and c.adc_bits is None:
-            return part, None
-        # output noise, ADC clip and round, row peaks: one compiled pass over the outputs of every chip
+            return (part if column_scale is None else _combine_eager(part, column_scale)), None
+        # product planes, output noise, ADC clip and round, row peaks: one compiled pass over the outputs of every chip
         keys = torch.stack([torch.randint(-(2**31), 2**31, (2,), generator=g, dtype=torch.int32) for g in gens]) \
-            if c.out_noise else torch.zeros(chips, 2, dtype=torch.int32)
+            if c.out_noise else torch.zeros(n_chips, 2, dtype=torch.int32)
         noise_scale, levels = (torch.tensor(v, dtype=torch.float32) for v in (c.out_noise / out_step, c.out_bound / out_step))
         stage = _output_stage if fused else _output_stage_eager
-        return stage(part, keys, noise_scale, levels, bool(c.out_noise), c.adc_bits is not None)
+        return stage(part, column_scale, keys, noise_scale, levels, bool(c.out_noise), c.adc_bits is not None)
 
     def _steps(self) -> tuple[float, float]:
         """(DAC step, ADC step) in normalised units (1 where a converter is off)."""
@@ -301,15 +356,22 @@ class AnalogMixin:
     def tile_bounds(self) -> list[tuple[int, int]]:
         return array_bounds(self.w_digital.shape[1], self.config.tile_size)
 
-    def _tiles(self) -> list:
-        """(k0, k1, w, |w|) per array: views (chips, out, k) of the weights (and of their
-        magnitudes, where per-read noise or IR drop need them), rebuilt when a read replaces them."""
+    @property
+    def integer_product(self) -> bool:
+        """Whether the arrays compute with int8 x int8 -> int32 products: the DAC's codes fit int8
+        (at most 8 bits) and the layer is on the CPU (where these products run several times faster
+        than float32 ones). Both ways compute with the same held weights."""
+        c = self.config
+        return c.dac_bits is not None and c.dac_bits <= 8 and self.w_eff.device.type == "cpu"
+
+    def _tiles(self) -> list[HeldArray]:
+        """What each array holds on every chip (see :class:`HeldArray`), rebuilt when a read replaces
+        the weights."""
         key = (id(self.w_eff), self.w_eff._version)  # set_weights also resets it; the version counts in-place writes
         if getattr(self, "_tiles_of", None) != key:
             w = self.w_eff.view(self.chips, *self.w_digital.shape)
-            w_abs = w.abs() if self.config.w_noise or self.config.ir_drop else None
-            self._tile_list = [(k0, k1, w[..., k0:k1], None if w_abs is None else w_abs[..., k0:k1])
-                               for k0, k1 in self.tile_bounds()]
+            needs_abs = bool(self.config.w_noise or self.config.ir_drop)
+            self._tile_list = [HeldArray.of(w[..., k0:k1], k0, k1, needs_abs) for k0, k1 in self.tile_bounds()]
             self._tiles_of = key
         return self._tile_list
 
@@ -319,8 +381,8 @@ class AnalogMixin:
         array's whole output, in weight units -> (chips, arrays)."""
         out_step = self._steps()[1]
         reads = []
-        for k0, k1, w, w_abs in self._tiles():
-            part, _ = self._tile_mvm(torch.eye(k1 - k0), w, w_abs, fused=False)  # a one-hot row's abs-max is 1
+        for array in self._tiles():
+            part, _ = self._tile_mvm(torch.eye(array.k1 - array.k0), array, fused=False)  # a one-hot row's abs-max is 1
             reads.append((part.abs().mean((1, 2)) * (self.w_unit * out_step)).clamp_min(1e-4))
         return torch.stack(reads, 1)
 

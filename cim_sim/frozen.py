@@ -42,11 +42,11 @@ class FrozenArrays(nn.Module):
             self.register_buffer("weight", layer.w_eff.clone())
         else:
             to_steps = self.in_step / (out_step * layer.w_unit)  # weights -> ADC steps per DAC step, as the arrays scale
-            for i, (k0, k1, w, w_abs) in enumerate(layer._tiles()):  # chip 0, the only one
-                self.bounds.append((k0, k1))
-                self.register_buffer(f"w{i}", w[0] * to_steps)
+            for i, array in enumerate(layer._tiles()):  # chip 0, the only one; the weights the arrays hold
+                self.bounds.append((array.k0, array.k1))
+                self.register_buffer(f"w{i}", array.w[0] * to_steps)
                 if self.ir_drop:
-                    self.register_buffer(f"w_abs{i}", w_abs[0] / layer.w_unit)
+                    self.register_buffer(f"w_abs{i}", array.w_abs[0] / layer.w_unit)
         self.out_scale = out_step * layer.w_unit
         self.register_buffer("gdc", layer.gdc_scale.clone().float())
         tile_scale = getattr(layer, "tile_scale", None)  # per-array compensation (gdc="aihwkit")

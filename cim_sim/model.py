@@ -68,7 +68,10 @@ def convert_to_analog(model: nn.Module, config: AnalogConfig, inplace: bool = Fa
             digital.append(name)
         return None
 
-    if replace_modules(model, analog) == 0:
+    single = analog("", model)  # a bare layer becomes its analog counterpart
+    if single is not None:
+        model = single
+    elif replace_modules(model, analog) == 0:
         raise HiltError("the model has no Linear, Conv1d or Conv2d layer to put on analog hardware")
     model.digital_layers = digital
     model.eval()

@@ -146,6 +146,9 @@ class QuantEmbedding(_Packed):
 
 def replace_module(model: nn.Module, path: str, new: nn.Module) -> None:
     """Put ``new`` at ``path`` (dotted, as ``named_modules`` names it) in ``model``."""
+    if not path:
+        raise HiltError(f"cannot replace the {type(model).__name__} passed in, only layers inside it: wrap a single "
+                        "layer in nn.Sequential")
     parent_path, _, attr = path.rpartition(".")
     setattr(model.get_submodule(parent_path) if parent_path else model, attr, new)
 

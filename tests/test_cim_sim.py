@@ -215,6 +215,67 @@ def test_analog_forward_is_reproducible_by_seed():
     assert torch.equal(outs[0], outs[1])
 
 
+def test_held_weights_are_two_int8_codes_within_a_64516th_of_the_row():
+    """What an array holds: a coarse and a fine int8 code per weight, within 1/64,516 of its row's
+    abs-max, on an awkward shape, a zero row and rows eight decades apart."""
+    from hilt.cim_sim.analog import HeldArray
+
+    w = torch.randn(3, 13, 37, generator=torch.Generator().manual_seed(0)) * torch.logspace(-6, 2, 13).view(1, 13, 1)
+    w[1, 4] = 0
+    array = HeldArray.of(w, 0, 37, needs_abs=True)
+    assert array.codes.dtype == torch.int8 and array.codes.shape == (3, 26, 37)
+    assert int(array.codes.abs().max()) <= 127 and torch.isfinite(array.w).all()
+    row_max = w.abs().amax(-1, keepdim=True)
+    assert ((array.w - w).abs() <= row_max * (1 / 64_516 + 1e-6)).all()
+    assert not array.w[1, 4].any() and torch.equal(array.w_abs, array.w.abs())
+    rebuilt = (array.codes[:, :13].double() + array.codes[:, 13:].double() / 254) * array.scale.double().unsqueeze(-1)
+    torch.testing.assert_close(array.w.double(), rebuilt, rtol=1e-6, atol=0)  # the floats are the codes
+
+
+@pytest.mark.parametrize("dac_bits", [7, 8])
+def test_integer_product_computes_what_the_float_product_does(dac_bits, monkeypatch):
+    """The arrays' int8 x int8 -> int32 product against a float32 product of the same held weights:
+    three arrays of an awkward layer, output noise, bound management retrying saturated rows, the
+    same draws. The ADC codes agree but where float rounding moves a value across a rounding tie."""
+    import dataclasses
+
+    from hilt.cim_sim.analog import AnalogMixin
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(37, 13))
+    with torch.no_grad():
+        model[0].weight.add_(0.4)  # positive-leaning weights: the ADC saturates on many rows
+    config = dataclasses.replace(preset("pcm"), tile_size=16, dac_bits=dac_bits)
+    x = torch.randn(29, 37).abs()
+    real_int_mm, calls = torch._int_mm, []
+    monkeypatch.setattr(torch, "_int_mm", lambda *a, **kw: calls.append(1) or real_int_mm(*a, **kw))
+    outs = []
+    for integer in (True, False):
+        monkeypatch.setattr(AnalogMixin, "integer_product", property(lambda self, v=integer: v))
+        analog = convert_to_analog(model, config)
+        program(analog, seed=1)
+        drift_to(analog, 3600.0, seed=2)
+        with torch.no_grad():
+            outs.append(analog(x))
+    assert len(calls) > 3  # three arrays, then retries (the gdc probe's reads come on top)
+    assert torch.isfinite(outs[0]).all()
+    step = analog[0]._steps()[1] * float(x.abs().max())  # one ADC step, in output units, at the largest input scale
+    assert float((outs[0] - outs[1]).abs().max()) <= step
+    assert int((outs[0] != outs[1]).sum()) <= 2
+
+
+def test_a_bare_layer_converts_to_its_analog_counterpart():
+    from hilt.cim_sim import evaluate
+    from hilt.cim_sim.analog import AnalogConv1d, AnalogLinear
+
+    layer = convert_to_analog(nn.Linear(8, 3), preset("pcm"))
+    assert isinstance(layer, AnalogLinear) and isinstance(convert_to_analog(nn.Conv1d(2, 3, 3), preset("pcm")), AnalogConv1d)
+    program(layer, seeds=[1, 2])
+    drift_to(layer, 60.0, seeds=[3, 4])
+    assert layer(torch.randn(5, 8)).shape == (10, 3)
+    assert evaluate(layer, (torch.randn(6, 8), torch.zeros(6, dtype=torch.long))).shape == (2,)
+
+
 def test_mismatch_and_stuck_at():
     g = torch.Generator().manual_seed(0)
     w = torch.ones(100_000)
