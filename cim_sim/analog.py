@@ -3,12 +3,15 @@
 The forward pass of one analog layer, all as a few tensor ops per layer:
 
 1. weights: W_eff = (G+ - G-) / scale, the conductances read at the current time
-   (programming noise, drift and read noise from the device model);
+   (programming noise, drift and read noise from the device model), held by the
+   arrays as two int8 codes per weight, to 1/64,516 of each row's abs-max
+   (:class:`HeldArray`);
 2. the input dimension is cut into ceil(in / ``tile_size``) arrays of equal
    size, each a tile of its own as in aihwkit;
 3. per array, DAC: each input row's slice is divided by its abs-max (noise
    management) and quantized to ``dac_bits`` over [-inp_bound, inp_bound];
-4. per array: the MVM, per-read weight noise (pcm-hwa), a first-order IR-drop
+4. per array: the MVM (on the CPU an int8 x int8 -> int32 product of the DAC's codes
+   and the held codes, exact), per-read weight noise (pcm-hwa), a first-order IR-drop
    attenuation, Gaussian output noise, then the ADC: clip at ``out_bound`` and
    quantize to ``adc_bits``; input rows whose output saturates are retried at
    half scale, up to 4 times, as aihwkit does (bound management);
@@ -20,6 +23,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 import torch.nn.functional as F
@@ -136,25 +140,41 @@ def preset(name: str) -> AnalogConfig:
 COARSE, FINE = 127, 254
 
 
+def _hold_eager(w):
+    """Weights (chips, out, k) -> (codes (chips, 2 out, k) int8: the coarse codes' rows, then the
+    fine codes'; each row's step s (chips, out)). One compiled pass."""
+    scale = w.abs().amax(-1, keepdim=True).clamp_min(1e-30) / COARSE
+    coarse = (w / scale).round().clamp(-COARSE, COARSE)
+    fine = ((w - coarse * scale) * (FINE / scale)).round().clamp(-COARSE, COARSE)  # |fine| <= FINE / 2
+    return torch.cat([coarse, fine], -2).to(torch.int8), scale.squeeze(-1)
+
+
+_hold = compiled(_hold_eager)
+
+
 @dataclass(frozen=True)
 class HeldArray:
     """One crossbar array (input rows k0:k1) on every chip: what it holds, chips first."""
 
     k0: int
     k1: int
-    codes: torch.Tensor  # (chips, 2 out, k) int8: the coarse codes' rows, then the fine codes'
+    codes: torch.Tensor  # (chips, 2 out, k) int8, see _hold_eager
     scale: torch.Tensor  # (chips, out): each row's step s
-    w: torch.Tensor  # (chips, out, k): the held weights as floats
-    w_abs: torch.Tensor | None  # |w|, where per-read noise or IR drop need it
 
     @classmethod
-    def of(cls, w: torch.Tensor, k0: int, k1: int, needs_abs: bool) -> HeldArray:
-        scale = w.abs().amax(-1, keepdim=True).clamp_min(1e-30) / COARSE
-        coarse = (w / scale).round().clamp_(-COARSE, COARSE)
-        fine = ((w - coarse * scale) * (FINE / scale)).round_().clamp_(-COARSE, COARSE)  # |fine| <= FINE / 2
-        held = (coarse + fine * (1 / FINE)) * scale
-        return cls(k0, k1, torch.cat([coarse, fine], -2).to(torch.int8), scale.squeeze(-1), held,
-                   held.abs() if needs_abs else None)
+    def of(cls, w: torch.Tensor, k0: int, k1: int) -> HeldArray:
+        return cls(k0, k1, *_hold(w))
+
+    @cached_property
+    def w(self) -> torch.Tensor:
+        """The held weights as floats (chips, out, k): for float products and the frozen model."""
+        n = self.scale.shape[-1]
+        return (self.codes[:, :n].float() + self.codes[:, n:].float() * (1 / FINE)) * self.scale.unsqueeze(-1)
+
+    @cached_property
+    def w_abs(self) -> torch.Tensor:
+        """|w|, for per-read weight noise and IR drop."""
+        return self.w.abs()
 
 
 class AnalogMixin:
@@ -288,9 +308,8 @@ class AnalogMixin:
                 xq = xc[rows].mul_(1 / (sc[rows] * (factor * in_step)))
                 if c.dac_bits is not None:
                     xq.clamp_(-c.inp_bound / in_step, c.inp_bound / in_step).round_()
-                # eager: a few rows, one chip (a compiled pass would compile another shape for them)
                 retry, chip_peak = self._read_out(xq.to(torch.int8) if as_int8 else xq, array,
-                                                  slice(chip, chip + 1), self.gens[chip : chip + 1], fused=False)
+                                                  slice(chip, chip + 1), self.gens[chip : chip + 1], fused)
                 part[chip, rows] = retry[0].mul_(factor)
                 chip_peak = chip_peak[0]
         return part, x_scale
@@ -321,12 +340,9 @@ class AnalogMixin:
             part, column_scale = torch.empty(n_chips, rows, n_out), None
             for i in range(n_chips):  # BLAS scales the product for free
                 torch.addmm(_ZERO, chip_x(i), w[i].T, beta=0, alpha=to_steps, out=part[i])
-        if c.w_noise or c.ir_drop:
-            if column_scale is not None:
-                part, column_scale = _combine_eager(part, column_scale), None
+        if c.w_noise or c.ir_drop:  # (float products only: see integer_product)
             # both need |w| against a function of x: one matmul for both
-            xf = xq.float()
-            moments = torch.cat([xf * xf, xf.abs()], -2)
+            moments = torch.cat([xq * xq, xq.abs()], -2)
             w_abs = array.w_abs[chips]
             for i in range(n_chips):
                 stats = torch.addmm(_ZERO, moments if xq.dim() == 2 else moments[i], w_abs[i].T, beta=0,
@@ -359,10 +375,12 @@ class AnalogMixin:
     @property
     def integer_product(self) -> bool:
         """Whether the arrays compute with int8 x int8 -> int32 products: the DAC's codes fit int8
-        (at most 8 bits) and the layer is on the CPU (where these products run several times faster
-        than float32 ones). Both ways compute with the same held weights."""
+        (at most 8 bits), the layer is on the CPU (where these products run several times faster
+        than float32 ones), and neither per-read weight noise nor IR drop needs the product as
+        floats first. Both ways compute with the same held weights."""
         c = self.config
-        return c.dac_bits is not None and c.dac_bits <= 8 and self.w_eff.device.type == "cpu"
+        return c.dac_bits is not None and c.dac_bits <= 8 and not (c.w_noise or c.ir_drop) \
+            and self.w_eff.device.type == "cpu"
 
     def _tiles(self) -> list[HeldArray]:
         """What each array holds on every chip (see :class:`HeldArray`), rebuilt when a read replaces
@@ -370,8 +388,7 @@ class AnalogMixin:
         key = (id(self.w_eff), self.w_eff._version)  # set_weights also resets it; the version counts in-place writes
         if getattr(self, "_tiles_of", None) != key:
             w = self.w_eff.view(self.chips, *self.w_digital.shape)
-            needs_abs = bool(self.config.w_noise or self.config.ir_drop)
-            self._tile_list = [HeldArray.of(w[..., k0:k1], k0, k1, needs_abs) for k0, k1 in self.tile_bounds()]
+            self._tile_list = [HeldArray.of(w[..., k0:k1], k0, k1) for k0, k1 in self.tile_bounds()]
             self._tiles_of = key
         return self._tile_list
 

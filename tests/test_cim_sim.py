@@ -222,7 +222,7 @@ def test_held_weights_are_two_int8_codes_within_a_64516th_of_the_row():
 
     w = torch.randn(3, 13, 37, generator=torch.Generator().manual_seed(0)) * torch.logspace(-6, 2, 13).view(1, 13, 1)
     w[1, 4] = 0
-    array = HeldArray.of(w, 0, 37, needs_abs=True)
+    array = HeldArray.of(w, 0, 37)
     assert array.codes.dtype == torch.int8 and array.codes.shape == (3, 26, 37)
     assert int(array.codes.abs().max()) <= 127 and torch.isfinite(array.w).all()
     row_max = w.abs().amax(-1, keepdim=True)
