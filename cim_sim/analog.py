@@ -141,12 +141,12 @@ COARSE, FINE = 127, 254
 
 
 def _hold_eager(w):
-    """Weights (chips, out, k) -> (codes (chips, 2 out, k) int8: the coarse codes' rows, then the
-    fine codes'; each row's step s (chips, out)). One compiled pass."""
+    """Weights (rows, k) -> (coarse codes, fine codes (rows, k) int8, each row's step s (rows,)).
+    One compiled pass."""
     scale = w.abs().amax(-1, keepdim=True).clamp_min(1e-30) / COARSE
     coarse = (w / scale).round().clamp(-COARSE, COARSE)
     fine = ((w - coarse * scale) * (FINE / scale)).round().clamp(-COARSE, COARSE)  # |fine| <= FINE / 2
-    return torch.cat([coarse, fine], -2).to(torch.int8), scale.squeeze(-1)
+    return coarse.to(torch.int8), fine.to(torch.int8), scale.squeeze(-1)
 
 
 _hold = compiled(_hold_eager)
@@ -158,12 +158,17 @@ class HeldArray:
 
     k0: int
     k1: int
-    codes: torch.Tensor  # (chips, 2 out, k) int8, see _hold_eager
+    codes: torch.Tensor  # (chips, 2 out, k) int8: the coarse codes' rows, then the fine codes'
     scale: torch.Tensor  # (chips, out): each row's step s
 
     @classmethod
     def of(cls, w: torch.Tensor, k0: int, k1: int) -> HeldArray:
-        return cls(k0, k1, *_hold(w))
+        """The array holding ``w`` (chips, out, k)."""
+        chips, out, k = w.shape
+        # 2-D and contiguous: one shape family for the compiled pass (a chip count of 1 would compile apart)
+        coarse, fine, scale = _hold(w.reshape(chips * out, k).contiguous())
+        codes = torch.cat([coarse.view(chips, out, k), fine.view(chips, out, k)], 1)
+        return cls(k0, k1, codes, scale.view(chips, out))
 
     @cached_property
     def w(self) -> torch.Tensor:
@@ -308,10 +313,13 @@ class AnalogMixin:
                 xq = xc[rows].mul_(1 / (sc[rows] * (factor * in_step)))
                 if c.dac_bits is not None:
                     xq.clamp_(-c.inp_bound / in_step, c.inp_bound / in_step).round_()
-                retry, chip_peak = self._read_out(xq.to(torch.int8) if as_int8 else xq, array,
-                                                  slice(chip, chip + 1), self.gens[chip : chip + 1], fused)
-                part[chip, rows] = retry[0].mul_(factor)
-                chip_peak = chip_peak[0]
+                if as_int8:
+                    xq = xq.to(torch.int8)
+                if len(rows) == 1:  # padded with a zero row: a size-1 dimension would compile apart
+                    xq = torch.cat([xq, torch.zeros_like(xq)])  # (the real row's draws do not move)
+                retry, chip_peak = self._read_out(xq, array, slice(chip, chip + 1), self.gens[chip : chip + 1], fused)
+                part[chip, rows] = retry[0, : len(rows)].mul_(factor)
+                chip_peak = chip_peak[0, : len(rows)]
         return part, x_scale
 
     def _read_out(self, xq: torch.Tensor, array: HeldArray, chips: slice, gens, fused: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
