@@ -298,35 +298,43 @@ class AnalogMixin:
                 xq, x_scale = xq[0], x_scale[0]
         else:
             xq, x_scale = x, torch.ones(*x.shape[:-1], 1)
-        part, peak = self._read_out(xq, array, slice(None), self.gens, fused)
-        if not c.bound_management or peak is None or not bool((peak >= c.out_bound / out_step).any()):
+        part, peak = self._read_out(xq, array, list(range(self.chips)), fused)
+        bound = c.out_bound / out_step
+        if not c.bound_management or peak is None or not bool((peak >= bound).any()):
             return part, x_scale
-        for chip in range(self.chips):  # bound management: retry the saturated rows at half the input scale
-            xc, sc = (x, x_scale) if x.dim() == 2 else (x[chip], x_scale[chip])
-            rows, factor, chip_peak = None, 1.0, peak[chip]
-            for _ in range(4):  # down to 1/16 of the input scale, as aihwkit (max_bm_res 0.25 at 7 DAC bits)
-                saturated = chip_peak >= c.out_bound / out_step
-                rows = saturated.nonzero().squeeze(1) if rows is None else rows[saturated]
-                if len(rows) == 0:
-                    break
-                factor *= 2
-                xq = xc[rows].mul_(1 / (sc[rows] * (factor * in_step)))
-                if c.dac_bits is not None:
-                    xq.clamp_(-c.inp_bound / in_step, c.inp_bound / in_step).round_()
-                if as_int8:
-                    xq = xq.to(torch.int8)
-                if len(rows) == 1:  # padded with a zero row: a size-1 dimension would compile apart
-                    xq = torch.cat([xq, torch.zeros_like(xq)])  # (the real row's draws do not move)
-                retry, chip_peak = self._read_out(xq, array, slice(chip, chip + 1), self.gens[chip : chip + 1], fused)
-                part[chip, rows] = retry[0, : len(rows)].mul_(factor)
-                chip_peak = chip_peak[0, : len(rows)]
+        # bound management: retry the saturated rows at half the input scale, every chip's in one pass;
+        # chip k's rows are padded to the longest chip's (at least 2: a size-1 dimension would compile
+        # apart), which moves none of its draws
+        chip_of, row_of = (peak >= bound).nonzero(as_tuple=True)  # chip-major, rows ascending
+        shared = x.dim() == 2
+        factor = 1.0
+        for _ in range(4):  # down to 1/16 of the input scale, as aihwkit (max_bm_res 0.25 at 7 DAC bits)
+            if len(chip_of) == 0:
+                break
+            factor *= 2
+            chip_ids, slot = torch.unique_consecutive(chip_of, return_inverse=True)
+            counts = torch.bincount(slot)
+            pos = torch.arange(len(slot)) - (counts.cumsum(0) - counts)[slot]  # each row's place in its chip's batch
+            at = row_of if shared else (chip_of, row_of)
+            xq = x[at].mul_(1 / (x_scale[at] * (factor * in_step)))
+            if c.dac_bits is not None:
+                xq.clamp_(-c.inp_bound / in_step, c.inp_bound / in_step).round_()
+            batch = torch.zeros(len(chip_ids), max(2, int(counts.max())), x.shape[-1],
+                                dtype=torch.int8 if as_int8 else xq.dtype)
+            batch[slot, pos] = xq.to(batch.dtype)
+            retry, retry_peak = self._read_out(batch, array, chip_ids.tolist(), fused, real_rows=counts.tolist())
+            part[chip_of, row_of] = retry[slot, pos].mul_(factor)
+            still = retry_peak[slot, pos] >= bound
+            chip_of, row_of = chip_of[still], row_of[still]
         return part, x_scale
 
-    def _read_out(self, xq: torch.Tensor, array: HeldArray, chips: slice, gens, fused: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """One pass through ``array`` on the chips ``chips`` selects: xq the DAC's output in its
-        steps (|xq| <= 1 / DAC step; int8 for the integer product), (rows, k) shared or (chips, rows, k)
+    def _read_out(self, xq: torch.Tensor, array: HeldArray, chip_ids: list[int], fused: bool = True,
+                  real_rows: list[int] | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """One pass through ``array`` on the chips ``chip_ids``: xq the DAC's output in its steps
+        (|xq| <= 1 / DAC step; int8 for the integer product), (rows, k) shared or (chips, rows, k)
         -> (ADC output in steps (chips, rows, out), per-row peak (chips, rows) before clipping; None
-        without an ADC).
+        without an ADC). ``real_rows``: how many leading rows of each chip's are inputs (the rest
+        padding, which draws no per-read noise).
 
         Converters work in integer steps: the DAC's step is folded into the input scaling
         and the ADC's into the product's scale and the final scaling, so each pass over the data is one
@@ -335,32 +343,32 @@ class AnalogMixin:
         c = self.config
         in_step, out_step = self._steps()
         to_steps = in_step / (out_step * self.w_unit)  # weights x DAC steps -> ADC steps
-        n_chips, rows, n_out = len(gens), xq.shape[-2], array.scale.shape[-1]
+        gens = [self.gens[k] for k in chip_ids]
+        n_chips, rows, n_out = len(chip_ids), xq.shape[-2], array.scale.shape[-1]
         chip_x = (lambda i: xq) if xq.dim() == 2 else (lambda i: xq[i])
         if xq.dtype == torch.int8:  # int8 x int8 -> int32: exact, two planes (coarse, fine codes)
-            codes = array.codes[chips]
             part = torch.empty(n_chips, rows, 2 * n_out, dtype=torch.int32)
-            for i in range(n_chips):
-                torch._int_mm(chip_x(i), codes[i].T, out=part[i])
-            column_scale = (array.scale[chips] * to_steps).unsqueeze(1)
+            for i, k in enumerate(chip_ids):
+                torch._int_mm(chip_x(i), array.codes[k].T, out=part[i])
+            column_scale = (array.scale[chip_ids] * to_steps).unsqueeze(1)
         else:
-            w = array.w[chips]
             part, column_scale = torch.empty(n_chips, rows, n_out), None
-            for i in range(n_chips):  # BLAS scales the product for free
-                torch.addmm(_ZERO, chip_x(i), w[i].T, beta=0, alpha=to_steps, out=part[i])
+            for i, k in enumerate(chip_ids):  # BLAS scales the product for free
+                torch.addmm(_ZERO, chip_x(i), array.w[k].T, beta=0, alpha=to_steps, out=part[i])
         if c.w_noise or c.ir_drop:  # (float products only: see integer_product)
             # both need |w| against a function of x: one matmul for both
             moments = torch.cat([xq * xq, xq.abs()], -2)
-            w_abs = array.w_abs[chips]
-            for i in range(n_chips):
-                stats = torch.addmm(_ZERO, moments if xq.dim() == 2 else moments[i], w_abs[i].T, beta=0,
+            for i, k in enumerate(chip_ids):
+                stats = torch.addmm(_ZERO, moments if xq.dim() == 2 else moments[i], array.w_abs[k].T, beta=0,
                                     alpha=1 / self.w_unit)
                 if c.ir_drop:
                     # first-order IR drop (our approximation): a bit line carrying a large total
                     # current loses a share of it, 5% at full current on every row of the array
                     part[i] *= 1 - (0.05 * c.ir_drop * in_step / (array.k1 - array.k0)) * stats[rows:]
                 if c.w_noise:  # per-read PCM noise: std w_noise * sqrt(sum_j |w_ij| x_j^2)
-                    noise = gaussian_(torch.empty(part.shape[1:]), gens[i]).mul_(stats[:rows].sqrt_())
+                    n = rows if real_rows is None else real_rows[i]
+                    noise = torch.zeros(part.shape[1:])
+                    gaussian_(noise[:n], gens[i]).mul_(stats[:n].sqrt_())
                     part[i].add_(noise, alpha=c.w_noise * in_step / out_step)
         if not c.out_noise and c.adc_bits is None:
             return (part if column_scale is None else _combine_eager(part, column_scale)), None

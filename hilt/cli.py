@@ -1158,7 +1158,7 @@ def build_parser() -> argparse.ArgumentParser:
     bk.add_argument("--all", action="store_true", help="GPU: check, timings and SmolLM2 decode in one run")
     bk.add_argument("--decode", action="store_true", help="the SmolLM2 decode check alone (GPU: through the "
                     "kernel, CPU: through the reference)")
-    bk.add_argument("--quick", action="store_true", help="fewer layer shapes")
+    bk.add_argument("--quick", action="store_true", help="fewer layer shapes (timings) and test shapes (check)")
     bk.add_argument("--cuda-graphs", action="store_true", help="GPU: also time both sides inside CUDA graphs "
                     "(no launch overhead; weights cycled so they come from memory, not L2)")
     bk.add_argument("--smollm2", metavar="GGUF", help="SmolLM2 GGUF for the decode check of --all or --decode "

@@ -46,6 +46,7 @@ from hilt.kernels.packing import packed_row_bytes
 from hilt.quant import QuantConfig, quantize_tensor
 
 CHECK_SHAPES = [(1, 64, 128), (3, 70, 192), (16, 33, 256), (17, 128, 128), (100, 96, 320)]  # (M, N, K)
+QUICK_CHECK_SHAPES = [(1, 64, 128), (3, 70, 192), (17, 128, 128)]  # decode, an awkward N, the tiled path
 CHECK_FORMATS = [("kmeans", "layer"), ("kmeans", "block"), ("int-asym", "layer")]
 LAYER_SHAPES = {  # (N, K) = (out_features, in_features)
     "smollm2.q_proj": (576, 576), "smollm2.k_proj": (192, 576), "smollm2.up_proj": (1536, 576),
@@ -66,12 +67,12 @@ def _kernels(device: str):
     return triton_kernels("lut_matmul_triton", interpret=device == "cpu")
 
 
-def check(device: str = "cpu", log=print, configs=None) -> dict:
+def check(device: str = "cpu", log=print, configs=None, quick: bool = False) -> dict:
     """Triton vs reference; returns {"cases", "failures", "max_error_ratio", "configs_checked"}.
 
     Fixed shapes x bits x formats x dtypes x paths with :func:`default_config` (tuning every
     case would cost minutes on a GPU), then each of ``SPLIT_K_CONFIGS`` and ``GEMM_CONFIGS``
-    (what the tuning may pick) on one awkward shape with a bias."""
+    (what the tuning may pick) on one awkward shape with a bias. ``quick``: three of the fixed shapes."""
     kt = _kernels(device)
     failures, cases, worst = [], 0, 0.0
     g = torch.Generator().manual_seed(0)
@@ -94,7 +95,7 @@ def check(device: str = "cpu", log=print, configs=None) -> dict:
         if not ratio <= 1.0:
             failures.append({**case, "error_ratio": ratio})
 
-    for m, n, k in CHECK_SHAPES:
+    for m, n, k in QUICK_CHECK_SHAPES if quick else CHECK_SHAPES:
         for bits in (1, 2, 3, 4):
             for method, scope in CHECK_FORMATS:
                 w = torch.randn(n, k, generator=g) * 0.05
@@ -371,7 +372,7 @@ def main(argv=None) -> int:
     p.add_argument("--all", action="store_true", help="GPU: check, timings and decode in one run")
     p.add_argument("--decode", action="store_true", help="the SmolLM2 decode check alone (GPU: through the kernel, "
                    "CPU: through the reference)")
-    p.add_argument("--quick", action="store_true", help="two layer shapes only")
+    p.add_argument("--quick", action="store_true", help="two layer shapes only (timings), three shapes (check)")
     p.add_argument("--cuda-graphs", action="store_true", help="GPU: also time both sides inside CUDA graphs")
     p.add_argument("--smollm2", metavar="GGUF", help="SmolLM2 GGUF for the decode check (default: the packaged one)")
     p.add_argument("--json", help="write results here")
@@ -411,7 +412,7 @@ def main(argv=None) -> int:
     if args.timings and not gpu:
         raise HiltError("kernel timings need a CUDA GPU; this machine has none (use --check for correctness)")
     if args.all or args.check or not chosen:
-        result["check"] = check("cuda" if gpu else "cpu")
+        result["check"] = check("cuda" if gpu else "cpu", quick=args.quick)
         save()
     if not gpu and not chosen:
         print("hilt: kernel timings need a CUDA GPU; none here. Ran the correctness check only.", file=sys.stderr)
