@@ -205,7 +205,7 @@ def test_bench_kernels_keeps_the_timings_when_decode_cannot_run(tmp_path, monkey
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(lut_kernels, "gpu_info", lambda: {"device": "fake GPU"})
-    monkeypatch.setattr(lut_kernels, "check", lambda device: {"cases": 1, "failures": []})
+    monkeypatch.setattr(lut_kernels, "check", lambda device, quick=False: {"cases": 1, "failures": []})
     monkeypatch.setattr(lut_kernels, "timings", lambda quick, graphs, progress: {"rows": [{"speedup": 4.0}]})
     monkeypatch.delattr(bench_models, "llama", raising=False)
     monkeypatch.delitem(sys.modules, "hilt.bench.models.llama", raising=False)
