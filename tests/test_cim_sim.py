@@ -244,9 +244,9 @@ def test_integer_product_computes_what_the_float_product_does(dac_bits, monkeypa
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(37, 13))
     with torch.no_grad():
-        model[0].weight.add_(0.4)  # positive-leaning weights: the ADC saturates on many rows
+        model[0].weight.add_(2.0)  # positive weights on positive inputs: the ADC saturates on many rows
     config = dataclasses.replace(preset("pcm"), tile_size=16, dac_bits=dac_bits)
-    x = torch.randn(29, 37).abs()
+    x = 0.8 + 0.2 * torch.rand(29, 37)
     real_int_mm, calls = torch._int_mm, []
     monkeypatch.setattr(torch, "_int_mm", lambda *a, **kw: calls.append(1) or real_int_mm(*a, **kw))
     outs = []
@@ -255,9 +255,10 @@ def test_integer_product_computes_what_the_float_product_does(dac_bits, monkeypa
         analog = convert_to_analog(model, config)
         program(analog, seed=1)
         drift_to(analog, 3600.0, seed=2)
+        calls.clear()
         with torch.no_grad():
             outs.append(analog(x))
-    assert len(calls) > 3  # three arrays, then retries (the gdc probe's reads come on top)
+        assert len(calls) > 3 if integer else not calls  # three arrays, then the retries of saturated rows
     assert torch.isfinite(outs[0]).all()
     step = analog[0]._steps()[1] * float(x.abs().max())  # one ADC step, in output units, at the largest input scale
     assert float((outs[0] - outs[1]).abs().max()) <= step
