@@ -185,8 +185,10 @@ def test_smollm2_qat_resumes_to_the_same_checkpoint_as_an_uninterrupted_run(smol
         qat_finetune.finetune(tmp_path / "resumed", **small)
     assert (tmp_path / "resumed.qat-state" / "state.json").is_file() and not (tmp_path / "resumed").exists()
     monkeypatch.setattr(qat_finetune, "save_qat", real_save)
-    with pytest.raises(HiltError, match="other settings"):
+    with pytest.raises(HiltError, match="other settings"):  # refused before the model loads
         qat_finetune.finetune(tmp_path / "resumed", **{**small, "lr": 2e-4}, resume=True)
+    with pytest.raises(HiltError, match="nothing to resume"):
+        qat_finetune.finetune(tmp_path / "never-started", **small, resume=True)
     resumed = qat_finetune.finetune(tmp_path / "resumed", **small, resume=True)
     assert resumed["resumed_at"] == 1 and not (tmp_path / "resumed.qat-state").exists()
     qat_finetune.finetune(tmp_path / "straight", **small)

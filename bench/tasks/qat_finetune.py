@@ -60,11 +60,18 @@ def _save_state(path: Path, model, opt, step: int, settings: dict) -> None:
     tmp.rename(path)  # the previous state stays whole until the new one is complete
 
 
-def _load_state(path: Path, model, opt, settings: dict) -> int:
+def _state_meta(path: Path, settings: dict) -> dict:
+    """The interrupted run's step and optimizer groups; refuses other settings (before any model loads)."""
+    if not (path / "state.json").is_file():
+        raise HiltError(f"nothing to resume: {path} does not exist")
     meta = json.loads((path / "state.json").read_text())
     if meta["settings"] != json.loads(json.dumps(settings)):
         raise HiltError(f"{path}: the interrupted run used other settings ({meta['settings']}); "
                         f"rerun with them or pass --overwrite")
+    return meta
+
+
+def _load_state(path: Path, meta: dict, model, opt) -> int:
     tensors = load_file(path / "state.safetensors")
     model.load_state_dict({n[len("model."):]: t for n, t in tensors.items() if n.startswith("model.")})
     state: dict = {}
@@ -99,6 +106,7 @@ def finetune(dst, method: str = "kmeans", bits: int = 2, block_size: int = 64, s
         only_re = re.compile(only) if only else None
     except re.error as e:
         raise HiltError(f"bad regular expression in --only: {e}") from None
+    meta = _state_meta(state_dir, settings) if resume else None
     device = "cuda" if torch.cuda.is_available() else "cpu"
     model, tokenizer = load_llama()
     model.to(device).requires_grad_(True)  # loaded for inference: frozen
@@ -107,13 +115,11 @@ def finetune(dst, method: str = "kmeans", bits: int = 2, block_size: int = 64, s
                  learn_codebook=learn_codebook)
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
     start = 0
-    if resume and (state_dir / "state.json").is_file():
-        start = _load_state(state_dir, model, opt, settings)
+    if meta is not None:
+        start = _load_state(state_dir, meta, model, opt)
         for layer in fake_quant_layers(model).values():
             layer.quantizing = True
         log(f"resuming at step {start} of {steps} from {state_dir}")
-    elif resume:
-        raise HiltError(f"nothing to resume: {state_dir} does not exist")
     else:
         log(f"fitting {len(fake_quant_layers(model))} {bits}-bit {method} codebooks to SmolLM2-135M...")
         start_quantizing_(model)
