@@ -29,6 +29,7 @@ from hilt.errors import HiltError
 from hilt.kernels.packing import unpack_codes
 from hilt.quant.checkpoint import load_checkpoint, read_header
 from hilt.quant.qweight import QuantizedWeight
+from hilt.quant.sources import read_gguf
 
 GGUF_BLOCK = 32
 
@@ -114,7 +115,7 @@ def export_gguf(dst, out, overwrite: bool = False) -> dict:
     for name, e in header["tensors"].items():  # refuse before writing anything
         if e["kind"] == "quantized":
             gguf_type(_Meta(e), name)
-    reader = gguf.GGUFReader(source)
+    reader = read_gguf(source)
     arch = reader.fields["general.architecture"].contents()
     tensors = load_checkpoint(dst)
     tmp = out.with_name(out.name + ".partial")

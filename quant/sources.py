@@ -11,6 +11,7 @@ in_features). Every error names the file, and the tensor where there is one.
 
 from __future__ import annotations
 
+import functools
 import json
 import struct
 from abc import ABC, abstractmethod
@@ -166,13 +167,8 @@ class GGUFSource(Source):
     _INTEGER = ("I8", "I16", "I32", "I64")
 
     def __init__(self, path: Path):
-        import gguf
-
         self.path = path
-        try:
-            self.reader = gguf.GGUFReader(str(path))
-        except Exception as e:
-            raise HiltError(f"{path}: not a readable GGUF file ({_one_line(e)})") from None
+        self.reader = read_gguf(path)
         self._tensors = {t.name: t for t in self.reader.tensors}
 
     def names(self):
@@ -208,6 +204,30 @@ class GGUFSource(Source):
             raise HiltError(f"{self.path}: tensor '{name}' has GGUF type {kind}, which hilt cannot read ({_one_line(e)})") from None
         out = torch.from_numpy(np.array(arr, dtype=np.float32)).reshape(self.shape(name))
         return out.to(self._NATIVE.get(kind, torch.float32))
+
+
+def read_gguf(path):
+    """The parsed GGUF file at ``path`` (a ``gguf.GGUFReader``), shared while the file is unchanged
+    (same size, time and inode): parsing a model's metadata (its vocabulary is tens of thousands of
+    strings) takes seconds, and loading a model reads it more than once. Raises HiltError naming the file."""
+    path = Path(path)
+    try:
+        st = path.stat()
+    except OSError:
+        raise HiltError(f"{path}: no such GGUF file") from None
+    if not path.is_file():
+        raise HiltError(f"{path}: not a GGUF file (a folder)")
+    try:
+        return _parsed_gguf(str(path.resolve()), st.st_size, st.st_mtime_ns, st.st_ino)
+    except Exception as e:  # gguf raises ValueError/struct errors on a bad file
+        raise HiltError(f"{path}: not a readable GGUF file ({_one_line(e)})") from None
+
+
+@functools.lru_cache(maxsize=2)
+def _parsed_gguf(path: str, size: int, mtime_ns: int, inode: int):
+    import gguf
+
+    return gguf.GGUFReader(path)  # a read-only memory map: sharing it is safe
 
 
 def _one_line(e: Exception) -> str:

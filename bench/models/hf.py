@@ -14,6 +14,7 @@ import torch
 
 from hilt.errors import HiltError
 from hilt.quant.hf_folder import CONFIG, is_hf_folder, read_config
+from hilt.quant.sources import read_gguf
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
@@ -32,17 +33,10 @@ def gguf_to_hf(src, dst, dtype: torch.dtype = torch.bfloat16, overwrite: bool = 
     settings and chat template; the tokenizer is rebuilt from the GGUF's vocabulary as llama.cpp splits
     text (digits one by one), which transformers' GGUF tokenizer does not. Written under ``DST.partial``
     and renamed when complete."""
-    import gguf
-
     from hilt.bench.models.llama import GGUFTokenizer
 
     src, dst = Path(src), Path(dst)
-    if not src.is_file():
-        raise HiltError(f"{src}: no such GGUF file")
-    try:
-        reader = gguf.GGUFReader(str(src))
-    except Exception as e:  # gguf raises ValueError/struct errors on a bad file
-        raise HiltError(f"{src}: not a readable GGUF file ({' '.join(str(e).split())})") from None
+    reader = read_gguf(src)
     field = reader.fields.get("general.architecture")
     arch = field.contents() if field is not None else None
     transformers = require_transformers()

