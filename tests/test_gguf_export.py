@@ -76,3 +76,22 @@ def test_needs_a_gguf_source(tiny_ckpt, tmp_path):
     quantize_checkpoint(tiny_ckpt, q, QuantConfig("int", 4, 64))
     with pytest.raises(HiltError, match="quantized from a safetensors file"):
         export_gguf(q, tmp_path / "x.gguf")
+
+
+def test_a_gguf_is_parsed_once_while_unchanged(tmp_path):
+    from hilt.quant.sources import read_gguf
+
+    src = tmp_path / "src.gguf"
+    _source(src)
+    first = read_gguf(src)
+    assert read_gguf(tmp_path / "." / "src.gguf") is first  # the same file by another spelling
+    replaced = tmp_path / "new.gguf"
+    _source(replaced)
+    replaced.replace(src)  # a new file under the old name is read afresh
+    again = read_gguf(src)
+    assert again is not first and again.fields["general.name"].contents() == "tiny"
+    (tmp_path / "bad.gguf").write_bytes(b"GGUF" + b"\0" * 8)
+    for path, msg in ((tmp_path / "bad.gguf", "bad.gguf: not a readable GGUF file"),
+                      (tmp_path / "none.gguf", "none.gguf: no such GGUF file"), (tmp_path, "a folder")):
+        with pytest.raises(HiltError, match=msg):
+            read_gguf(path)
