@@ -96,6 +96,8 @@ class AnalogConfig:
     def device_model(self):
         if self.device not in ("ideal", "pcm", "rram"):
             raise HiltError(f"unknown device {self.device!r}; choose ideal, pcm or rram")
+        if not 0 <= self.stuck_at_rate <= 1:
+            raise HiltError(f"stuck_at_rate is a fraction of the devices, 0 to 1; got {self.stuck_at_rate}")
         kw = dict(prog_noise_scale=self.prog_noise_scale, read_noise_scale=self.read_noise_scale,
                   drift_scale=self.drift_scale)
         return {"ideal": None, "pcm": PCM(**kw), "rram": RRAM(**kw)}[self.device]
@@ -115,6 +117,17 @@ PRESETS = {
     "pcm-hwa": AnalogConfig(w_noise=0.0175, ir_drop=1.0, out_noise=0.04, weight_scaling=True),
     "rram": AnalogConfig(device="rram"),
 }
+
+
+class ChipForward:
+    """What the analog layers of one forward of a model holding several chips share: the model's
+    batch size, and whether an analog layer has run yet. Only analog layers stack rows per chip, so
+    until the first has run every input is shared, whatever its row count (a model may reshape its
+    batch to a multiple of the chip count); after it, a layer tells a shared input from a stacked
+    one by its rows."""
+
+    def __init__(self, batch: int):
+        self.batch, self.stacked = batch, False
 
 
 def array_bounds(n_in: int, tile_size: int) -> list[tuple[int, int]]:
@@ -207,7 +220,8 @@ class AnalogMixin:
         self.gdc_scale = torch.ones(w.shape[0])  # drift compensation, per output column
         self.chips = 1
         self.gens = [torch.Generator().manual_seed(0)]
-        self.shared_batch = None  # the model's batch size, recorded by cim_sim.model before each forward
+        self.chip_forward = None  # the forward under way (ChipForward), set by cim_sim.model before each
+        self.path = ""  # where the model holds this layer, for messages (set by cim_sim.model.program)
 
     # -- device life cycle ------------------------------------------------------------------
 
@@ -245,13 +259,19 @@ class AnalogMixin:
 
     def chip_rows(self, x: torch.Tensor) -> bool:
         """Whether a forward's input ``x`` is stacked one batch per chip (else shared by all chips)."""
-        n, b = x.shape[0], self.shared_batch
-        if self.chips == 1 or b is None or n == b:
+        n, f = x.shape[0], self.chip_forward
+        if self.chips == 1 or f is None:
             return False
-        if n == self.chips * b:
+        if not f.stacked:  # the forward's first analog layer: its input is the model's, shared, whatever its rows
+            f.stacked = True  # its output is stacked per chip
+            return False
+        if n == f.batch:
+            return False
+        if n == self.chips * f.batch:
             return True
-        raise HiltError(f"an analog layer holding {self.chips} chips got {n} input rows: expected the model's "
-                        f"batch of {b} (shared by the chips) or {self.chips} x {b} (one batch per chip)")
+        raise HiltError(f"analog layer {self.path or type(self).__name__} holding {self.chips} chips got {n} input "
+                        f"rows: expected the model's batch of {f.batch} (shared by the chips) or {self.chips} x "
+                        f"{f.batch} (one batch per chip)")
 
     # -- the analog matrix-vector product ---------------------------------------------------
 
@@ -473,6 +493,9 @@ class _AnalogConv(AnalogMixin, nn.Module):
             weight = self.w_digital.view(self.out_channels, -1, *self.kernel_size).to(x.dtype)
             conv = F.conv1d if self.dims == 1 else F.conv2d
             return self._repeat_for_chips(conv(x, weight, self.bias, self.stride, self.padding, self.dilation), x)
+        if x.dim() != self.dims + 2:
+            raise HiltError(f"analog layer {self.path or type(self).__name__} takes (batch, channels, "
+                            f"{'length' if self.dims == 1 else 'height, width'}) inputs, got shape {tuple(x.shape)}")
         per_chip = self.chip_rows(x)
         n = x.shape[0] * (1 if per_chip else self.chips)  # output batch
         cols, out_size = self._patches(x.float())

@@ -27,7 +27,8 @@ import re
 import torch
 from torch import nn
 
-from hilt.cim_sim.analog import AnalogConfig, AnalogConv1d, AnalogConv2d, AnalogLinear, AnalogMixin
+from hilt.cim_sim.analog import (AnalogConfig, AnalogConv1d, AnalogConv2d, AnalogLinear, AnalogMixin, ChipForward,
+                                  preset)
 from hilt.errors import HiltError
 from hilt.quant.nn import replace_modules
 
@@ -37,33 +38,45 @@ _UNITS = {"s": 1, "m": 60, "min": 60, "h": 3600, "d": 86400, "w": 604800, "mo": 
 
 def parse_time(text: str) -> float:
     """'1s', '1h', '1d', '1mo', '1y', '3600' -> seconds. Negative or unparsable: HiltError."""
-    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:e[+-]?\d+)?)\s*([a-z]*)\s*", str(text).lower())
-    if not m or m.group(2) not in ("", *_UNITS):
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][+-]?\d+)?)\s*([a-zA-Z]*)\s*", str(text))
+    if m and m.group(2) == "M":
+        raise HiltError(f"cannot read time {text!r}: M is ambiguous; write 1mo for a month, 1min for a minute")
+    if not m or m.group(2).lower() not in ("", *_UNITS):
         raise HiltError(f"cannot read time {text!r}: use a number of seconds or e.g. 1s, 1h, 1d, 1mo, 1y")
-    return float(m.group(1)) * _UNITS.get(m.group(2) or "s", 1)
+    return float(m.group(1)) * _UNITS.get(m.group(2).lower() or "s", 1)
 
 
 def analog_layers(model: nn.Module) -> list[tuple[str, AnalogMixin]]:
     return [(n, m) for n, m in model.named_modules() if isinstance(m, AnalogMixin)]
 
 
-def convert_to_analog(model: nn.Module, config: AnalogConfig, inplace: bool = False) -> nn.Module:
+def convert_to_analog(model: nn.Module, config: AnalogConfig | str, inplace: bool = False) -> nn.Module:
     """Replace every nn.Linear, nn.Conv1d and nn.Conv2d by its analog counterpart (on a copy unless ``inplace``).
+    ``config``: an AnalogConfig or a preset's name.
 
     Other layers stay digital; ``model.digital_layers`` lists them. The copy is
     programmed once with seed 0; call :func:`program` to draw another chip.
     """
+    if isinstance(config, str):
+        config = preset(config)
+    if not isinstance(config, AnalogConfig):
+        raise HiltError(f"convert_to_analog takes an AnalogConfig or a preset's name, not {type(config).__name__}")
     config.device_model()  # validates the device name
     model = model if inplace else copy.deepcopy(model)
     digital = []
 
     def analog(name, module):
-        if isinstance(module, nn.Linear):
-            return AnalogLinear(module, config)
-        if isinstance(module, nn.Conv2d):
-            return AnalogConv2d(module, config)
-        if isinstance(module, nn.Conv1d):
-            return AnalogConv1d(module, config)
+        if any(name.startswith(f"{d}.") for d in digital):
+            return None  # inside a layer kept digital whole
+        if isinstance(module, nn.MultiheadAttention):
+            digital.append(name)  # it reads its projections' weights itself, so they stay digital with it
+            return None
+        for digital_type, analog_type in ((nn.Linear, AnalogLinear), (nn.Conv2d, AnalogConv2d), (nn.Conv1d, AnalogConv1d)):
+            if isinstance(module, digital_type):
+                try:
+                    return analog_type(module, config)
+                except HiltError as e:
+                    raise HiltError(f"layer {name or type(module).__name__}: {e}") from None
         if name and not list(module.children()) and any(True for _ in module.parameters(recurse=False)):
             digital.append(name)
         return None
@@ -97,12 +110,18 @@ def _seeds(seed: int, seeds, what: str) -> list[int]:
     return seeds
 
 
+def _require_analog(model: nn.Module, what: str) -> None:
+    if not analog_layers(model):
+        raise HiltError(f"{what}: the model has no analog layer; convert it with convert_to_analog first")
+
+
 def _record_batch(model: nn.Module, args, kwargs) -> None:
     """Forward pre-hook: tell every analog layer the model's batch size, so that a layer holding
     several chips knows a shared batch from one stacked per chip."""
     x = next((a for a in (*args, *kwargs.values()) if torch.is_tensor(a)), None)
+    forward = None if x is None or x.dim() == 0 else ChipForward(x.shape[0])
     for _, layer in analog_layers(model):
-        layer.shared_batch = None if x is None or x.dim() == 0 else x.shape[0]
+        layer.chip_forward = forward
 
 
 @torch.no_grad()
@@ -112,8 +131,10 @@ def program(model: nn.Module, seed: int = 0, seeds=None) -> nn.Module:
     seeds = _seeds(seed, seeds, "program")
     gens = [torch.Generator().manual_seed(s) for s in seeds]
     chips = len(seeds)
+    _require_analog(model, "program")
     by_device = {}
-    for _, layer in analog_layers(model):
+    for name, layer in analog_layers(model):
+        layer.path = name
         devices = layer.program(gens)
         if devices is not None:
             by_device.setdefault(layer.device_model, []).append((layer, devices))
@@ -176,6 +197,7 @@ def drift_to(model: nn.Module, t_seconds: float, seed: int = 1, gdc: str = "glob
         raise HiltError(f"unknown drift compensation {gdc!r}; choose one of {', '.join(GDC_MODES)}")
     if not t_seconds >= 0:
         raise HiltError(f"time after programming must be >= 0 s, got {t_seconds}")
+    _require_analog(model, "drift_to")
     chips = getattr(model, "chips", 1)
     seeds = [seed + k for k in range(chips)] if seeds is None else _seeds(seed, seeds, "drift_to")
     if len(seeds) != chips:
@@ -209,6 +231,9 @@ def evaluate(model: nn.Module, data, batch_size: int | None = None) -> torch.Ten
     A digital model counts as one chip.
     """
     inputs, labels = data
+    if not (torch.is_tensor(inputs) and torch.is_tensor(labels)):
+        raise HiltError(f"evaluate takes torch tensors (inputs, labels), got {type(inputs).__name__} and "
+                        f"{type(labels).__name__}")
     n = len(labels)
     if n == 0 or len(inputs) != n:
         raise HiltError(f"evaluate needs as many inputs as labels, at least one (got {len(inputs)} and {n})")
@@ -232,10 +257,17 @@ def evaluate(model: nn.Module, data, batch_size: int | None = None) -> torch.Ten
                     if i:
                         raise
                     reason = (str(e).strip().splitlines() or [""])[0]
+                    if chips > 1:
+                        reason += (f" (with {chips} chips each analog layer returns {chips} batches stacked on the "
+                                   "first dimension: a model that reshapes to its input's batch size instead of -1 "
+                                   "runs one chip at a time only)")
                     raise HiltError(f"inputs of shape {tuple(inputs.shape[1:])} do not fit the model: {reason}") from e
                 if out.dim() != 2 or out.shape[0] != chips * len(y):
                     raise HiltError(f"the model returned shape {tuple(out.shape)} for {len(y)} inputs on {chips} "
                                     f"chip(s); evaluate needs ({chips} x {len(y)}, classes) logits")
+                if i == 0 and not (0 <= int(labels.min()) and int(labels.max()) < out.shape[-1]):
+                    raise HiltError(f"labels run from {int(labels.min())} to {int(labels.max())}, but the model has "
+                                    f"{out.shape[-1]} outputs: labels must be class indices 0 to {out.shape[-1] - 1}")
                 correct += (out.view(chips, len(y), -1).argmax(-1) == y).sum(1)
     finally:
         model.train(was_training)

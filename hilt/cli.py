@@ -239,11 +239,22 @@ def _write_json(args, obj) -> None:
         write_json(args.json, obj)
 
 
+def _check_output_folders(args) -> None:
+    """--json FILE and --plot FILE need an existing folder: said before any work, not after it."""
+    for flag in ("json", "plot"):
+        path = getattr(args, flag, None)
+        if isinstance(path, (str, Path)) and str(path) != "-" and not Path(path).parent.is_dir():
+            raise HiltError(f"--{flag} {path}: folder {Path(path).parent} does not exist")
+
+
 def _write_outputs(args, result, plot=None) -> None:
     """--json and, where the command has one, --plot FILE drawn by ``plot(result, path)``."""
     _write_json(args, result)
     if plot is not None and args.plot:
-        plot(result, args.plot)
+        try:
+            plot(result, args.plot)
+        except OSError as e:
+            raise HiltError(f"--plot {args.plot}: cannot write ({e.strerror or e})") from None
         LOG.info(f"wrote {args.plot}")
 
 
@@ -1278,6 +1289,7 @@ def main(argv=None) -> int:
     args.stdout = sys.stdout  # --json - writes here; everything else then goes to stderr
     _configure_logging(getattr(args, "verbose", 0) - getattr(args, "quiet", 0), sys.stderr if to_stdout else sys.stdout)
     try:
+        _check_output_folders(args)
         with contextlib.redirect_stdout(sys.stderr) if to_stdout else contextlib.nullcontext():
             return args.func(args)
     except UsageError as e:

@@ -155,14 +155,15 @@ def replace_module(model: nn.Module, path: str, new: nn.Module) -> None:
 
 def replace_modules(model: nn.Module, make) -> int:
     """Replace each module for which ``make(path, module)`` returns one (None: keep it), in place;
-    returns how many were replaced."""
-    replaced = 0
-    for path, module in list(model.named_modules()):
-        new = make(path, module)
-        if new is not None:
-            replace_module(model, path, new)
-            replaced += 1
-    return replaced
+    returns how many were replaced. A module the model holds under several paths (shared) is made
+    once, from its first path, and replaced under every one, so it stays shared."""
+    made = {}
+    for path, module in list(model.named_modules(remove_duplicate=False)):
+        if id(module) not in made:
+            made[id(module)] = make(path, module)
+        if made[id(module)] is not None:
+            replace_module(model, path, made[id(module)])
+    return sum(new is not None for new in made.values())
 
 
 def eligible(module: nn.Module, path: str, config: QuantConfig, filter_fn=None) -> bool:

@@ -1,16 +1,18 @@
 """Many chips in one pass, models and data a user brings, and aihwkit's drift compensation read-out."""
 
+import dataclasses
 import json
 import textwrap
 
 import numpy as np
 import pytest
 import torch
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 from torch import nn
 
 from helpers import run_hilt
 from hilt.cim_sim import convert_to_analog, drift_to, evaluate, preset, program
+from hilt.cim_sim.analog import ChipForward
 from hilt.errors import HiltError
 
 # A user's own networks, written to a module outside the project by the tests below.
@@ -80,9 +82,48 @@ NETS = textwrap.dedent('''
 
     def broken():
         raise ValueError("bad config")
+
+
+    class Frames(nn.Module):
+        """Reads each input as 4 frames of 8 (its batch times 4 rows), then the frames together."""
+
+        def __init__(self):
+            super().__init__()
+            self.frame = nn.Linear(8, 8)
+            self.head = nn.Linear(32, 5)
+
+        def forward(self, x):
+            return self.head(torch.relu(self.frame(x.reshape(-1, 8))).reshape(-1, 32))
+
+
+    class Tied(nn.Module):
+        """One block applied twice (shared), then attention, which reads its projections itself."""
+
+        def __init__(self):
+            super().__init__()
+            self.inp = nn.Linear(32, 16)
+            self.block = nn.Linear(16, 16)
+            self.again = self.block
+            self.attn = nn.MultiheadAttention(4, 2, batch_first=True)
+            self.head = nn.Linear(16, 5)
+
+        def forward(self, x):
+            h = torch.relu(self.again(torch.relu(self.block(torch.relu(self.inp(x))))))
+            a, _ = self.attn(*(h.view(-1, 4, 4),) * 3)
+            return self.head(a.reshape(-1, 16))
+
+
+    def frames():
+        torch.manual_seed(2)
+        return Frames()
+
+
+    def tied():
+        torch.manual_seed(3)
+        return Tied()
 ''')
 
-SHAPES = {"conv_mlp": (2, 32), "resnet": (1, 12, 12)}
+SHAPES = {"conv_mlp": (2, 32), "resnet": (1, 12, 12), "frames": (32,), "tied": (32,)}
 
 
 @pytest.fixture(scope="module")
@@ -111,7 +152,7 @@ def teacher_data(model, shape, n=48, seed=0):
 @pytest.mark.parametrize("factory,preset_name,gdc", [
     ("conv_mlp", "pcm", "global"), ("conv_mlp", "pcm", "aihwkit"), ("conv_mlp", "pcm-hwa", "column"),
     ("conv_mlp", "rram", "exact"), ("conv_mlp", "ideal", "none"), ("resnet", "pcm", "aihwkit"),
-    ("resnet", "pcm-scaled", "global"),
+    ("resnet", "pcm-scaled", "global"), ("frames", "pcm", "global"), ("tied", "pcm", "global"),
 ])
 def test_batched_chips_equal_one_chip_at_a_time(nets, factory, preset_name, gdc):
     _, module = nets
@@ -162,8 +203,9 @@ def test_chip_counts_are_checked(nets):
     with pytest.raises(HiltError, match="3 read seeds|1 read seeds"):
         drift_to(chips, 1.0, seeds=[1])
     layer = chips.fc2
-    layer.shared_batch = 4
-    with pytest.raises(HiltError, match=r"holding 3 chips got 5 input rows: expected the model's batch of 4"):
+    layer.chip_forward = ChipForward(4)
+    layer.chip_forward.stacked = True  # as after the forward's first analog layer
+    with pytest.raises(HiltError, match=r"layer fc2 holding 3 chips got 5 input rows: expected the model's batch of 4"):
         layer(torch.randn(5, 600))
     with pytest.raises(HiltError, match="seeds must name at least one chip"):
         program(chips, seeds=[])
@@ -171,6 +213,23 @@ def test_chip_counts_are_checked(nets):
 
     with pytest.raises(HiltError, match="freeze takes one programmed chip; this model holds 3"):
         freeze(chips)
+
+
+def test_shared_layers_convert_everywhere_and_attention_stays_digital(nets):
+    chips = convert_to_analog(nets[1].tied(), "pcm")
+    assert type(chips.again).__name__ == "AnalogLinear" and chips.again is chips.block
+    assert chips.digital_layers == ["attn"]
+    assert type(chips.attn.out_proj) is nn.modules.linear.NonDynamicallyQuantizableLinear
+
+
+def test_only_analog_models_are_programmed(nets):
+    for call in (lambda m: program(m, seeds=[1, 2]), lambda m: drift_to(m, 1.0)):
+        with pytest.raises(HiltError, match="no analog layer; convert it with convert_to_analog first"):
+            call(nets[1].conv_mlp())
+    with pytest.raises(HiltError, match="stuck_at_rate is a fraction"):
+        convert_to_analog(nets[1].conv_mlp(), dataclasses.replace(preset("pcm"), stuck_at_rate=1.5))
+    with pytest.raises(HiltError, match=r"analog layer conv takes \(batch, channels, length\) inputs"):
+        convert_to_analog(nets[1].conv_mlp(), "pcm").conv(torch.randn(2, 32))
 
 
 def test_evaluate_refuses_bad_data(nets):
@@ -182,6 +241,10 @@ def test_evaluate_refuses_bad_data(nets):
         evaluate(model, (x, y[:5]))
     with pytest.raises(HiltError, match=r"inputs of shape \(3, 32\) do not fit the model"):
         evaluate(model, (torch.randn(8, 3, 32), y))
+    with pytest.raises(HiltError, match="labels run from 1 to 4, but the model has 4 outputs"):
+        evaluate(model, (x, torch.arange(8) % 4 + 1))
+    with pytest.raises(HiltError, match="evaluate takes torch tensors"):
+        evaluate(model, (x.numpy(), y))
     assert float(evaluate(model, (x, y))[0]) == 1.0  # a digital model is one chip
 
 
@@ -223,7 +286,8 @@ def user_files(nets):
     """A checkpoint and a data file for each network, as a user would have them."""
     folder, module = nets
     files = {}
-    for name, shape in SHAPES.items():
+    for name in ("conv_mlp", "resnet"):
+        shape = SHAPES[name]
         model = getattr(module, name)()
         with torch.no_grad():
             for p in model.parameters():
@@ -292,5 +356,12 @@ def test_model_and_data_loading_errors(user_files):
         load_data(folder / "float_labels.npz")
     with pytest.raises(HiltError, match="data files are .safetensors or .npz"):
         load_data(folder / "model.pt")
+    (folder / "cut.npz").write_bytes((folder / "conv_mlp.npz").read_bytes()[:100])
+    with pytest.raises(HiltError, match="cut.npz: not a readable .npz file"):
+        load_data(folder / "cut.npz")
+    state = load_file(folder / "conv_mlp.safetensors")
+    save_file({**state, "fc2.weight": torch.zeros(5, 600)}, str(folder / "wide.safetensors"))
+    with pytest.raises(HiltError, match="wide.safetensors does not fit user_nets:conv_mlp: size mismatch for fc2.weight"):
+        load_model("user_nets:conv_mlp", folder / "wide.safetensors")
     x, y = load_data(folder / "conv_mlp.npz", limit=10)
     assert x.dtype == torch.float32 and y.dtype == torch.int64 and x.shape == (10, 2, 32)

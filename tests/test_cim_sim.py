@@ -293,7 +293,9 @@ def test_bad_input_is_named():
     for bad in ("-1s", "soon", "1 fortnight"):
         with pytest.raises(HiltError, match="cannot read time"):
             parse_time(bad)
-    assert parse_time("1mo") == 2629800 and parse_time("90") == 90
+    assert parse_time("1mo") == 2629800 and parse_time("90") == 90 and parse_time("2H") == 7200
+    with pytest.raises(HiltError, match="M is ambiguous; write 1mo for a month, 1min for a minute"):
+        parse_time("1M")
     with pytest.raises(HiltError, match="no Linear, Conv1d or Conv2d"):
         convert_to_analog(nn.Sequential(nn.ReLU()), preset("pcm"))
     model = mlp()

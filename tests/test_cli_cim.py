@@ -61,7 +61,9 @@ def test_bad_flags(tmp_path, command, args, flag, needle):
 @pytest.mark.parametrize("args,needle", [
     (["--times", "1s,-1h"], "cannot read time '-1h'"),
     (["--times", "soon"], "cannot read time 'soon'"),
+    (["--times", "1y,1s,1s"], "--times 1y,1s,1s: a time is listed twice"),
     (["--workload", "cnn"], "holds workload 'mlp', not 'cnn'"),
+    (["--plot", "no-such-folder/d.png"], "--plot no-such-folder/d.png: folder no-such-folder does not exist"),
 ])
 def test_drift_bad_input(mlp_checkpoint, args, needle):
     base = {"--workload": "mlp", "--checkpoint": str(mlp_checkpoint), "--repeats": "1", "--test-images": "100"}

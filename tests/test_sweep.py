@@ -271,6 +271,9 @@ def test_data_file_beside_the_grid(tmp_path, capsys):
     rows = run_sweep(grid, tmp_path / "out", plots=False, log=lambda _: None)["rows"]
     # the ideal preset is the digital model
     assert len(rows) == 1 and rows[0]["accuracies"] == [rows[0]["digital"]] and rows[0]["digital"] > 0.7
+    np.savez(tmp_path / "data" / "few.npz", inputs=x.numpy(), labels=y.flip(0).numpy())  # other data, same name
+    assert main(["sweep", str(grid), "--out", str(tmp_path / "out"), "--resume"]) == 1
+    assert "belong to another grid (sha256.data/few.npz:" in capsys.readouterr().err
     bad = write_grid(tmp_path, text.format("flat.npz"), "bad.toml")
     assert main(["sweep", str(bad), "--out", str(tmp_path / "bad")]) == 1
     err = capsys.readouterr().err.strip()

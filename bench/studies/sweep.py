@@ -62,6 +62,7 @@ from __future__ import annotations
 
 import csv
 import dataclasses
+import functools
 import hashlib
 import io
 import itertools
@@ -119,9 +120,12 @@ class Grid:
 
     def normalized(self) -> dict:
         """What the rows depend on, as JSON (DIR/grid.json): resume compares it with the grid file's."""
+        models = {m: self.models[m] for m in self.axes["model"]}
+        files = [f for f in (self.data, *(e["checkpoint"] for e in models.values())) if f and f != "fashion-mnist"]
         return {"format": FORMAT, "seed": self.seed, "data": self.data, "images": self.images,
-                "batch_size": self.batch_size, "axes": self.axes,
-                "models": {m: self.models[m] for m in self.axes["model"]}}
+                "batch_size": self.batch_size, "axes": self.axes, "models": models,
+                # the files' contents too: a retrained checkpoint under the same name is another grid
+                "sha256": {f: _sha256(self.path.parent / f) for f in sorted(set(files))}}
 
     def config(self, values: dict) -> AnalogConfig:
         fields = {k: values[k] for k in CONFIG_FIELDS if k in values}
@@ -152,6 +156,24 @@ class Group:
     chips: int
     seed: int
     cells: list = field(default_factory=list)
+
+
+def _sha256(path: Path) -> str | None:
+    """The file's SHA-256 (None where it cannot be read: loading it reports that, with its name)."""
+    try:
+        st = path.stat()
+        return _sha256_of(str(path.resolve()), st.st_size, st.st_mtime_ns)
+    except OSError:
+        return None
+
+
+@functools.lru_cache(maxsize=16)
+def _sha256_of(path: str, size: int, mtime_ns: int) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
 
 
 def _canonical(obj) -> str:
@@ -556,7 +578,11 @@ def run_sweep(grid_path, out, *, resume: bool = False, overwrite: bool = False, 
             raise HiltError(f"{grid.path}: {'models.' + name if name in grid.declared else 'axes.model'} {name!r} "
                             f"on the data: {e}") from None
 
-    out.mkdir(parents=True, exist_ok=True)
+    created = not out.exists()
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise HiltError(f"{out}: cannot create the folder ({e.strerror or e})") from None
     _write_whole(out / GRID_JSON, json.dumps(grid.normalized(), indent=1) + "\n")
     if not done:
         for name in (RESULTS_JSONL, RESULTS_CSV, TIMING_JSON):
@@ -598,6 +624,13 @@ def run_sweep(grid_path, out, *, resume: bool = False, overwrite: bool = False, 
             for g, task in tasks:
                 for item in run_group(models[g.model], data, task):
                     finished(*item)
+    except Exception:
+        if not rows:  # failed before its first row (a model that cannot run on analog arrays): leave no sweep behind
+            for name in (RESULTS_JSONL, RESULTS_CSV, GRID_JSON):
+                (out / name).unlink(missing_ok=True)
+            if created and not any(out.iterdir()):
+                out.rmdir()
+        raise
     finally:
         bar.close()
         jsonl.close()

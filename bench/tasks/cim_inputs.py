@@ -85,7 +85,11 @@ def _load_state(model: nn.Module, path: Path, spec: str) -> None:
         state = load_file(path)
     except (SafetensorError, OSError) as e:
         raise HiltError(f"{path}: not a readable safetensors file ({_first_line(e)})") from e
-    result = model.load_state_dict(state, strict=False)
+    try:
+        result = model.load_state_dict(state, strict=False)
+    except RuntimeError as e:  # a tensor of another shape
+        lines = [line.strip() for line in str(e).splitlines() if line.strip()]
+        raise HiltError(f"{path} does not fit {spec}: {next((x for x in lines if 'size mismatch' in x), lines[-1])}") from e
     problems = [f"{what}: {', '.join(names[:3])}{' ...' if len(names) > 3 else ''}"
                 for what, names in (("missing", result.missing_keys), ("unexpected", result.unexpected_keys)) if names]
     if problems:
@@ -112,6 +116,8 @@ def load_data(spec=None, limit: int | None = None) -> tuple[torch.Tensor, torch.
         except (SafetensorError, OSError) as e:
             raise HiltError(f"{path}: not a readable safetensors file ({_first_line(e)})") from e
     elif path.suffix == ".npz":
+        import zipfile
+
         import numpy as np
 
         try:
@@ -119,8 +125,8 @@ def load_data(spec=None, limit: int | None = None) -> tuple[torch.Tensor, torch.
                 arrays = {k: torch.from_numpy(npz[k]) for k in npz.files if k in DATA_KEYS}
         except ValueError as e:  # object arrays would need pickle
             raise HiltError(f"{path}: cannot read it without pickle ({_first_line(e)})") from e
-        except OSError as e:
-            raise HiltError(f"{path}: not a readable .npz file ({_first_line(e)})") from e
+        except (OSError, EOFError, zipfile.BadZipFile) as e:
+            raise HiltError(f"{path}: not a readable .npz file ({_first_line(e) or type(e).__name__})") from e
     else:
         raise HiltError(f"{path}: data files are .safetensors or .npz, with tensors `inputs` and `labels`")
     missing = [k for k in DATA_KEYS if k not in arrays]

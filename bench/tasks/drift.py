@@ -42,6 +42,9 @@ def drift_study(workload="cnn", checkpoint=None, preset_name="pcm", times=DEFAUL
     from hilt.cim_sim import analog_layers, evaluate
 
     seconds = [parse_time(t) for t in (times.split(",") if isinstance(times, str) else times)]
+    if len(set(seconds)) != len(seconds):
+        raise HiltError(f"--times {times if isinstance(times, str) else ','.join(map(str, times))}: "
+                        "a time is listed twice")
     if repeats < 1:
         raise HiltError(f"--repeats must be at least 1, got {repeats}")
     config = preset(preset_name)

@@ -170,13 +170,14 @@ def cim_variances(subject: Subject, preset_name: str, time_text: str, chips: int
 def _chip_layers(subject: Subject, analog: nn.Module) -> tuple[dict, dict]:
     """The digital layers and, for each, its analog twin as a function of the layer's input (all chips)."""
     from hilt.cim_sim import analog_layers
+    from hilt.cim_sim.analog import ChipForward
 
     twins = dict(analog_layers(analog))
     layers = {n.removesuffix(".weight"): subject.model.get_submodule(n.removesuffix(".weight")) for n in subject.params}
 
     def run(layer):
         def forward(x):
-            layer.shared_batch = x.shape[0]
+            layer.chip_forward = ChipForward(x.shape[0])  # x is the layer's input, shared by its chips
             return layer(x)
         return forward
     return layers, {p: run(twins[p]) for p in layers}
