@@ -594,6 +594,8 @@ def cmd_sweep(args) -> int:
 def cmd_energy(args) -> int:
     from hilt.bench.tasks import energy
 
+    if args.sweep and args.adc_bits is not None:
+        raise UsageError("--sweep: it picks the ADC resolution itself; leave --adc-bits out, or drop --sweep")
     result = energy.run(args.workload, args.checkpoint, args.chip, args.adc_bits, args.dac_bits, args.gpu_batch,
                         sweep=args.sweep, log=LOG.info)
     _write_outputs(args, result, energy.plot)

@@ -49,6 +49,7 @@ def assert_bad_flag(result, command, flag, needle):
     ("drift", ["--repeats", "0"], "--repeats", "expected a positive integer, got '0'"),
     ("energy", ["--workload", "mlp", "--chip", "pcm-3nm"], "--chip", "expected one of rram-22nm, sram-22nm, sram-5nm"),
     ("energy", ["--workload", "mlp", "--preset", "rram-22nm"], "--preset", "renamed to --chip"),
+    ("energy", ["--workload", "mlp", "--sweep", "--adc-bits", "4"], "--sweep", "picks the ADC resolution itself"),
     ("train", ["--workload", "mlp", "--method", "magic"], "--method", "expected one of standard, noise, dwp"),
     ("train", ["--workload", "mlp", "--noise-model", "flash"], "--noise-model", "expected one of mismatch, pcm, rram"),
     ("train", ["--workload", "mlp", "--epochs", "two"], "--epochs", "expected a positive integer, got 'two'"),
