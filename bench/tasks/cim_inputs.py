@@ -54,22 +54,22 @@ def load_model(spec: str, checkpoint=None) -> tuple[nn.Module, dict]:
 def _build(spec: str) -> nn.Module:
     module_name, _, attr = spec.partition(":")
     if not module_name or not attr:
-        raise HiltError(f"--model {spec!r}: expected a workload name or PKG.MODULE:FACTORY")
+        raise HiltError(f"model {spec!r}: expected a workload name or PKG.MODULE:FACTORY")
     if os.getcwd() not in sys.path and "" not in sys.path:
         sys.path.insert(0, os.getcwd())  # a module beside the user, as `python -m` would find it
     try:
         module = importlib.import_module(module_name)
     except Exception as e:
-        raise HiltError(f"--model {spec}: cannot import {module_name}: {type(e).__name__}: {_first_line(e)}") from e
+        raise HiltError(f"model {spec}: cannot import {module_name}: {type(e).__name__}: {_first_line(e)}") from e
     factory = getattr(module, attr, None)
     if not callable(factory):
-        raise HiltError(f"--model {spec}: {module_name} has no function {attr!r}")
+        raise HiltError(f"model {spec}: {module_name} has no function {attr!r}")
     try:
         model = factory()
     except Exception as e:
-        raise HiltError(f"--model {spec}: {attr}() failed: {type(e).__name__}: {_first_line(e)}") from e
+        raise HiltError(f"model {spec}: {attr}() failed: {type(e).__name__}: {_first_line(e)}") from e
     if not isinstance(model, nn.Module):
-        raise HiltError(f"--model {spec}: {attr}() returned {type(model).__name__}, not a torch.nn.Module")
+        raise HiltError(f"model {spec}: {attr}() returned {type(model).__name__}, not a torch.nn.Module")
     return model
 
 

@@ -53,7 +53,10 @@ def drift_study(workload="cnn", checkpoint=None, preset_name="pcm", times=DEFAUL
         model, info = load_model(workload, checkpoint)
         path = info["checkpoint"] and Path(info["checkpoint"])
     images, labels = load_data(data, limit=test_images)
-    digital = float(evaluate(model, (images, labels))[0])
+    try:
+        digital = float(evaluate(model, (images, labels))[0])
+    except HiltError as e:  # inputs or labels that do not fit the model: name the file they came from
+        raise HiltError(f"{data or 'fashion-mnist'}: {e}") from None
     analog = convert_to_analog(model, config)
     program(analog, seeds=range(repeats))
     modes = ["none"] if gdc == "none" else ["none", gdc]
