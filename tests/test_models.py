@@ -271,3 +271,21 @@ def test_embedding_similarity():
     assert embedding_similarity(x, -x) == pytest.approx(-1.0, abs=1e-12)
     with pytest.raises(HiltError):
         embedding_similarity(x, x[:3])
+
+
+def test_minilm_runs_with_quantized_embedding_tables():
+    """Every embedding table quantized (as `hilt quantize --embeddings 8` writes them): the forward
+    looks rows up through QuantEmbedding, and equals the model with the dequantized tables."""
+    from hilt.quant import QuantConfig
+    from hilt.quant.nn import QuantEmbedding
+    from hilt.quant.quantize import quantize_tensor
+
+    model, tok = load_minilm()
+    dense, _ = load_minilm()
+    e, d = model.embeddings, dense.embeddings
+    for name in ("word_embeddings", "position_embeddings", "token_type_embeddings"):
+        q = quantize_tensor(getattr(e, name).weight.detach(), QuantConfig("int", 8, 64), name=name)
+        setattr(e, name, QuantEmbedding(q))
+        getattr(d, name).weight.data = q.dequantize().float()
+    text = ["The weather is lovely today.", "He drove to the stadium."]
+    torch.testing.assert_close(embed(model, tok, text), embed(dense, tok, text))

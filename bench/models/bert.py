@@ -122,7 +122,8 @@ class Bert(nn.Module):
             attention_mask = torch.ones_like(input_ids)
         e = self.embeddings
         pos = torch.arange(T, device=input_ids.device)
-        x = e.word_embeddings(input_ids) + e.position_embeddings(pos) + e.token_type_embeddings.weight[0]
+        # token type 0 by lookup, not .weight[0]: a quantized embedding holds codes, not a weight
+        x = e.word_embeddings(input_ids) + e.position_embeddings(pos) + e.token_type_embeddings(input_ids.new_zeros(1))
         x = e.LayerNorm(x)
         key_mask = attention_mask.bool()[:, None, None, :]
         for layer in self.encoder.layer:
