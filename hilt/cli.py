@@ -426,9 +426,17 @@ def _compensation(args, config):
 def cmd_inspect(args) -> int:
     from hilt.quant import read_header
 
+    from safetensors import SafetensorError, safe_open
+
     h = read_header(args.dst)
     dst = Path(args.dst)
-    size = sum((dst / s).stat().st_size for s in h["shards"] if (dst / s).exists())
+    for shard in h["shards"]:  # each shard's header against its length: a cut-short file is said here
+        try:
+            with safe_open(str(dst / shard), framework="pt"):
+                pass
+        except (OSError, SafetensorError) as e:
+            raise HiltError(f"{dst / shard}: not a readable safetensors file ({' '.join(str(e).split())})") from None
+    size = sum((dst / s).stat().st_size for s in h["shards"])
     c = h["config"]
     t = h["totals"]
     writer = f"hilt {h['tool_version']}" if h["tool_version"] else "transformers' save_pretrained"

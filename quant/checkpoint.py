@@ -540,17 +540,20 @@ def _read_tensors(folder: Path, entries: dict, names: list[str],
         by_shard.setdefault(entries[name]["shard"], []).append(name)
     loaded: dict[str, torch.Tensor | QuantizedWeight] = {}
     for shard, shard_names in by_shard.items():
-        with safe_open(str(folder / shard), framework="pt") as f:
-            keys = set(f.keys())
-            for name in shard_names:
-                e = entries[name]
-                if e["kind"] == "dense":
-                    loaded[name] = f.get_tensor(name)
-                    continue
-                keyed = {p: part_key(name, p, version) for p in PARTS}
-                parts = {p: f.get_tensor(k) if k in keys else None for p, k in keyed.items()}
-                loaded[name] = QuantizedWeight(
-                    parts["codes"], parts["codebook"], parts["scales"], parts["offsets"],
-                    tuple(e["shape"]), getattr(torch, e["dtype"]), e["bits"], e["block_size"], e["method"],
-                )
+        try:
+            with safe_open(str(folder / shard), framework="pt") as f:
+                keys = set(f.keys())
+                for name in shard_names:
+                    e = entries[name]
+                    if e["kind"] == "dense":
+                        loaded[name] = f.get_tensor(name)
+                        continue
+                    keyed = {p: part_key(name, p, version) for p in PARTS}
+                    parts = {p: f.get_tensor(k) if k in keys else None for p, k in keyed.items()}
+                    loaded[name] = QuantizedWeight(
+                        parts["codes"], parts["codebook"], parts["scales"], parts["offsets"],
+                        tuple(e["shape"]), getattr(torch, e["dtype"]), e["bits"], e["block_size"], e["method"],
+                    )
+        except (OSError, SafetensorError) as e:  # a shard cut short or damaged since it was written
+            raise HiltError(f"{folder / shard}: not a readable safetensors file ({' '.join(str(e).split())})") from None
     return {name: loaded[name] for name in names}

@@ -14,6 +14,7 @@ import torch
 from safetensors.torch import save_file
 
 from helpers import make_checkpoint, read_json, run_hilt
+from hilt.errors import HiltError
 from hilt.quant import load_checkpoint
 
 
@@ -60,6 +61,12 @@ def test_quantize_inspect_and_json(tiny_ckpt, tmp_path):
     assert torch.equal(loaded["lm_head.weight"], make_checkpoint(tmp_path / "again.safetensors")["lm_head.weight"])
     r = run_hilt("inspect", dst, "--tensors")
     assert r.returncode == 0 and "kmeans, 2 bits, block 64" in r.stdout and "lm_head.weight" in r.stdout
+    shard = dst / header["shards"][0]
+    with open(shard, "r+b") as f:  # cut short, as a copy that stopped half-way leaves it
+        f.truncate(shard.stat().st_size // 2)
+    assert_clean_failure(run_hilt("inspect", dst), f"{shard}: not a readable safetensors file")
+    with pytest.raises(HiltError, match="not a readable safetensors file"):
+        load_checkpoint(dst)
 
 
 def test_only_and_ignore_select_tensors(tiny_ckpt, tmp_path):
