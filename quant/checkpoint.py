@@ -253,7 +253,7 @@ def quantize_checkpoint(
                                                                    if n in targets and n not in per_tensor])
         settings = {
             "config": asdict(config),
-            "source": {"path": str(src), "format": source.format},
+            "source": {"path": str(Path(src).resolve()), "format": source.format},  # found from any folder later
             "only": only,
             "ignore": ignore,
             "importance": None if importance is None else str(importance),

@@ -108,8 +108,14 @@ def export_gguf(dst, out, overwrite: bool = False) -> dict:
                         "metadata and tokenizer from the GGUF the checkpoint came from")
     if not source.is_file():
         raise HiltError(f"{dst}: its source {source} is gone; the GGUF export needs its metadata and tokenizer")
+    if out.is_dir():
+        raise HiltError(f"{out}: is a folder; give the GGUF file's name")
     if out.exists() and not overwrite:
         raise HiltError(f"{out}: already exists; pass --overwrite to replace it")
+    if out.exists():
+        with open(out, "rb") as f:
+            if f.read(4) != b"GGUF":
+                raise HiltError(f"{out}: exists and is not a GGUF file; refusing to replace it")
     if not out.parent.is_dir():
         raise HiltError(f"{out}: folder {out.parent} does not exist")
     for name, e in header["tensors"].items():  # refuse before writing anything
@@ -142,6 +148,9 @@ def export_gguf(dst, out, overwrite: bool = False) -> dict:
         writer.write_tensors_to_file()
         writer.close()
         os.replace(tmp, out)
+    except OSError as e:
+        tmp.unlink(missing_ok=True)
+        raise HiltError(f"{out}: cannot write ({e.strerror or e})") from None
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise

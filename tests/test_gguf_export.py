@@ -67,8 +67,23 @@ def test_what_gguf_cannot_hold_is_refused(tmp_path):
     assert r.returncode == 0 and "Q4_0" in r.stdout, r.stderr
     r = run_hilt("export", "gguf", q, tmp_path / "ok.gguf")
     assert r.returncode == 1 and "already exists" in r.stderr and len(r.stderr.strip().splitlines()) == 1
+    notes = tmp_path / "notes.txt"
+    notes.write_text("mine")
+    for out, msg in ((notes, "exists and is not a GGUF file; refusing to replace it"), (tmp_path, "is a folder")):
+        with pytest.raises(HiltError, match=msg):
+            export_gguf(q, out, overwrite=True)
+    assert notes.read_text() == "mine"
     r = run_hilt("export", "gguf", tmp_path / "q4kmeans64", tmp_path / "k.gguf")
     assert r.returncode == 1 and "learned" in r.stderr and not (tmp_path / "k.gguf").exists()
+
+
+def test_the_source_is_found_from_another_folder(tmp_path, monkeypatch):
+    _source(tmp_path / "src.gguf")
+    monkeypatch.chdir(tmp_path)
+    quantize_checkpoint("src.gguf", "q", QuantConfig("int", 4, 64))  # paths as typed, relative
+    (tmp_path / "sub").mkdir()
+    monkeypatch.chdir(tmp_path / "sub")
+    assert export_gguf("../q", "q.gguf")["types"]["Q4_0"] == 2
 
 
 def test_needs_a_gguf_source(tiny_ckpt, tmp_path):
