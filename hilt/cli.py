@@ -651,7 +651,9 @@ def cmd_export_onnx(args) -> int:
     from hilt.bench.tasks import export
 
     src = Path(args.src)
-    if (src / "hilt.json").is_file():
+    if not src.exists():
+        raise HiltError(f"{src}: no such file or folder")
+    if src.is_dir():  # a quantized folder: hilt's own, or as transformers' save_pretrained wrote it again
         if args.cim_preset:
             raise HiltError(f"{src} is a quantized checkpoint; --cim-preset applies to workload checkpoints")
         result = export.export_quantized(src, args.out, overwrite=args.overwrite, packed_ops=not args.standard_ops,

@@ -70,9 +70,19 @@ def test_quantized_minilm_export_is_compact_and_matches(minilm_dir, tmp_path):
     from hilt.bench.tasks.export import export_quantized
     from hilt.quant import quantize_checkpoint
 
+    import shutil
+
+    import transformers
+
+    import hilt  # noqa: F401  (transformers loads hilt folders through it)
+
     ckpt = tmp_path / "minilm-3bit"
     quantize_checkpoint(minilm_dir, ckpt, QuantConfig(method="kmeans", bits=3, block_size=64))
-    result = export_quantized(ckpt, tmp_path / "m.onnx", sentences=16, log=lambda *_: None)
+    # the folder as transformers' save_pretrained writes it again: no hilt.json, no dense weights
+    resaved = tmp_path / "resaved"
+    transformers.AutoModel.from_pretrained(str(ckpt)).save_pretrained(str(resaved))
+    shutil.copy(ckpt / "tokenizer.json", resaved)
+    result = export_quantized(resaved, tmp_path / "m.onnx", sentences=16, log=lambda *_: None)
     assert result["quantized_weights"] == 36  # every Linear of the encoder (the unused pooler is left out)
     assert result["max_rel_error"] <= 1e-3 and result["size_ratio"] <= 1.3
     model = onnx.load(str(tmp_path / "m.onnx"))

@@ -104,7 +104,7 @@ def export_quantized(src, out, sentences: int = 64, overwrite: bool = False, pac
     """A hilt quantized checkpoint of all-MiniLM-L6-v2 -> ONNX (input_ids, attention_mask -> hidden states).
     ``packed_ops``: symmetric 2/4/8-bit integer weights as MatMulNBits (packed in the session); the
     other formats, and all of them without it, as the rebuild subgraph (folded to float at load)."""
-    from hilt.bench.models.bert import embed, load_minilm, minilm_path
+    from hilt.bench.models.bert import Bert, BertConfig, embed, load_minilm, minilm_path
     from hilt.bench.data.text import sentences as real_sentences
     from hilt.quant import QuantizedWeight
     from hilt.quant.checkpoint import load_checkpoint, read_header
@@ -121,11 +121,11 @@ def export_quantized(src, out, sentences: int = 64, overwrite: bool = False, pac
     origin = Path(header.get("source", {}).get("path", ""))
     model_dir = origin if (origin / "config.json").is_file() else minilm_path()
     tensors = load_checkpoint(src)
-    ref_model, tokenizer = load_minilm(model_dir)
-    params = dict(ref_model.named_parameters())
+    with torch.device("meta"):  # the weights' names only (a folder save_pretrained wrote holds no dense copy)
+        params = dict(Bert(BertConfig.from_json(model_dir / "config.json")).named_parameters())
     quantized = {n: t for n, t in tensors.items() if isinstance(t, QuantizedWeight) and n in params}
     dense = {n: t.float() for n, t in tensors.items() if not isinstance(t, QuantizedWeight) and n in params}
-    model, _ = load_minilm(model_dir, {**dense, **{n: q.dequantize().float() for n, q in quantized.items()}})
+    model, tokenizer = load_minilm(model_dir, {**dense, **{n: q.dequantize().float() for n, q in quantized.items()}})
 
     start = time.perf_counter()
     ids = torch.tensor([tokenizer.encode("a short example sentence").ids] * 2)
