@@ -274,7 +274,7 @@ def cmd_quantize(args) -> int:
     import torch
 
     from hilt.quant import QuantConfig, open_source, quantize_checkpoint
-    from hilt.quant.checkpoint import PROGRESS, embedding_config, embedding_tables, select_targets
+    from hilt.quant.checkpoint import PROGRESS, check_unquantized, embedding_config, embedding_tables, select_targets
     from hilt.quant.quantize import check_quantizable, expected_bits_per_weight
 
     if args.asymmetric and args.method not in ("int", "int-asym"):
@@ -285,6 +285,7 @@ def cmd_quantize(args) -> int:
     plan = _budget_plan(args)
     compensate, compensators = _compensation(args, config)
     with open_source(args.src) as source:
+        check_unquantized(source)
         targets = select_targets(source, args.only, args.ignore)
         tables = {}
         if args.embeddings is not None:

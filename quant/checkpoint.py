@@ -169,6 +169,15 @@ def _tensor_parts(name: str, q: QuantizedWeight) -> dict[str, torch.Tensor]:
     return {part_key(name, part): t.contiguous() for part, t in q.packed.tensors().items()}
 
 
+def check_unquantized(source) -> None:
+    """Refuse a source that holds a quantized checkpoint's parts (codes with their scales)."""
+    names = set(source.names())
+    packed = next((n for n in sorted(names) if n.endswith(".codes") and f"{n[:-6]}.scales" in names), None)
+    if packed is not None:
+        raise HiltError(f"{source.path}: holds quantized codes and scales ({packed}), as a hilt checkpoint does; "
+                        "quantize the model it came from")
+
+
 def quantize_checkpoint(
     src,
     dst,
@@ -227,10 +236,13 @@ def quantize_checkpoint(
             method = model_config["quantization_config"].get("quant_method", "unknown")
             raise HiltError(f"{Path(src) / hf_folder.CONFIG}: the model is already quantized ({method}); "
                             "quantize its unquantized folder")
+    if (Path(src) / HEADER).is_file():
+        raise HiltError(f"{src}: already a hilt quantized checkpoint; quantize the model it came from")
     partial = _check_destination(dst, overwrite, resume)
     weights = {} if importance is None else load_importance(importance)
     source = open_source(src)
     try:
+        check_unquantized(source)
         targets = set(select_targets(source, only, ignore))
         if not targets:
             raise HiltError(f"{src}: no tensor selected for quantization (check --only/--ignore)")

@@ -15,7 +15,7 @@ from safetensors.torch import save_file
 
 from helpers import make_checkpoint, read_json, run_hilt
 from hilt.errors import HiltError
-from hilt.quant import load_checkpoint
+from hilt.quant import QuantConfig, load_checkpoint, quantize_checkpoint
 
 
 def assert_clean_failure(result, *needles, dst=None):
@@ -62,6 +62,11 @@ def test_quantize_inspect_and_json(tiny_ckpt, tmp_path):
     r = run_hilt("inspect", dst, "--tensors")
     assert r.returncode == 0 and "kmeans, 2 bits, block 64" in r.stdout and "lm_head.weight" in r.stdout
     shard = dst / header["shards"][0]
+    for again in (dst, shard):  # quantizing a quantized checkpoint (its folder, or its shard) is refused
+        assert_clean_failure(run_hilt("quantize", again, tmp_path / "twice", "--dry-run"),
+                             "holds quantized codes and scales", dst=tmp_path / "twice")
+    with pytest.raises(HiltError, match="already a hilt quantized checkpoint"):
+        quantize_checkpoint(dst, tmp_path / "twice", QuantConfig("int", 4, 64))
     with open(shard, "r+b") as f:  # cut short, as a copy that stopped half-way leaves it
         f.truncate(shard.stat().st_size // 2)
     assert_clean_failure(run_hilt("inspect", dst), f"{shard}: not a readable safetensors file")
