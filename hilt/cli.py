@@ -14,6 +14,7 @@ import contextlib
 import json
 import logging
 import math
+import os
 import re
 import sys
 from pathlib import Path
@@ -1315,6 +1316,9 @@ def main(argv=None) -> int:
             raise
         print(f"hilt: error: {e}", file=sys.stderr)
         return EXIT_ERROR
+    except BrokenPipeError:  # `hilt inspect ... | head` closed the pipe: not an error of ours
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # so the exit flush does not fail again
+        return 0
     except KeyboardInterrupt:
         if debug:
             raise
