@@ -479,7 +479,7 @@ def cmd_eval_ppl(args) -> int:
 
     result = evaluate.perplexity_run(args.model, quantized=args.quantized, text=args.text, tokens=args.tokens,
                                      context=args.context, progress=True)
-    label = result["quantized"] or "unquantized"
+    label = result["quantized"] or f"{args.model}'s weights as stored"
     print(f"perplexity {result['perplexity']:.3f} over {result['tokens']} tokens "
           f"(context {result['context']}) of {result['text']} — {label}")
     _write_json(args, result)
@@ -490,7 +490,7 @@ def cmd_eval_embed(args) -> int:
     from hilt.bench.tasks import evaluate
 
     result = evaluate.embedding_run(args.model, quantized=args.quantized, sentences=args.sentences)
-    label = args.quantized or "unquantized"
+    label = args.quantized or f"{args.model}'s weights as stored"
     print(f"mean cosine similarity to fp32 embeddings {result['cosine_similarity']:.5f} "
           f"(min {result['cosine_similarity_min']:.5f}) over {result['sentences']} sentences — {label}")
     _write_json(args, result)
