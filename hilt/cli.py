@@ -417,6 +417,8 @@ def _compensation(args, config):
     made = []
 
     def make(targets):
+        LOG.info(f"compensating {len(targets)} tensors block by block: each block's calibration inputs pass "
+                 "through it first (the first tensor of a block carries the block's time)")
         made.append(compensator(args.src, config, comp, targets, **options))
         return made[-1]
     return make, made
