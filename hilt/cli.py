@@ -280,9 +280,11 @@ def cmd_quantize(args) -> int:
 
     if args.asymmetric and args.method not in ("int", "int-asym"):
         raise UsageError(f"--asymmetric applies to --method int only, not --method {args.method}")
+    if args.solver is not None and args.method != "kmeans":
+        raise UsageError(f"--solver applies to --method kmeans only, not --method {args.method}")
     method = "int-asym" if args.asymmetric else args.method
     config = QuantConfig(method=method, bits=_resolve_bits(args, 4), block_size=args.block_size,
-                         codebook=args.codebook, solver=args.solver, seed=args.seed)
+                         codebook=args.codebook, solver=args.solver or "optimal", seed=args.seed)
     plan = _budget_plan(args)
     compensate, compensators = _compensation(args, config)
     with open_source(args.src) as source:
@@ -893,7 +895,7 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("--bits", type=_int(1, 8), help="bits per code, 1-8 (default 4; binary: 1)")
     q.add_argument("--block-size", type=_POSITIVE, default=64, help="weights per scale along the input dim (default 64)")
     q.add_argument("--codebook", choices=["layer", "block"], default="layer", help="kmeans: one codebook per layer or per block")
-    q.add_argument("--solver", choices=["optimal", "lloyd"], default="optimal",
+    q.add_argument("--solver", choices=["optimal", "lloyd"],
                    help="kmeans: certified-optimal DP (default) or k-means++ + Lloyd (seeded by --seed)")
     q.add_argument("--asymmetric", action="store_true", help="int: min/max grid with a per-block offset (= int-asym)")
     q.add_argument("--importance", metavar="FILE",

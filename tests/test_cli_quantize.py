@@ -207,6 +207,7 @@ def test_bits_out_of_range(tiny_ckpt, tmp_path, bits):
     (["--codebook", "row"], "--codebook", "expected one of layer, block"),
     (["--method", "binary", "--bits", "4"], "--method binary", "--bits 4"),
     (["--method", "kmeans", "--asymmetric"], "--asymmetric", "--method int"),
+    (["--method", "int", "--solver", "lloyd"], "--solver", "--method kmeans only"),
     (["--frobnicate"], "unrecognized arguments", "--frobnicate"),
 ])
 def test_bad_flags_are_one_line(tiny_ckpt, tmp_path, args, flag, needle):
