@@ -126,7 +126,7 @@ def test_export_cim_snapshot_runs_in_onnxruntime(mlp_checkpoint, tmp_path):
 
 
 @pytest.mark.parametrize("src,out,needle", [
-    ("nowhere", "m.onnx", "expected a hilt quantized checkpoint folder"),
+    ("nowhere", "m.onnx", "nowhere: no such file or folder"),
     ("CKPT", "m.txt", "must end in .onnx"),
 ])
 def test_export_bad_input(mlp_checkpoint, tmp_path, src, out, needle):
