@@ -24,6 +24,7 @@ an uninterrupted run.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -43,7 +44,7 @@ from hilt.progress import LOG
 from hilt.quant import hf_folder
 from hilt.quant.quantize import QuantConfig, check_quantizable, quantize_tensor, relative_error
 from hilt.quant.qweight import QuantizedWeight
-from hilt.quant.sources import Source, open_source
+from hilt.quant.sources import Source, _one_line, open_source
 
 if TYPE_CHECKING:
     from hilt.quant.compensate import Compensator
@@ -552,20 +553,28 @@ def _read_tensors(folder: Path, entries: dict, names: list[str],
         by_shard.setdefault(entries[name]["shard"], []).append(name)
     loaded: dict[str, torch.Tensor | QuantizedWeight] = {}
     for shard, shard_names in by_shard.items():
-        try:
-            with safe_open(str(folder / shard), framework="pt") as f:
-                keys = set(f.keys())
-                for name in shard_names:
-                    e = entries[name]
-                    if e["kind"] == "dense":
-                        loaded[name] = f.get_tensor(name)
-                        continue
-                    keyed = {p: part_key(name, p, version) for p in PARTS}
-                    parts = {p: f.get_tensor(k) if k in keys else None for p, k in keyed.items()}
-                    loaded[name] = QuantizedWeight(
-                        parts["codes"], parts["codebook"], parts["scales"], parts["offsets"],
-                        tuple(e["shape"]), getattr(torch, e["dtype"]), e["bits"], e["block_size"], e["method"],
-                    )
-        except (OSError, SafetensorError) as e:  # a shard cut short or damaged since it was written
-            raise HiltError(f"{folder / shard}: not a readable safetensors file ({' '.join(str(e).split())})") from None
+        with open_shard(folder / shard) as f:
+            keys = set(f.keys())
+            for name in shard_names:
+                e = entries[name]
+                if e["kind"] == "dense":
+                    loaded[name] = f.get_tensor(name)
+                    continue
+                keyed = {p: part_key(name, p, version) for p in PARTS}
+                parts = {p: f.get_tensor(k) if k in keys else None for p, k in keyed.items()}
+                loaded[name] = QuantizedWeight(
+                    parts["codes"], parts["codebook"], parts["scales"], parts["offsets"],
+                    tuple(e["shape"]), getattr(torch, e["dtype"]), e["bits"], e["block_size"], e["method"],
+                )
     return {name: loaded[name] for name in names}
+
+
+@contextlib.contextmanager
+def open_shard(path: Path):
+    """A checkpoint shard opened for reading; one cut short or damaged since it was written is one
+    HiltError naming it (safetensors checks the file's length against its header on opening)."""
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            yield f
+    except (OSError, SafetensorError) as e:
+        raise HiltError(f"{path}: not a readable safetensors file ({_one_line(e)})") from None

@@ -169,11 +169,8 @@ def _sha256(path: Path) -> str | None:
 
 @functools.lru_cache(maxsize=16)
 def _sha256_of(path: str, size: int, mtime_ns: int) -> str:
-    digest = hashlib.sha256()
     with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
+        return hashlib.file_digest(f, "sha256").hexdigest()
 
 
 def _canonical(obj) -> str:
