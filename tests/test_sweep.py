@@ -289,3 +289,28 @@ def test_the_example_grid_reads():
     cells, groups = cells_of(grid)
     assert (len(cells), len(groups)) == (80, 8) and grid.models["cnn-dwp"]["spec"] == "cnn"
     assert sum(p.numel() for p in _load_model(grid, "cnn-dwp").parameters()) > 100_000
+
+
+def test_a_failing_cell_is_named(tmp_path, capsys, monkeypatch):
+    """A model that runs on one chip but not on two (it reshapes its logits to its input's batch):
+    the error names the cell, and the rows already written stay for --resume."""
+    from hilt.cli import main
+
+    (tmp_path / "batchbound.py").write_text(
+        "import torch\n"
+        "class Net(torch.nn.Module):\n"
+        "    def __init__(self):\n"
+        "        super().__init__()\n"
+        "        torch.manual_seed(0)\n"
+        "        self.fc = torch.nn.Linear(784, 10)\n"
+        "    def forward(self, x):\n"
+        "        return self.fc(x.flatten(1)).view(x.shape[0], -1)\n"
+        "def build():\n"
+        "    return Net()\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    grid = write_grid(tmp_path, 'images = 60\n[models.net]\nspec = "batchbound:build"\n'
+                                '[axes]\nmodel = "net"\nchips = [1, 2]\ntime = ["1h"]\n')
+    assert main(["sweep", str(grid), "--out", str(tmp_path / "out")]) == 1
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and f"{grid}: cell chips=2 1h: the model returned shape" in err, err
+    assert [r["chips"] for r in rows_of(tmp_path / "out")] == [1]

@@ -370,6 +370,18 @@ def cells_of(grid: Grid) -> tuple[list[Cell], list[Group]]:
 # ------------------------------------------------------------------ evaluation (runs locally or in a Ray task)
 
 
+class CellError(HiltError):
+    """A cell's evaluation failed: the sweep names the cell (the group's first when the failure is in
+    what its cells share)."""
+
+    def __init__(self, cell: int, reason: str):
+        super().__init__(cell, reason)  # as args, so that it pickles back from a Ray task
+        self.cell, self.reason = cell, reason
+
+    def __str__(self):
+        return f"cell {self.cell}: {self.reason}"
+
+
 def run_group(model, data, task: dict, threads: int | None = None):
     """Evaluate one group: program its chips once, then per cell drift to the cell's time and gdc.
 
@@ -380,12 +392,19 @@ def run_group(model, data, task: dict, threads: int | None = None):
         torch.set_num_threads(threads)
     start = time.perf_counter()
     batch = task["batch_size"]
-    digital = float(evaluate(model, data, batch_size=batch)[0])
-    analog = convert_to_analog(model, task["config"])
-    program(analog, seeds=program_seeds(task["seed"], task["chips"]))
+    index = task["cells"][0][0]
+    try:
+        digital = float(evaluate(model, data, batch_size=batch)[0])
+        analog = convert_to_analog(model, task["config"])
+        program(analog, seeds=program_seeds(task["seed"], task["chips"]))
+    except HiltError as e:
+        raise CellError(index, str(e)) from None
     for index, seconds, gdc in task["cells"]:
-        drift_to(analog, seconds, gdc=gdc, seeds=read_seeds(task["seed"], seconds, task["chips"]))  # also seeds the forward noise
-        accuracies = evaluate(analog, data, batch_size=batch).tolist()
+        try:
+            drift_to(analog, seconds, gdc=gdc, seeds=read_seeds(task["seed"], seconds, task["chips"]))  # also seeds the forward noise
+            accuracies = evaluate(analog, data, batch_size=batch).tolist()
+        except HiltError as e:
+            raise CellError(index, str(e)) from None
         now = time.perf_counter()
         yield index, accuracies, digital, now - start
         start = now
@@ -621,12 +640,14 @@ def run_sweep(grid_path, out, *, resume: bool = False, overwrite: bool = False, 
             for g, task in tasks:
                 for item in run_group(models[g.model], data, task):
                     finished(*item)
-    except Exception:
+    except Exception as e:
         if not rows:  # failed before its first row (a model that cannot run on analog arrays): leave no sweep behind
             for name in (RESULTS_JSONL, RESULTS_CSV, GRID_JSON):
                 (out / name).unlink(missing_ok=True)
             if created and not any(out.iterdir()):
                 out.rmdir()
+        if isinstance(e, CellError):
+            raise HiltError(f"{grid.path}: cell {cells[e.cell].label(grid)}: {e.reason}") from None
         raise
     finally:
         bar.close()
@@ -694,7 +715,7 @@ def _run_ray(tasks, models, data, workers, finished, log) -> dict:
                 except ray.exceptions.RayTaskError as e:
                     cause = getattr(e, "cause", None)
                     if isinstance(cause, HiltError):
-                        raise HiltError(str(cause)) from None
+                        raise cause from None
                     raise
                 finished(*item)
         return {"cpus": cpus, "workers": slots, "cpus_per_task": per_task}
