@@ -30,6 +30,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from hilt.cim_sim.devices import PCM, RRAM, compiled, gaussian_, hashed_normal, stuck_at
+from hilt.cim_sim.output_pass import output_pass
 from hilt.errors import HiltError
 
 _ZERO = torch.zeros(())  # addmm's ignored input (beta=0): a product scaled inside BLAS
@@ -56,7 +57,13 @@ def _output_stage_eager(part, column_scale, keys, noise_scale, levels, noise: bo
     return part.clamp(-levels, levels).round(), part.abs().amax(-1)
 
 
-_output_stage = compiled(_output_stage_eager)
+_output_stage_compiled = compiled(_output_stage_eager)
+
+
+def _output_stage(part, column_scale, keys, noise_scale, levels, noise: bool, adc: bool):
+    """The output pass by the C kernel (cim_sim/output_pass.c), else by torch.compile: the same floats."""
+    return output_pass(part, column_scale, keys, noise_scale, levels, noise, adc) or \
+        _output_stage_compiled(part, column_scale, keys, noise_scale, levels, noise, adc)
 
 
 def _input_stage_eager(x, in_step, levels, as_int8: bool):

@@ -1,0 +1,110 @@
+"""The analog arrays' output pass as a C kernel (output_pass.c): the forward's hottest loop after the
+integer products, about twice as fast as torch.compile's version of the same function.
+
+The kernel is compiled on first use by the system's C compiler (as torch.compile's C++ is) into a
+per-user cache, once per source and compiler; where no compiler builds it, :func:`output_pass`
+returns None and the caller runs the compiled PyTorch function instead, which gives the same floats.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+from hilt.cim_sim.devices import _TABLES
+
+SOURCE = Path(__file__).with_name("output_pass.c")
+# -ffp-contract=off: no fused multiply-adds, so every product and sum rounds as in the reference
+FLAGS = ["-O2", "-ffp-contract=off", "-fPIC", "-shared"]
+
+
+def cache_dir() -> Path:
+    root = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(root) / "hilt"
+
+
+def _compiler() -> str | None:
+    return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
+
+
+def _build(cc: str, flags: list[str], target: Path) -> bool:
+    """Compile to a temporary name beside ``target``, then rename: concurrent builders (Ray workers)
+    never load a half-written library."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
+    os.close(fd)
+    try:
+        done = subprocess.run([cc, *flags, str(SOURCE), "-o", tmp], capture_output=True, timeout=120)
+        if done.returncode != 0:
+            return False
+        os.replace(tmp, target)
+        return True
+    except (OSError, subprocess.SubprocessError):
+        return False
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+@functools.cache
+def library():
+    """The loaded kernel library, or None where it cannot be built (no compiler, no write access)."""
+    cc = _compiler()
+    if cc is None:
+        return None
+    source = SOURCE.read_bytes()
+    # with OpenMP the rows run on torch's threads (the same libgomp); without (a compiler lacking
+    # it), on one
+    for flags in (FLAGS + ["-fopenmp"], FLAGS):
+        key = hashlib.sha256(source + "\0".join([cc, *flags, platform.machine()]).encode()).hexdigest()[:16]
+        path = cache_dir() / f"output_pass-{key}.so"
+        if path.exists() or _build(cc, flags, path):
+            try:
+                lib = ctypes.CDLL(str(path))
+            except OSError:
+                continue
+            lib.hilt_output_pass.restype = None
+            lib.hilt_output_pass.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_float] * 2 + [ctypes.c_int] * 2 + \
+                [ctypes.c_int64] * 3 + [ctypes.c_void_p] * 2 + [ctypes.c_int]
+            lib.hilt_output_pass_isa.restype = ctypes.c_int
+            return lib
+    return None
+
+
+def isa() -> int:
+    """The kernel's widest vector path on this CPU: 2 AVX-512, 1 AVX2, 0 neither; -1 without the kernel."""
+    lib = library()
+    return -1 if lib is None else lib.hilt_output_pass_isa()
+
+
+def output_pass(part, column_scale, keys, noise_scale, levels, noise: bool, adc: bool, isa: int | None = None):
+    """What ``analog._output_stage_eager`` computes, by the C kernel: ``part`` the integer product's
+    planes (chips, rows, 2n) int32 with ``column_scale`` (chips, 1, n), or float products (chips,
+    rows, n) with None -> (ADC output or noisy product (chips, rows, n), per-row peak or None).
+    None when the kernel is not available. ``isa``: a narrower vector path (tests)."""
+    lib = library()
+    if lib is None:
+        return None
+    chips, rows = part.shape[:2]
+    integer = column_scale is not None
+    n = part.shape[2] // 2 if integer else part.shape[2]
+    part = part.contiguous()
+    scale = column_scale.expand(chips, 1, n).contiguous() if integer else None
+    keys = keys.to(torch.int32).contiguous()
+    out = torch.empty(chips, rows, n)
+    peak = torch.empty(chips, rows) if adc else None
+    table = _TABLES[torch.float32]
+    lib.hilt_output_pass(part.data_ptr() if integer else None, None if integer else part.data_ptr(),
+                         None if scale is None else scale.data_ptr(), keys.data_ptr(), table.data_ptr(),
+                         float(noise_scale), float(levels), int(noise), int(adc), chips, rows, n, out.data_ptr(),
+                         None if peak is None else peak.data_ptr(), lib.hilt_output_pass_isa() if isa is None else isa)
+    return out, peak
