@@ -23,6 +23,7 @@ static inline uint32_t mix(uint32_t x) {
 typedef struct {
     const int32_t *planes;  /* (chips, rows, 2n): coarse then fine products; or NULL */
     const float *values;    /* (chips, rows, n) float products when planes is NULL */
+    int64_t chip_stride, row_stride;  /* of planes or values, in elements (columns are contiguous) */
     const float *scale;     /* (chips, n): each column's scale (integer planes only) */
     const int32_t *keys;    /* (chips, 2): each chip's noise keys */
     const float *table;     /* 65536 quantiles of N(0, 1) */
@@ -35,6 +36,11 @@ typedef struct {
 
 static const float INV_FINE = (float)(1.0 / 254); /* analog.FINE */
 
+/* where row cr (chip-major) of planes or values starts */
+static inline int64_t row_start(const Pass *p, int64_t cr) {
+    return (cr / p->rows) * p->chip_stride + (cr % p->rows) * p->row_stride;
+}
+
 /* columns j0..n-1 of one row, one at a time; returns the running peak */
 static float row_scalar(const Pass *p, int64_t cr, int64_t j0, float peak, int *nan) {
     int64_t c = cr / p->rows, n = p->n;
@@ -44,10 +50,10 @@ static float row_scalar(const Pass *p, int64_t cr, int64_t j0, float peak, int *
     for (int64_t j = j0; j < n; j++) {
         float v;
         if (p->planes) {
-            const int32_t *pl = p->planes + cr * 2 * n;
+            const int32_t *pl = p->planes + row_start(p, cr);
             v = ((float)pl[j] + (float)pl[n + j] * INV_FINE) * p->scale[c * n + j];
         } else {
-            v = p->values[cr * n + j];
+            v = p->values[row_start(p, cr) + j];
         }
         if (p->noise) v = v + p->noise_scale * p->table[mix(mix((base + (uint32_t)j) ^ k0) ^ k1) >> 16];
         if (p->adc) {
@@ -80,12 +86,12 @@ __attribute__((target("avx512f"))) static float row_avx512(const Pass *p, int64_
     for (; j + 16 <= n; j += 16, index = _mm512_add_epi32(index, _mm512_set1_epi32(16))) {
         __m512 v;
         if (p->planes) {
-            const int32_t *pl = p->planes + cr * 2 * n + j;
+            const int32_t *pl = p->planes + row_start(p, cr) + j;
             __m512 coarse = _mm512_cvtepi32_ps(_mm512_loadu_si512(pl));
             __m512 fine = _mm512_cvtepi32_ps(_mm512_loadu_si512(pl + n));
             v = _mm512_mul_ps(_mm512_add_ps(coarse, _mm512_mul_ps(fine, inv)), _mm512_loadu_ps(p->scale + c * n + j));
         } else {
-            v = _mm512_loadu_ps(p->values + cr * n + j);
+            v = _mm512_loadu_ps(p->values + row_start(p, cr) + j);
         }
         if (p->noise) {
             __m512i h = mix16(_mm512_xor_si512(mix16(_mm512_xor_si512(index, k0)), k1));
@@ -122,12 +128,12 @@ __attribute__((target("avx2"))) static float row_avx2(const Pass *p, int64_t cr,
     for (; j + 8 <= n; j += 8, index = _mm256_add_epi32(index, _mm256_set1_epi32(8))) {
         __m256 v;
         if (p->planes) {
-            const int32_t *pl = p->planes + cr * 2 * n + j;
+            const int32_t *pl = p->planes + row_start(p, cr) + j;
             __m256 coarse = _mm256_cvtepi32_ps(_mm256_loadu_si256((const __m256i *)pl));
             __m256 fine = _mm256_cvtepi32_ps(_mm256_loadu_si256((const __m256i *)(pl + n)));
             v = _mm256_mul_ps(_mm256_add_ps(coarse, _mm256_mul_ps(fine, inv)), _mm256_loadu_ps(p->scale + c * n + j));
         } else {
-            v = _mm256_loadu_ps(p->values + cr * n + j);
+            v = _mm256_loadu_ps(p->values + row_start(p, cr) + j);
         }
         if (p->noise) {
             __m256i h = mix8(_mm256_xor_si256(mix8(_mm256_xor_si256(index, k0)), k1));
@@ -160,10 +166,11 @@ int hilt_output_pass_isa(void) {
 }
 
 /* One pass over every row of every chip, rows in parallel. isa: as hilt_output_pass_isa, or lower. */
-void hilt_output_pass(const int32_t *planes, const float *values, const float *scale, const int32_t *keys,
-                      const float *table, float noise_scale, float levels, int noise, int adc, int64_t chips,
-                      int64_t rows, int64_t n, float *out, float *peak, int isa) {
-    Pass p = {planes, values, scale, keys, table, noise_scale, levels, noise, adc, chips, rows, n, out, peak};
+void hilt_output_pass(const int32_t *planes, const float *values, int64_t chip_stride, int64_t row_stride,
+                      const float *scale, const int32_t *keys, const float *table, float noise_scale, float levels,
+                      int noise, int adc, int64_t chips, int64_t rows, int64_t n, float *out, float *peak, int isa) {
+    Pass p = {planes, values, chip_stride, row_stride, scale, keys, table, noise_scale, levels, noise, adc, chips,
+              rows, n, out, peak};
     int64_t total = chips * rows;
 #ifdef _OPENMP
 #pragma omp parallel for schedule(static) if (total * n >= 65536)

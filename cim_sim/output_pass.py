@@ -73,8 +73,8 @@ def library():
             except OSError:
                 continue
             lib.hilt_output_pass.restype = None
-            lib.hilt_output_pass.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_float] * 2 + [ctypes.c_int] * 2 + \
-                [ctypes.c_int64] * 3 + [ctypes.c_void_p] * 2 + [ctypes.c_int]
+            lib.hilt_output_pass.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 2 + [ctypes.c_void_p] * 3 + \
+                [ctypes.c_float] * 2 + [ctypes.c_int] * 2 + [ctypes.c_int64] * 3 + [ctypes.c_void_p] * 2 + [ctypes.c_int]
             lib.hilt_output_pass_isa.restype = ctypes.c_int
             return lib
     return None
@@ -89,22 +89,24 @@ def isa() -> int:
 def output_pass(part, column_scale, keys, noise_scale, levels, noise: bool, adc: bool, isa: int | None = None):
     """What ``analog._output_stage_eager`` computes, by the C kernel: ``part`` the integer product's
     planes (chips, rows, 2n) int32 with ``column_scale`` (chips, 1, n), or float products (chips,
-    rows, n) with None -> (ADC output or noisy product (chips, rows, n), per-row peak or None).
+    rows, n) with None, any strides but contiguous columns -> (ADC output or noisy product (chips,
+    rows, n), per-row peak or None).
     None when the kernel is not available. ``isa``: a narrower vector path (tests)."""
     lib = library()
-    if lib is None:
+    integer = column_scale is not None
+    if lib is None or part.dtype != (torch.int32 if integer else torch.float32):
         return None
     chips, rows = part.shape[:2]
-    integer = column_scale is not None
     n = part.shape[2] // 2 if integer else part.shape[2]
-    part = part.contiguous()
+    if part.stride(2) != 1:
+        part = part.contiguous()
     scale = column_scale.expand(chips, 1, n).contiguous() if integer else None
     keys = keys.to(torch.int32).contiguous()
     out = torch.empty(chips, rows, n)
     peak = torch.empty(chips, rows) if adc else None
     table = _TABLES[torch.float32]
     lib.hilt_output_pass(part.data_ptr() if integer else None, None if integer else part.data_ptr(),
-                         None if scale is None else scale.data_ptr(), keys.data_ptr(), table.data_ptr(),
+                         part.stride(0), part.stride(1), None if scale is None else scale.data_ptr(), keys.data_ptr(), table.data_ptr(),
                          float(noise_scale), float(levels), int(noise), int(adc), chips, rows, n, out.data_ptr(),
                          None if peak is None else peak.data_ptr(), lib.hilt_output_pass_isa() if isa is None else isa)
     return out, peak

@@ -40,6 +40,10 @@ def test_kernel_equals_the_reference(path):
             got = kernel.output_pass(part, scale, keys, noise_scale, levels, noise, adc, isa=path)
             where = f"chips {chips}, rows {rows}, n {n}, integer {integer}, noise {noise}, adc {adc}"
             assert same(expected[0], got[0]) and same(expected[1], got[1]), where
+            # rows of every chip side by side (a shared input's one wide product), read in place
+            wide = part.transpose(0, 1).contiguous().transpose(0, 1)
+            got = kernel.output_pass(wide, scale, keys, noise_scale, levels, noise, adc, isa=path)
+            assert same(expected[0], got[0]) and same(expected[1], got[1]), where + ", chips side by side"
             if adc:  # clipped and rounded to whole ADC steps
                 assert float(got[0].abs().max()) <= 25 and torch.equal(got[0], got[0].round())
 
