@@ -39,19 +39,20 @@ def _compiler() -> str | None:
 def _build(cc: str, flags: list[str], target: Path) -> bool:
     """Compile to a temporary name beside ``target``, then rename: concurrent builders (Ray workers)
     never load a half-written library."""
-    target.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
-    os.close(fd)
+    tmp = None
     try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
+        os.close(fd)
         done = subprocess.run([cc, *flags, str(SOURCE), "-o", tmp], capture_output=True, timeout=120)
         if done.returncode != 0:
             return False
         os.replace(tmp, target)
         return True
-    except (OSError, subprocess.SubprocessError):
+    except (OSError, subprocess.SubprocessError):  # no write access, a compiler that does not run
         return False
     finally:
-        if os.path.exists(tmp):
+        if tmp is not None and os.path.exists(tmp):
             os.unlink(tmp)
 
 

@@ -80,3 +80,14 @@ def test_the_forward_runs_the_kernel_or_the_compiled_pass_alike(monkeypatch):
         with torch.no_grad():
             outs.append(chip(x))
     assert torch.isfinite(outs[0]).all() and torch.equal(outs[0], outs[1])
+
+
+def test_built_once_into_the_cache_or_not_at_all(tmp_path, monkeypatch):
+    """The kernel builds into the user's cache; without a working compiler there is no kernel (the
+    forward then runs the compiled PyTorch pass) and no error."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    assert kernel.library.__wrapped__() is not None
+    assert len(list((tmp_path / "hilt").glob("output_pass-*.so"))) == 1
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-compiler"))
+    assert kernel.library.__wrapped__() is None
+    assert len(list((tmp_path / "hilt").iterdir())) == 1  # nothing half-built left behind
