@@ -404,13 +404,14 @@ class AnalogMixin:
                     gaussian_(noise[:n], gens[i]).mul_(stats[:n].sqrt_())
                     part[i].add_(noise, alpha=c.w_noise * in_step / out_step)
         if not c.out_noise and c.adc_bits is None:
-            return (part if column_scale is None else _combine_eager(part, column_scale)), None
+            return (part if column_scale is None else _combine_eager(part, column_scale).contiguous()), None
         # product planes, output noise, ADC clip and round, row peaks: one compiled pass over the outputs of every chip
         keys = torch.stack([torch.randint(-(2**31), 2**31, (2,), generator=g, dtype=torch.int32) for g in gens]) \
             if c.out_noise else torch.zeros(n_chips, 2, dtype=torch.int32)
         noise_scale, levels = (torch.tensor(v, dtype=torch.float32) for v in (c.out_noise / out_step, c.out_bound / out_step))
         stage = _output_stage if fused else _output_stage_eager
-        return stage(part, column_scale, keys, noise_scale, levels, bool(c.out_noise), c.adc_bits is not None)
+        out, peak = stage(part, column_scale, keys, noise_scale, levels, bool(c.out_noise), c.adc_bits is not None)
+        return out.contiguous(), peak  # chip-major rows, also when the planes were read side by side
 
     def _steps(self) -> tuple[float, float]:
         """(DAC step, ADC step) in normalised units (1 where a converter is off)."""

@@ -56,6 +56,15 @@ def _build(cc: str, flags: list[str], target: Path) -> bool:
             os.unlink(tmp)
 
 
+def _load(path: Path):
+    """The library at ``path``, or None for a file that does not load or lacks the kernel."""
+    try:
+        lib = ctypes.CDLL(str(path))
+    except OSError:
+        return None
+    return lib if all(hasattr(lib, name) for name in ("hilt_output_pass", "hilt_output_pass_isa")) else None
+
+
 @functools.cache
 def library():
     """The loaded kernel library, or None where it cannot be built (no compiler, no write access)."""
@@ -68,11 +77,10 @@ def library():
     for flags in (FLAGS + ["-fopenmp"], FLAGS):
         key = hashlib.sha256(source + "\0".join([cc, *flags, platform.machine()]).encode()).hexdigest()[:16]
         path = cache_dir() / f"output_pass-{key}.so"
-        if path.exists() or _build(cc, flags, path):
-            try:
-                lib = ctypes.CDLL(str(path))
-            except OSError:
-                continue
+        lib = _load(path) if path.exists() else None
+        if lib is None and _build(cc, flags, path):  # not built yet, or a damaged file in the cache: built afresh
+            lib = _load(path)
+        if lib is not None:
             lib.hilt_output_pass.restype = None
             lib.hilt_output_pass.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 2 + [ctypes.c_void_p] * 3 + \
                 [ctypes.c_float] * 2 + [ctypes.c_int] * 2 + [ctypes.c_int64] * 3 + [ctypes.c_void_p] * 2 + [ctypes.c_int]
@@ -95,16 +103,18 @@ def output_pass(part, column_scale, keys, noise_scale, levels, noise: bool, adc:
     None when the kernel is not available. ``isa``: a narrower vector path (tests)."""
     lib = library()
     integer = column_scale is not None
-    if lib is None or part.dtype != (torch.int32 if integer else torch.float32):
-        return None
+    tensors = (part, keys) if not integer else (part, keys, column_scale)
+    if lib is None or part.dtype != (torch.int32 if integer else torch.float32) or \
+            (integer and column_scale.dtype != torch.float32) or any(t.device.type != "cpu" for t in tensors):
+        return None  # what the kernel does not take, the compiled pass does
     chips, rows = part.shape[:2]
     n = part.shape[2] // 2 if integer else part.shape[2]
     if part.stride(2) != 1:
         part = part.contiguous()
     scale = column_scale.expand(chips, 1, n).contiguous() if integer else None
     keys = keys.to(torch.int32).contiguous()
-    out = torch.empty(chips, rows, n)
-    peak = torch.empty(chips, rows) if adc else None
+    out = torch.empty(chips, rows, n, dtype=torch.float32)
+    peak = torch.empty(chips, rows, dtype=torch.float32) if adc else None
     table = _TABLES[torch.float32]
     lib.hilt_output_pass(part.data_ptr() if integer else None, None if integer else part.data_ptr(),
                          part.stride(0), part.stride(1), None if scale is None else scale.data_ptr(), keys.data_ptr(), table.data_ptr(),

@@ -60,34 +60,56 @@ def test_nan_is_kept(path):
     assert peak.isnan().tolist() == [[False, True, False], [False, False, True]]
 
 
-def test_the_forward_runs_the_kernel_or_the_compiled_pass_alike(monkeypatch):
-    """An analog forward gives the same outputs with the kernel and, where it cannot be built,
-    with torch.compile's pass."""
+@pytest.mark.parametrize("path", range(kernel.isa() + 1), ids=lambda p: PATHS[p])
+def test_ties_round_to_even_and_the_ends_clip(path):
+    """Values on an ADC rounding tie, in the vector lanes and in the tail, round as torch.round does."""
+    ties = torch.tensor([0.5, 1.5, 2.5, -0.5, -2.5, 24.5, -24.5, 3.5, float("inf"), float("-inf"), 0.0, -0.0, 30.0])
+    part = torch.cat([ties, ties, ties]).view(1, 3, 13)  # 13 columns: one AVX2 vector and a tail
+    keys = torch.zeros(1, 2, dtype=torch.int32)
+    expected = _output_stage_eager(part, None, keys, torch.tensor(0.0), torch.tensor(25.0), False, True)
+    got = kernel.output_pass(part, None, keys, torch.tensor(0.0), torch.tensor(25.0), False, True, isa=path)
+    assert same(expected[0], got[0]) and same(expected[1], got[1])
+    assert got[0][0, 0, :8].tolist() == [0.0, 2.0, 2.0, -0.0, -2.0, 24.0, -24.0, 4.0]
+
+
+@pytest.mark.parametrize("config", ["pcm", "no converters"])
+def test_the_forward_runs_the_kernel_or_the_compiled_pass_alike(config, monkeypatch):
+    """A conv net holding three chips gives the same outputs with the kernel and, where it cannot be
+    built, with torch.compile's pass (the first layer's planes are read side by side there too)."""
+    import dataclasses
+
     from torch import nn
 
     from hilt.cim_sim import analog, convert_to_analog, drift_to, preset, program
 
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(40, 24), nn.ReLU(), nn.Linear(24, 5))
-    x = torch.rand(9, 40)
+    model = nn.Sequential(nn.Conv2d(2, 4, 3), nn.ReLU(), nn.Flatten(), nn.Linear(4 * 4 * 4, 5))
+    settings = preset("pcm") if config == "pcm" else dataclasses.replace(preset("pcm"), out_noise=0.0, adc_bits=None)
+    x = torch.rand(3, 2, 6, 6)
     outs = []
     for available in (True, False):
         if not available:
             monkeypatch.setattr(analog, "output_pass", lambda *args: None)
-        chip = convert_to_analog(model, preset("pcm"))
-        program(chip, seeds=[1, 2])
-        drift_to(chip, 3600.0, seeds=[3, 4])
+        chip = convert_to_analog(model, settings)
+        program(chip, seeds=[1, 2, 5])
+        drift_to(chip, 3600.0, seeds=[3, 4, 6])
         with torch.no_grad():
             outs.append(chip(x))
-    assert torch.isfinite(outs[0]).all() and torch.equal(outs[0], outs[1])
+    assert outs[0].shape == (9, 5) and torch.isfinite(outs[0]).all() and torch.equal(outs[0], outs[1])
 
 
 def test_built_once_into_the_cache_or_not_at_all(tmp_path, monkeypatch):
     """The kernel builds into the user's cache; without a working compiler there is no kernel (the
     forward then runs the compiled PyTorch pass) and no error."""
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "a"))
     assert kernel.library.__wrapped__() is not None
-    assert len(list((tmp_path / "hilt").glob("output_pass-*.so"))) == 1
+    built = list((tmp_path / "a" / "hilt").glob("output_pass-*.so"))
+    assert len(built) == 1
+    damaged = tmp_path / "b" / "hilt" / built[0].name  # another cache holding a damaged copy: built afresh
+    damaged.parent.mkdir(parents=True)
+    damaged.write_bytes(b"")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "b"))
+    assert kernel.library.__wrapped__() is not None and damaged.stat().st_size > 0
     monkeypatch.setenv("CC", str(tmp_path / "no-such-compiler"))
     assert kernel.library.__wrapped__() is None
-    assert len(list((tmp_path / "hilt").iterdir())) == 1  # nothing half-built left behind
+    assert list((tmp_path / "b" / "hilt").iterdir()) == [damaged]  # nothing half-built left behind
