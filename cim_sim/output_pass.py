@@ -95,13 +95,18 @@ def isa() -> int:
     return -1 if lib is None else lib.hilt_output_pass_isa()
 
 
-def output_pass(part, column_scale, keys, noise_scale, levels, noise: bool, adc: bool, isa: int | None = None):
+def output_pass(part, column_scale, keys, noise_scale, levels, noise: bool, adc: bool, path: int | None = None):
     """What ``analog._output_stage_eager`` computes, by the C kernel: ``part`` the integer product's
     planes (chips, rows, 2n) int32 with ``column_scale`` (chips, 1, n), or float products (chips,
     rows, n) with None, any strides but contiguous columns -> (ADC output or noisy product (chips,
     rows, n), per-row peak or None).
-    None when the kernel is not available. ``isa``: a narrower vector path (tests)."""
+    None when the kernel is not available, or has no vector path on this CPU (one column at a time it
+    is slower than torch.compile's vectorized loop). ``path``: a given path of the kernel's (tests)."""
     lib = library()
+    if path is None:
+        path = isa()
+        if path < 1:
+            return None
     integer = column_scale is not None
     tensors = (part, keys) if not integer else (part, keys, column_scale)
     if lib is None or part.dtype != (torch.int32 if integer else torch.float32) or \
@@ -119,5 +124,5 @@ def output_pass(part, column_scale, keys, noise_scale, levels, noise: bool, adc:
     lib.hilt_output_pass(part.data_ptr() if integer else None, None if integer else part.data_ptr(),
                          part.stride(0), part.stride(1), None if scale is None else scale.data_ptr(), keys.data_ptr(), table.data_ptr(),
                          float(noise_scale), float(levels), int(noise), int(adc), chips, rows, n, out.data_ptr(),
-                         None if peak is None else peak.data_ptr(), lib.hilt_output_pass_isa() if isa is None else isa)
+                         None if peak is None else peak.data_ptr(), path)
     return out, peak

@@ -37,12 +37,12 @@ def test_kernel_equals_the_reference(path):
                 continue  # the forward skips the pass then
             part, scale, keys = inputs(chips, rows, n, integer, gen)
             expected = _output_stage_eager(part, scale, keys, noise_scale, levels, noise, adc)
-            got = kernel.output_pass(part, scale, keys, noise_scale, levels, noise, adc, isa=path)
+            got = kernel.output_pass(part, scale, keys, noise_scale, levels, noise, adc, path=path)
             where = f"chips {chips}, rows {rows}, n {n}, integer {integer}, noise {noise}, adc {adc}"
             assert same(expected[0], got[0]) and same(expected[1], got[1]), where
             # rows of every chip side by side (a shared input's one wide product), read in place
             wide = part.transpose(0, 1).contiguous().transpose(0, 1)
-            got = kernel.output_pass(wide, scale, keys, noise_scale, levels, noise, adc, isa=path)
+            got = kernel.output_pass(wide, scale, keys, noise_scale, levels, noise, adc, path=path)
             assert same(expected[0], got[0]) and same(expected[1], got[1]), where + ", chips side by side"
             if adc:  # clipped and rounded to whole ADC steps
                 assert float(got[0].abs().max()) <= 25 and torch.equal(got[0], got[0].round())
@@ -55,7 +55,7 @@ def test_nan_is_kept(path):
     part[1, 2, 35] = part[0, 1, 3] = float("nan")
     keys = torch.zeros(2, 2, dtype=torch.int32)
     expected = _output_stage_eager(part, None, keys, torch.tensor(1.0), torch.tensor(2.0), True, True)
-    out, peak = kernel.output_pass(part, None, keys, torch.tensor(1.0), torch.tensor(2.0), True, True, isa=path)
+    out, peak = kernel.output_pass(part, None, keys, torch.tensor(1.0), torch.tensor(2.0), True, True, path=path)
     assert same(expected[0], out) and same(expected[1], peak)
     assert peak.isnan().tolist() == [[False, True, False], [False, False, True]]
 
@@ -67,7 +67,7 @@ def test_ties_round_to_even_and_the_ends_clip(path):
     part = torch.cat([ties, ties, ties]).view(1, 3, 13)  # 13 columns: one AVX2 vector and a tail
     keys = torch.zeros(1, 2, dtype=torch.int32)
     expected = _output_stage_eager(part, None, keys, torch.tensor(0.0), torch.tensor(25.0), False, True)
-    got = kernel.output_pass(part, None, keys, torch.tensor(0.0), torch.tensor(25.0), False, True, isa=path)
+    got = kernel.output_pass(part, None, keys, torch.tensor(0.0), torch.tensor(25.0), False, True, path=path)
     assert same(expected[0], got[0]) and same(expected[1], got[1])
     assert got[0][0, 0, :8].tolist() == [0.0, 2.0, 2.0, -0.0, -2.0, 24.0, -24.0, 4.0]
 
@@ -96,6 +96,17 @@ def test_the_forward_runs_the_kernel_or_the_compiled_pass_alike(config, monkeypa
         with torch.no_grad():
             outs.append(chip(x))
     assert outs[0].shape == (9, 5) and torch.isfinite(outs[0]).all() and torch.equal(outs[0], outs[1])
+
+
+def test_without_a_vector_path_the_compiled_pass_runs(monkeypatch):
+    """On a CPU without AVX2 the kernel steps aside: one column at a time it is slower than the
+    compiled pass (which vectorizes for any CPU)."""
+    part, scale, keys = inputs(2, 3, 16, True, torch.Generator().manual_seed(0))
+    args = (part, scale, keys, torch.tensor(1.0), torch.tensor(25.0), True, True)
+    assert kernel.output_pass(*args) is not None
+    monkeypatch.setattr(kernel, "isa", lambda: 0)
+    assert kernel.output_pass(*args) is None
+    assert kernel.output_pass(*args, path=0) is not None
 
 
 def test_built_once_into_the_cache_or_not_at_all(tmp_path, monkeypatch):
