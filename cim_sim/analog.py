@@ -62,8 +62,10 @@ _output_stage_compiled = compiled(_output_stage_eager)
 
 def _output_stage(part, column_scale, keys, noise_scale, levels, noise: bool, adc: bool):
     """The output pass by the C kernel (cim_sim/output_pass.c), else by torch.compile: the same floats."""
-    return output_pass(part, column_scale, keys, noise_scale, levels, noise, adc) or \
-        _output_stage_compiled(part, column_scale, keys, noise_scale, levels, noise, adc)
+    result = output_pass(part, column_scale, keys, noise_scale, levels, noise, adc)
+    if result is None:
+        result = _output_stage_compiled(part, column_scale, keys, noise_scale, levels, noise, adc)
+    return result
 
 
 def _input_stage_eager(x, in_step, levels, as_int8: bool):
@@ -405,7 +407,7 @@ class AnalogMixin:
                     part[i].add_(noise, alpha=c.w_noise * in_step / out_step)
         if not c.out_noise and c.adc_bits is None:
             return (part if column_scale is None else _combine_eager(part, column_scale).contiguous()), None
-        # product planes, output noise, ADC clip and round, row peaks: one compiled pass over the outputs of every chip
+        # product planes, output noise, ADC clip and round, row peaks: one pass over the outputs of every chip
         keys = torch.stack([torch.randint(-(2**31), 2**31, (2,), generator=g, dtype=torch.int32) for g in gens]) \
             if c.out_noise else torch.zeros(n_chips, 2, dtype=torch.int32)
         noise_scale, levels = (torch.tensor(v, dtype=torch.float32) for v in (c.out_noise / out_step, c.out_bound / out_step))

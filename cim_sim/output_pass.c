@@ -3,7 +3,8 @@
  * the same floats bit for bit (built with -ffp-contract=off, every product and sum rounded as
  * there). torch.compile's version of that function runs the noise table's lookup as a scalar loop
  * and stores the noisy product before a second loop; here it is one AVX-512 or AVX2 gather per
- * vector and one pass. Built and loaded by output_pass.py. */
+ * vector and one pass. The one-column-at-a-time path serves row tails and tests: on a CPU without
+ * AVX2, output_pass.py leaves the pass to torch.compile. Built and loaded by output_pass.py. */
 
 #include <math.h>
 #include <stdint.h>

@@ -82,8 +82,9 @@ def library():
             lib = _load(path)
         if lib is not None:
             lib.hilt_output_pass.restype = None
-            lib.hilt_output_pass.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 2 + [ctypes.c_void_p] * 3 + \
-                [ctypes.c_float] * 2 + [ctypes.c_int] * 2 + [ctypes.c_int64] * 3 + [ctypes.c_void_p] * 2 + [ctypes.c_int]
+            pointer, i64, f32, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
+            lib.hilt_output_pass.argtypes = [pointer] * 2 + [i64] * 2 + [pointer] * 3 + [f32] * 2 + [i32] * 2 + \
+                [i64] * 3 + [pointer] * 2 + [i32]  # as hilt_output_pass in output_pass.c
             lib.hilt_output_pass_isa.restype = ctypes.c_int
             return lib
     return None
@@ -122,7 +123,7 @@ def output_pass(part, column_scale, keys, noise_scale, levels, noise: bool, adc:
     peak = torch.empty(chips, rows, dtype=torch.float32) if adc else None
     table = _TABLES[torch.float32]
     lib.hilt_output_pass(part.data_ptr() if integer else None, None if integer else part.data_ptr(),
-                         part.stride(0), part.stride(1), None if scale is None else scale.data_ptr(), keys.data_ptr(), table.data_ptr(),
-                         float(noise_scale), float(levels), int(noise), int(adc), chips, rows, n, out.data_ptr(),
-                         None if peak is None else peak.data_ptr(), path)
+                         part.stride(0), part.stride(1), None if scale is None else scale.data_ptr(),
+                         keys.data_ptr(), table.data_ptr(), float(noise_scale), float(levels), int(noise), int(adc),
+                         chips, rows, n, out.data_ptr(), None if peak is None else peak.data_ptr(), path)
     return out, peak
