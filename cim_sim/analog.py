@@ -375,16 +375,16 @@ class AnalogMixin:
         gens = [self.gens[k] for k in chip_ids]
         n_chips, rows, n_out = len(chip_ids), xq.shape[-2], array.scale.shape[-1]
         chip_x = (lambda i: xq) if xq.dim() == 2 else (lambda i: xq[i])
-        if xq.dtype == torch.int8 and xq.dim() == 2 and chip_ids == list(range(self.chips)):
-            # an input every chip shares: one product against every chip's codes side by side (a wider
-            # product runs faster than one per chip), read by the output pass as (chips, rows, 2 out)
-            wide = torch._int_mm(xq, array.codes.view(-1, xq.shape[-1]).T)
-            part = wide.view(rows, n_chips, 2 * n_out).transpose(0, 1)
-            column_scale = (array.scale * to_steps).unsqueeze(1)
-        elif xq.dtype == torch.int8:  # int8 x int8 -> int32: exact, two planes (coarse, fine codes)
-            part = torch.empty(n_chips, rows, 2 * n_out, dtype=torch.int32)
-            for i, k in enumerate(chip_ids):
-                torch._int_mm(chip_x(i), array.codes[k].T, out=part[i])
+        if xq.dtype == torch.int8:  # int8 x int8 -> int32: exact, two planes (coarse, fine codes)
+            if xq.dim() == 2 and chip_ids == list(range(self.chips)):
+                # an input every chip shares: one product against every chip's codes side by side (a
+                # wider product runs faster than one per chip), read as (chips, rows, 2 out)
+                wide = torch._int_mm(xq, array.codes.view(-1, xq.shape[-1]).T)
+                part = wide.view(rows, n_chips, 2 * n_out).transpose(0, 1)
+            else:
+                part = torch.empty(n_chips, rows, 2 * n_out, dtype=torch.int32)
+                for i, k in enumerate(chip_ids):
+                    torch._int_mm(chip_x(i), array.codes[k].T, out=part[i])
             column_scale = (array.scale[chip_ids] * to_steps).unsqueeze(1)
         else:
             part, column_scale = torch.empty(n_chips, rows, n_out), None

@@ -47,15 +47,11 @@ static float row_scalar(const Pass *p, int64_t cr, int64_t j0, float peak, int *
     int64_t c = cr / p->rows, n = p->n;
     uint32_t k0 = (uint32_t)p->keys[2 * c], k1 = (uint32_t)p->keys[2 * c + 1];
     uint32_t base = (uint32_t)((cr % p->rows) * n);
+    const int32_t *pl = p->planes ? p->planes + row_start(p, cr) : 0;
+    const float *pv = p->planes ? 0 : p->values + row_start(p, cr);
     float *o = p->out + cr * n;
     for (int64_t j = j0; j < n; j++) {
-        float v;
-        if (p->planes) {
-            const int32_t *pl = p->planes + row_start(p, cr);
-            v = ((float)pl[j] + (float)pl[n + j] * INV_FINE) * p->scale[c * n + j];
-        } else {
-            v = p->values[row_start(p, cr) + j];
-        }
+        float v = pl ? ((float)pl[j] + (float)pl[n + j] * INV_FINE) * p->scale[c * n + j] : pv[j];
         if (p->noise) v = v + p->noise_scale * p->table[mix(mix((base + (uint32_t)j) ^ k0) ^ k1) >> 16];
         if (p->adc) {
             float a = fabsf(v);

@@ -90,6 +90,7 @@ def library():
     return None
 
 
+@functools.cache
 def isa() -> int:
     """The kernel's widest vector path on this CPU: 2 AVX-512, 1 AVX2, 0 neither; -1 without the kernel."""
     lib = library()
