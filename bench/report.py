@@ -21,7 +21,7 @@ import time
 import traceback
 from pathlib import Path
 
-from hilt.bench import RESULTS
+from hilt.models import TRAINED
 from hilt.errors import HiltError
 from hilt.progress import Progress
 
@@ -88,7 +88,7 @@ def run(out="report", quick: bool = True, log=print, progress: bool = False) -> 
     import torch
 
     from hilt.bench.studies import quant_table, robustness
-    from hilt.bench.tasks import drift, energy, export
+    from hilt.tasks import drift, energy, export
     from hilt.kernels.backends import triton_kernels
     from hilt.quant.checkpoint import write_json
 
@@ -129,7 +129,7 @@ def run(out="report", quick: bool = True, log=print, progress: bool = False) -> 
     def energies():
         lines = []
         for method in ("standard", "dwp"):
-            checkpoint = RESULTS / f"cnn-{method}.safetensors"
+            checkpoint = TRAINED / f"cnn-{method}.safetensors"
             result = energy.run("cnn", checkpoint if checkpoint.exists() else None, sweep=True,
                                 test_images=plan["energy_images"], log=log)
             write_json(out / f"energy-{method}.json", result)
@@ -196,7 +196,7 @@ def run(out="report", quick: bool = True, log=print, progress: bool = False) -> 
                 + certify.render(result) + "\n![certificates](certify.png)\n")
 
     def onnx_exports():
-        from hilt.bench.models.bert import minilm_path
+        from hilt.models.bert import minilm_path
         from hilt.quant import QuantConfig, quantize_checkpoint
 
         ckpt = out / "ckpt-minilm-kmeans4"

@@ -131,7 +131,7 @@ QUANT_METHODS = _Names("hilt.quant.qweight", "METHODS")
 CIM_PRESETS = _Names("hilt.cim_sim.analog", "PRESETS")
 DRIFT_COMPENSATION = _Names("hilt.cim_sim.model", "GDC_MODES")
 ENERGY_CHIPS = _Names("hilt.cim_sim.energy", "CHIPS")
-WORKLOADS = _Names("hilt.bench.models.classifiers", "WORKLOADS")
+WORKLOADS = _Names("hilt.models.classifiers", "WORKLOADS")
 TRAINING_METHODS = _Names("hilt.cim_sim.training", "METHODS")
 NOISE_MODELS = _Names("hilt.cim_sim.training", "NOISE_MODELS")
 WEIGHTINGS = _Names("hilt.cim_sim.training", "WEIGHTINGS")
@@ -384,7 +384,7 @@ def _budget_plan(args) -> dict | None:
                              "(default kmeans1-4,int2-8 at --block-size)")
     if args.resume:
         raise UsageError("--resume does not go with --budget; rerun the whole command")
-    from hilt.bench.tasks.sensitivity import budget_plan
+    from hilt.tasks.sensitivity import budget_plan
 
     return budget_plan(args.src, args.budget, sensitivity=args.sensitivity, candidates=args.candidates,
                        block_size=args.block_size, only=args.only, ignore=args.ignore,
@@ -399,7 +399,7 @@ def _plan_line(mixed: dict) -> str:
 def _compensation(args, config):
     """The Compensator factory for --compensate (None without it) and the list it puts the one it
     makes in; the compensation flags are refused without --compensate."""
-    # the defaults live in bench/tasks/compensate.py and CompensationConfig; None here means "not given"
+    # the defaults live in hilt/tasks/compensate.py and CompensationConfig; None here means "not given"
     given = {"--calibration": args.calibration, "--calibration-tokens": args.calibration_tokens,
              "--calibration-sentences": args.calibration_sentences, "--act-order": args.act_order or None,
              "--block-scales": args.block_scales}
@@ -408,7 +408,7 @@ def _compensation(args, config):
         if given:
             raise UsageError(f"{given[0]} applies with --compensate only")
         return None, []
-    from hilt.bench.tasks.compensate import compensator, model_kind
+    from hilt.tasks.compensate import compensator, model_kind
     from hilt.quant.compensate import CompensationConfig, check_compensable
 
     check_compensable(config)
@@ -476,7 +476,7 @@ def cmd_inspect(args) -> int:
 
 
 def cmd_eval_ppl(args) -> int:
-    from hilt.bench.tasks import evaluate
+    from hilt.tasks import evaluate
 
     result = evaluate.perplexity_run(args.model, quantized=args.quantized, text=args.text, tokens=args.tokens,
                                      context=args.context, progress=True)
@@ -488,7 +488,7 @@ def cmd_eval_ppl(args) -> int:
 
 
 def cmd_eval_embed(args) -> int:
-    from hilt.bench.tasks import evaluate
+    from hilt.tasks import evaluate
 
     result = evaluate.embedding_run(args.model, quantized=args.quantized, sentences=args.sentences)
     label = args.quantized or f"{args.model}'s weights as stored"
@@ -512,7 +512,7 @@ def cmd_report(args) -> int:
 def cmd_convert(args) -> int:
     import torch
 
-    from hilt.bench.models.hf import gguf_to_hf
+    from hilt.models.hf import gguf_to_hf
 
     dst = gguf_to_hf(args.src, args.dst, dtype=getattr(torch, args.dtype), overwrite=args.overwrite)
     size = sum(f.stat().st_size for f in dst.iterdir() if f.is_file())
@@ -522,7 +522,7 @@ def cmd_convert(args) -> int:
 
 
 def cmd_calibrate(args) -> int:
-    from hilt.bench.tasks.calibrate import calibrate
+    from hilt.tasks.calibrate import calibrate
 
     r = calibrate(args.model, args.out, work=args.work, tokens=args.tokens, sentences=args.sentences,
                   overwrite=args.overwrite)
@@ -532,7 +532,7 @@ def cmd_calibrate(args) -> int:
 
 
 def cmd_sensitivity(args) -> int:
-    from hilt.bench.tasks import sensitivity
+    from hilt.tasks import sensitivity
 
     cim = None
     if args.preset is None:
@@ -559,7 +559,7 @@ def cmd_sensitivity(args) -> int:
 
 
 def cmd_train(args) -> int:
-    from hilt.bench.tasks.train import train_run
+    from hilt.tasks.train import train_run
     from hilt.cim_sim.training import NoisyTraining
 
     defaults = NoisyTraining()
@@ -578,7 +578,7 @@ def cmd_train(args) -> int:
 
 
 def cmd_drift(args) -> int:
-    from hilt.bench.tasks import drift
+    from hilt.tasks import drift
 
     result = drift.drift_study(args.model, args.checkpoint, args.preset, args.times, args.repeats, args.gdc,
                                args.test_images, progress=True, log=LOG.info, data=args.data)
@@ -589,7 +589,7 @@ def cmd_drift(args) -> int:
 def cmd_sweep(args) -> int:
     import os
 
-    from hilt.bench.studies import sweep
+    from hilt.tasks import sweep
 
     if args.resume and args.overwrite:
         raise UsageError("--resume continues DIR/results.jsonl and --overwrite replaces it: give one")
@@ -603,7 +603,7 @@ def cmd_sweep(args) -> int:
 
 
 def cmd_energy(args) -> int:
-    from hilt.bench.tasks import energy
+    from hilt.tasks import energy
 
     if args.sweep and args.adc_bits is not None:
         raise UsageError("--sweep: it picks the ADC resolution itself; leave --adc-bits out, or drop --sweep")
@@ -651,7 +651,7 @@ def cmd_bench_certify(args) -> int:
 
 
 def cmd_export_onnx(args) -> int:
-    from hilt.bench.tasks import export
+    from hilt.tasks import export
 
     src = Path(args.src)
     if not src.exists():
@@ -662,7 +662,7 @@ def cmd_export_onnx(args) -> int:
         result = export.export_quantized(src, args.out, overwrite=args.overwrite, packed_ops=not args.standard_ops,
                                          log=LOG.info)
     elif src.suffix == ".safetensors" and src.is_file():
-        from hilt.bench.tasks.train import load_workload
+        from hilt.tasks.train import load_workload
 
         if args.standard_ops:
             raise HiltError(f"{src} is a workload checkpoint; --standard-ops applies to quantized checkpoints")
@@ -765,7 +765,7 @@ def cmd_bench_robustness(args) -> int:
 
 
 def cmd_qat(args) -> int:
-    from hilt.bench.tasks import qat_finetune
+    from hilt.tasks import qat_finetune
 
     if args.model != "smollm2":
         raise HiltError(f"QAT fine-tuning knows the packaged 'smollm2', not {args.model!r}")
@@ -1008,7 +1008,7 @@ def build_parser() -> argparse.ArgumentParser:
                  "hilt energy --workload cnn --sweep --plot energy.png", [_OUTPUT, _PLOT],
                  plot="energy per inference per layer, CIM against GPU, and where the CIM energy goes")
     e.add_argument("--workload", required=True, choices=WORKLOADS)
-    e.add_argument("--checkpoint", metavar="FILE", help="default: bench/results/WORKLOAD-standard.safetensors")
+    e.add_argument("--checkpoint", metavar="FILE", help="default: hilt/models/trained/WORKLOAD-standard.safetensors")
     e.add_argument("--chip", default="rram-22nm", choices=ENERGY_CHIPS,
                    help="the CIM chip's energy constants (default rram-22nm)")
     e.add_argument("--preset", action=_Renamed, new="--chip", why=" (--preset names a CIM device preset)")
@@ -1024,7 +1024,7 @@ def build_parser() -> argparse.ArgumentParser:
     xo = _command(xsub, "onnx", "a quantized MiniLM checkpoint, or a workload on CIM hardware frozen at a time after "
                   "programming, as ONNX (checked with onnx.checker and onnxruntime)",
                   "hilt export onnx minilm-4bit minilm-4bit.onnx\n"
-                  "  hilt export onnx bench/results/cnn-standard.safetensors cnn-pcm-1y.onnx --time 1y",
+                  "  hilt export onnx hilt/models/trained/cnn-standard.safetensors cnn-pcm-1y.onnx --time 1y",
                   [_OUTPUT, _SEED])
     xo.add_argument("src", help="quantized checkpoint folder, or workload checkpoint .safetensors")
     xo.add_argument("out", help="the .onnx file to write")
@@ -1093,7 +1093,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="a built-in workload (mlp, cnn; default cnn) or a function building your nn.Module")
     d.add_argument("--workload", dest="model", type=_model_spec, default=argparse.SUPPRESS, help=argparse.SUPPRESS)
     d.add_argument("--checkpoint", metavar="FILE", help="safetensors weights: from `hilt train` for a workload "
-                   "(default: bench/results/WORKLOAD-standard.safetensors), your state dict for a factory")
+                   "(default: hilt/models/trained/WORKLOAD-standard.safetensors), your state dict for a factory")
     d.add_argument("--data", metavar="FILE", help="a .safetensors or .npz file of `inputs` and `labels` "
                    "(default: the Fashion-MNIST test split)")
     d.add_argument("--preset", default="pcm", choices=CIM_PRESETS, help="the CIM device preset (default pcm)")
@@ -1107,9 +1107,9 @@ def build_parser() -> argparse.ArgumentParser:
     sw = _command(sub, "sweep", "CIM accuracy over a grid (models x presets x AnalogConfig fields x chips x drift "
                   "compensation x times, in a TOML file), locally or on a Ray cluster; one tidy row per cell in "
                   "DIR/results.jsonl and DIR/results.csv, plots per axis",
-                  "hilt sweep bench/grids/example.toml --out sweep/\n"
-                  "  hilt sweep bench/grids/example.toml --out sweep/ --resume        # after an interruption\n"
-                  "  RAY_ADDRESS=auto hilt sweep bench/grids/example.toml --out sweep/  # on a running Ray cluster",
+                  "hilt sweep hilt/tasks/grids/example.toml --out sweep/\n"
+                  "  hilt sweep hilt/tasks/grids/example.toml --out sweep/ --resume        # after an interruption\n"
+                  "  RAY_ADDRESS=auto hilt sweep hilt/tasks/grids/example.toml --out sweep/  # on a running Ray cluster",
                   [_OUTPUT])
     sw.add_argument("grid", metavar="GRID.toml", help="the grid (format: docs/results/cim.md, Sweeps)")
     sw.add_argument("--out", required=True, metavar="DIR", help="output folder")
@@ -1130,7 +1130,7 @@ def build_parser() -> argparse.ArgumentParser:
                   "hilt certify cnn --method int --bits 8\n  hilt certify cnn --chip pcm --time 1y --delta 0.01",
                   [_OUTPUT, _PLOT], plot="every layer's flip norms over the test images, and the setting's bounds")
     ce.add_argument("workload", choices=WORKLOADS)
-    ce.add_argument("--checkpoint", metavar="FILE", help="from `hilt train` (default: bench/results/WORKLOAD-standard.safetensors)")
+    ce.add_argument("--checkpoint", metavar="FILE", help="from `hilt train` (default: hilt/models/trained/WORKLOAD-standard.safetensors)")
     ce.add_argument("--method", choices=QUANT_METHODS, help="a quantization format: its actual error ||W - Q(W)||_F "
                     "per layer bounds the perturbation")
     ce.add_argument("--bits", type=_int(1, 8), help="bits per code with --method (default 4; binary: 1)")

@@ -133,7 +133,7 @@ def quantize_tensor(
 
     ``importance`` (k-means only): non-negative per-weight importance,
     broadcastable to ``w``, typically the mean squared input activation of each
-    input column, shape (in_features,) (see bench/tasks/calibrate.py). The k-means
+    input column, shape (in_features,) (see hilt/tasks/calibrate.py). The k-means
     then minimises the importance-weighted error of the *weights*, so a
     normalised value is weighted by importance x scale^2. Importance is floored
     at 1e-6 of its mean, so that no weight is ignored entirely.

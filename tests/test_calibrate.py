@@ -2,7 +2,7 @@ import torch
 from safetensors.torch import save_file
 from torch import nn
 
-from hilt.bench.tasks.calibrate import collect_importance
+from hilt.tasks.calibrate import collect_importance
 from helpers import read_json, run_hilt
 
 

@@ -333,7 +333,7 @@ def test_drift_refuses_what_does_not_fit(user_files, args, needle):
 
 
 def test_model_and_data_loading_errors(user_files):
-    from hilt.bench.tasks.cim_inputs import load_data, load_model
+    from hilt.tasks.cim_inputs import load_data, load_model
 
     folder, _ = user_files
     with pytest.raises(HiltError, match="broken\\(\\) failed: ValueError: bad config"):

@@ -10,8 +10,8 @@ from helpers import read_json, run_hilt
 
 @pytest.fixture(scope="module")
 def mlp_checkpoint(tmp_path_factory):
-    pytest.importorskip("hilt.bench.data.fashion_mnist")
-    from hilt.bench.tasks.train import save_workload, train
+    pytest.importorskip("hilt.data.fashion_mnist")
+    from hilt.tasks.train import save_workload, train
 
     path = tmp_path_factory.mktemp("cim") / "mlp.safetensors"
     model, _ = train("mlp", epochs=1, limit=4000)
@@ -87,8 +87,8 @@ def test_train_refuses_bad_noise_settings(tmp_path, args, needle):
 
 
 def test_dwp_train_run_records_its_settings(tmp_path):
-    pytest.importorskip("hilt.bench.data.fashion_mnist")
-    from hilt.bench.tasks.train import load_workload, train_run
+    pytest.importorskip("hilt.data.fashion_mnist")
+    from hilt.tasks.train import load_workload, train_run
     from hilt.cim_sim.training import NoisyTraining
 
     out = tmp_path / "dwp.safetensors"

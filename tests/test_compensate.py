@@ -136,7 +136,7 @@ def test_compensator_refuses_a_model_without_blocks():
 
 @pytest.fixture(scope="module")
 def minilm():
-    from hilt.bench.models.bert import minilm_path
+    from hilt.models.bert import minilm_path
 
     return minilm_path()
 
@@ -161,7 +161,7 @@ def test_cli_compensate_minilm(tmp_path, minilm):
 
 def test_compensate_resumes_to_the_same_bytes(tmp_path, minilm):
     """Interrupted after a few tensors (DST.partial kept), resumed: the same files as one run."""
-    from hilt.bench.tasks.compensate import compensator
+    from hilt.tasks.compensate import compensator
 
     config = QuantConfig(method="int", bits=4)
 

@@ -64,8 +64,8 @@ def test_padding_mask_is_served_per_sequence():
 
 
 def test_smollm2_perplexity_with_fp8_attention_within_one_percent(smollm2_gguf):
-    from hilt.bench.models.llama import load_llama, perplexity
-    from hilt.bench.data.text import shakespeare_text
+    from hilt.models.llama import load_llama, perplexity
+    from hilt.data.text import shakespeare_text
 
     model, tok = load_llama()
     ids = torch.tensor(tok.encode(shakespeare_text("hamlet"))[:1024])

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from hilt.bench.studies import fp8_transient
-from hilt.bench.models.gpt import GPT, GPTConfig, corpus
+from hilt.models.gpt import GPT, GPTConfig, corpus
 
 
 def test_gpt_hook_sees_causal_logits_and_changes_nothing_when_it_returns_them():

@@ -248,8 +248,8 @@ def test_eval_ppl_and_embed_on_hf_folders(tmp_path, capsys):
     e = json.loads((tmp_path / "e.json").read_text())
     assert e["sentences"] == 16 and 0.5 < e["cosine_similarity_min"] <= e["cosine_similarity"] < 1.0
     # the same number from the dense model with its weights replaced by their dequantized values
-    from hilt.bench.data.text import sentences
-    from hilt.bench.models.hf import embed
+    from hilt.data.text import sentences
+    from hilt.models.hf import embed
 
     ref, other = transformers.RobertaModel.from_pretrained(str(encoder)), transformers.RobertaModel.from_pretrained(str(encoder))
     with torch.no_grad():
@@ -317,7 +317,7 @@ def test_bad_input_one_line(tmp_path, capsys):
 def test_smollm2_from_its_gguf_through_transformers(tmp_path, capsys):
     """The real model: hilt convert, then a few layers quantized from the Hugging Face folder and from
     the GGUF; transformers' logits and greedy decode equal hilt's own Llama forward."""
-    from hilt.bench.models.llama import generate, load_llama, smollm2_path
+    from hilt.models.llama import generate, load_llama, smollm2_path
 
     hf = tmp_path / "smol-hf"
     code, err = hilt(capsys, "convert", smollm2_path(), hf, "--dtype", "float32")

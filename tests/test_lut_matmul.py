@@ -200,7 +200,7 @@ def test_bench_kernels_keeps_the_timings_when_decode_cannot_run(tmp_path, monkey
     decode check is named as not run, and the exit status is 1."""
     import sys
 
-    from hilt.bench import models as bench_models
+    from hilt import models as bench_models
     from hilt.bench.perf import lut_kernels
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
@@ -208,7 +208,7 @@ def test_bench_kernels_keeps_the_timings_when_decode_cannot_run(tmp_path, monkey
     monkeypatch.setattr(lut_kernels, "check", lambda device, quick=False: {"cases": 1, "failures": []})
     monkeypatch.setattr(lut_kernels, "timings", lambda quick, graphs, progress: {"rows": [{"speedup": 4.0}]})
     monkeypatch.delattr(bench_models, "llama", raising=False)
-    monkeypatch.delitem(sys.modules, "hilt.bench.models.llama", raising=False)
+    monkeypatch.delitem(sys.modules, "hilt.models.llama", raising=False)
     monkeypatch.setitem(sys.modules, "gguf", None)  # the GPU machine's python3 has no gguf
     with pytest.raises(HiltError, match="cannot import 'gguf'"):
         lut_kernels.decode()

@@ -12,9 +12,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from hilt.bench.models.bert import embed, embedding_similarity, load_minilm, minilm_path
-from hilt.bench.models.llama import Llama, LlamaConfig, generate, load_llama, perplexity, smollm2_path
-from hilt.bench.data.text import available_works, sentences, shakespeare_text
+from hilt.models.bert import embed, embedding_similarity, load_minilm, minilm_path
+from hilt.models.llama import Llama, LlamaConfig, generate, load_llama, perplexity, smollm2_path
+from hilt.data.text import available_works, sentences, shakespeare_text
 from hilt.errors import HiltError
 from hilt.quant.checkpoint import open_source
 
@@ -50,7 +50,7 @@ def _tiny_cfg():
 
 
 def _reference_llama(model: Llama, tokens: torch.Tensor) -> torch.Tensor:
-    """Per-head, per-position Llama forward written independently of hilt.bench.models.llama:
+    """Per-head, per-position Llama forward written independently of hilt.models.llama:
     complex-number RoPE on adjacent pairs, explicit causal mask and softmax."""
     cfg = model.cfg
     hd, group = cfg.head_dim, cfg.n_heads // cfg.n_kv_heads
@@ -112,7 +112,7 @@ def test_adjacent_pair_rope_on_gguf_rows_equals_half_rope_on_hf_rows():
     """llama.cpp stores Q/K rows of each head in the order [0, d/2, 1, d/2+1, ...] of the
     Hugging Face rows; rotating adjacent pairs on those equals rotate-half on the HF ones,
     so attention scores agree. This is why the stored weights can be used unchanged."""
-    from hilt.bench.models.llama import apply_rope, rope_cos_sin
+    from hilt.models.llama import apply_rope, rope_cos_sin
 
     cfg = _tiny_cfg()
     hd, T = cfg.head_dim, 9

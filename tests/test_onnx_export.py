@@ -67,7 +67,7 @@ def test_frozen_model_is_the_simulator_without_its_noise(preset_name):
 
 
 def test_quantized_minilm_export_is_compact_and_matches(minilm_dir, tmp_path):
-    from hilt.bench.tasks.export import export_quantized
+    from hilt.tasks.export import export_quantized
     from hilt.quant import quantize_checkpoint
 
     import shutil

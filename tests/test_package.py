@@ -24,8 +24,10 @@ FOLDERS = {"kernels": "hilt.kernels", "quant": "hilt.quant", "fp8": "hilt.fp8", 
 # progress lines) are the ground every package stands on; the rest of hilt/ is the command line.
 GROUND = ("hilt", "hilt.errors", "hilt.progress")
 # cim_sim stands on quant (module replacement; quantized models on analog arrays), never the reverse.
+# Above the library: the data readers, the model definitions (which read text), the tasks user commands
+# run, the measurements (bench), and the command line.
 RANK = {**dict.fromkeys(GROUND, 0), "hilt.kernels": 1, "hilt.quant": 2, "hilt.fp8": 2, "hilt.cim_sim": 3,
-        "hilt.bench": 4, "hilt (CLI)": 5}
+        "hilt.data": 4, "hilt.models": 5, "hilt.tasks": 6, "hilt.bench": 7, "hilt (CLI)": 8}
 HEAVY = ("triton", "onnx", "onnxruntime", "matplotlib", "transformers", "ray")
 # The one import that goes up, on purpose: `import hilt` registers hilt's quantizer with transformers,
 # importing it only when transformers' quantizer registry is itself imported (a post-import hook).
@@ -33,7 +35,8 @@ PLUGIN_HOOKS = {("hilt/__init__.py", "hilt.quant.hf_quantizer")}
 
 
 def _package_of(module: str) -> str:
-    """The unit the import rule speaks of: a ground module, a library package, bench or the CLI."""
+    """The unit the import rule speaks of: a ground module, a package (library, data, models, tasks,
+    bench) or the CLI."""
     parts = module.split(".")
     if parts[0] != "hilt":
         return module
@@ -101,8 +104,8 @@ def test_the_import_rule_catches_an_upward_import(tmp_path, monkeypatch):
     """The checker itself: a library module importing bench is reported."""
     fake = ROOT / "quant" / "_upward_probe.py"
     monkeypatch.setattr(sys.modules[__name__], "_sources", lambda: [fake])
-    monkeypatch.setattr(Path, "read_text", lambda self, *a, **k: "def f():\n    from hilt.bench.models import llama\n")
-    with pytest.raises(AssertionError, match="quant/_upward_probe.py:2 imports hilt.bench.models"):
+    monkeypatch.setattr(Path, "read_text", lambda self, *a, **k: "def f():\n    from hilt.models import llama\n")
+    with pytest.raises(AssertionError, match="quant/_upward_probe.py:2 imports hilt.models"):
         test_imports_go_one_way()
 
 
@@ -172,8 +175,8 @@ def test_wheel_and_sdist_install_only_hilt(built):
         assert {t for t in top if not t.endswith(".dist-info")} == {"hilt"}, (wheel.name, top)
         with zipfile.ZipFile(wheel) as z:
             names = set(z.namelist())
-        for module in ("hilt/kernels/lut_matmul_triton.py", "hilt/bench/models/llama.py", "hilt/cli.py",
-                       "hilt/bench/results/cnn-standard.safetensors", "hilt/bench/perf/gpu_check.sh"):
+        for module in ("hilt/kernels/lut_matmul_triton.py", "hilt/models/llama.py", "hilt/cli.py",
+                       "hilt/models/trained/cnn-standard.safetensors", "hilt/bench/perf/gpu_check.sh"):
             assert module in names, (wheel.name, module)
 
 

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from hilt.bench.models.gpt import GPT, GPTConfig, batch, corpus
+from hilt.models.gpt import GPT, GPTConfig, batch, corpus
 from hilt.errors import HiltError
 from hilt.quant import QuantConfig, load_quantized_
 from hilt.quant.qat import (
@@ -170,7 +170,7 @@ def test_a_model_without_eligible_layers_is_refused():
 
 
 def test_smollm2_qat_resumes_to_the_same_checkpoint_as_an_uninterrupted_run(smollm2_gguf, tmp_path, monkeypatch):
-    from hilt.bench.tasks import qat_finetune
+    from hilt.tasks import qat_finetune
     from hilt.quant import load_checkpoint
 
     small = {"bits": 2, "steps": 2, "batch": 1, "context": 16, "save_every": 1, "lr": 1e-4, "progress": False,

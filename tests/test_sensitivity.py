@@ -280,7 +280,7 @@ def test_sensitivity_command_on_the_cnn(tmp_path):
 def test_budget_on_minilm_through_eval_and_onnx(minilm_dir, tmp_path):
     """A real model: sensitivity, a --budget checkpoint, then `hilt eval embed` and `hilt export onnx` take it."""
     pytest.importorskip("onnxruntime")
-    from hilt.bench.tasks.sensitivity import sensitivity_run
+    from hilt.tasks.sensitivity import sensitivity_run
 
     sens = tmp_path / "minilm-tpv.json"
     r = sensitivity_run(str(minilm_dir), candidates="kmeans2,int4,int8", sentences=16, probes=1, full=True)

@@ -10,7 +10,7 @@ import pytest
 
 from helpers import run_hilt
 
-pytest.importorskip("hilt.bench.data.fashion_mnist")
+pytest.importorskip("hilt.data.fashion_mnist")
 
 GRID = """
 chips = 2
@@ -107,8 +107,8 @@ def test_rows_files_progress_and_plots(reference):
 
 def test_a_cell_is_its_chips_programmed_and_read_alone(reference):
     """One cell recomputed one chip at a time through the plain API, with the documented seeds."""
-    from hilt.bench.studies import sweep
-    from hilt.bench.tasks.cim_inputs import load_data, load_model
+    from hilt.tasks import sweep
+    from hilt.tasks.cim_inputs import load_data, load_model
     from hilt.cim_sim import convert_to_analog, drift_to, evaluate, preset, program
 
     row = rows_of(reference["out"])[13]  # rram, 8 bits, 1 day
@@ -126,7 +126,7 @@ def test_a_cell_is_its_chips_programmed_and_read_alone(reference):
 
 def test_ray_run_is_byte_identical(reference, tmp_path):
     ray = pytest.importorskip("ray")
-    from hilt.bench.studies.sweep import run_sweep
+    from hilt.tasks.sweep import run_sweep
 
     ray.init(num_cpus=2, include_dashboard=False, logging_level="ERROR")
     try:
@@ -138,7 +138,7 @@ def test_ray_run_is_byte_identical(reference, tmp_path):
 
 
 def test_interrupted_then_resumed_is_byte_identical(reference, tmp_path):
-    from hilt.bench.studies.sweep import run_sweep
+    from hilt.tasks.sweep import run_sweep
     from hilt.errors import HiltError
 
     out = tmp_path / "out"
@@ -180,7 +180,7 @@ def test_resume_refuses_another_grid(reference, tmp_path):
 
 
 def test_rows_do_not_depend_on_order_or_on_the_other_cells(reference, tmp_path):
-    from hilt.bench.studies.sweep import run_sweep
+    from hilt.tasks.sweep import run_sweep
 
     quiet = {"plots": False, "log": lambda _: None}
     # the keys in another order: the same grid (resuming the reference's rows computes nothing)
@@ -258,8 +258,8 @@ def test_data_file_beside_the_grid(tmp_path, capsys):
     """data: a file read from the grid's folder; data the model does not take fails before DIR exists."""
     import numpy as np
 
-    from hilt.bench.studies.sweep import run_sweep
-    from hilt.bench.tasks.cim_inputs import load_data
+    from hilt.tasks.sweep import run_sweep
+    from hilt.tasks.cim_inputs import load_data
     from hilt.cli import main
 
     x, y = load_data(None, limit=60)
@@ -282,10 +282,10 @@ def test_data_file_beside_the_grid(tmp_path, capsys):
 
 
 def test_the_example_grid_reads():
-    from hilt.bench import RESULTS
-    from hilt.bench.studies.sweep import _load_model, cells_of, parse_grid
+    from hilt import tasks
+    from hilt.tasks.sweep import _load_model, cells_of, parse_grid
 
-    grid = parse_grid(RESULTS.parent / "grids" / "example.toml")
+    grid = parse_grid(Path(tasks.__file__).parent / "grids" / "example.toml")
     cells, groups = cells_of(grid)
     assert (len(cells), len(groups)) == (80, 8) and grid.models["cnn-dwp"]["spec"] == "cnn"
     assert sum(p.numel() for p in _load_model(grid, "cnn-dwp").parameters()) > 100_000

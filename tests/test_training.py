@@ -109,7 +109,7 @@ def test_bad_training_settings(change, needle):
 
 def test_robustness_study_tiny():
     from hilt.bench.studies import robustness
-    from hilt.bench.data.fashion_mnist import DEFAULT_ROOT
+    from hilt.data.fashion_mnist import DEFAULT_ROOT
 
     if not (DEFAULT_ROOT / "t10k-images-idx3-ubyte.gz").is_file():
         pytest.skip("Fashion-MNIST not installed: apt-get install -y dataset-fashion-mnist (scripts/setup.sh)")

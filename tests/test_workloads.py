@@ -9,10 +9,10 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from hilt.bench.data import fashion_mnist
-from hilt.bench.data.fashion_mnist import DEFAULT_ROOT, load_fashion_mnist
-from hilt.bench.models.classifiers import CNN, MLP, WORKLOADS, build
-from hilt.bench.tasks.train import accuracy, load_workload, save_workload, train, train_run
+from hilt.data import fashion_mnist
+from hilt.data.fashion_mnist import DEFAULT_ROOT, load_fashion_mnist
+from hilt.models.classifiers import CNN, MLP, WORKLOADS, build
+from hilt.tasks.train import accuracy, load_workload, save_workload, train, train_run
 from hilt.cim_sim.training import NoisyTraining
 from hilt.errors import HiltError
 

@@ -8,7 +8,7 @@ import time
 
 import torch
 
-from hilt.bench.tasks.drift import workload_model
+from hilt.tasks.drift import workload_model
 from hilt.cim_sim import convert_to_analog, drift_to, preset
 
 
@@ -22,7 +22,7 @@ def speed(rounds: int = 7, repeats: int = 20, log=print) -> dict:
     """
     import statistics
 
-    from hilt.bench.data.fashion_mnist import load_fashion_mnist
+    from hilt.data.fashion_mnist import load_fashion_mnist
 
     def median_time(fn):
         fn()

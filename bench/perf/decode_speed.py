@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from hilt.bench.models.hf import gguf_to_hf, require_transformers
+from hilt.models.hf import gguf_to_hf, require_transformers
 from hilt.quant import QuantConfig, quantize_checkpoint
 
 PROMPT = "The capital of France is Paris. The capital of Germany is"
@@ -76,7 +76,7 @@ def _weight_bytes(folder: Path) -> int:
 
 
 def run(quick: bool = False, work=None, threads: int = 2, log=print) -> dict:
-    from hilt.bench.models.llama import GGUF_FILE, smollm2_path
+    from hilt.models.llama import GGUF_FILE, smollm2_path
 
     transformers = require_transformers()
     torch.set_num_threads(threads)

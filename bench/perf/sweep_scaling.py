@@ -34,7 +34,7 @@ QUICK = {"chips": 2, "images": 200}
 
 
 def run(workers=(1, 2), quick: bool = False, log=print) -> dict:
-    from hilt.bench.studies.sweep import RESULTS_CSV, RESULTS_JSONL, _import_ray, cells_of, parse_grid, run_sweep
+    from hilt.tasks.sweep import RESULTS_CSV, RESULTS_JSONL, _import_ray, cells_of, parse_grid, run_sweep
 
     ray = _import_ray()
     if ray.is_initialized():

@@ -52,13 +52,13 @@ KIND_LABELS = {"exact": "exact (last layer)", "first_order": "first order (each 
 
 
 def _model(workload: str, checkpoint=None):
-    from hilt.bench.tasks.drift import workload_model
+    from hilt.tasks.drift import workload_model
 
     return workload_model(workload, checkpoint)
 
 
 def _test_data(n: int):
-    from hilt.bench.data.fashion_mnist import load_fashion_mnist
+    from hilt.data.fashion_mnist import load_fashion_mnist
 
     images, labels = load_fashion_mnist("test")
     return images[:n], labels[:n]
@@ -147,7 +147,7 @@ def _chip_weights(analog) -> dict:
 def cim_rows(model, net, analysis, x, labels, plan, log=print) -> list:
     """Certified fraction at each preset and time beside the accuracy measured on simulated chips (the
     full analog forward, and the chip's weights in digital arithmetic: what the certificate covers)."""
-    from hilt.bench.tasks.train import accuracy
+    from hilt.tasks.train import accuracy
     from hilt.cim_sim import convert_to_analog, drift_to, parse_time, preset, program
 
     rows = []

@@ -97,7 +97,7 @@ def wait_quiet(log=print, tries: int = 5, pause: float = 60.0) -> dict:
 # -- the four ways ---------------------------------------------------------------------------------
 
 def run_digital(model, images, labels, passes: int):
-    from hilt.bench.tasks.train import accuracy
+    from hilt.tasks.train import accuracy
 
     start = time.perf_counter()
     for _ in range(passes):
@@ -107,7 +107,7 @@ def run_digital(model, images, labels, passes: int):
 
 def run_hilt_serial(analog, seconds, chips: int, images, labels):
     """program(seed) / drift_to / accuracy, one chip at a time -> (acc[time][chip], seconds)."""
-    from hilt.bench.tasks.train import accuracy
+    from hilt.tasks.train import accuracy
     from hilt.cim_sim import drift_to, program
 
     acc = [[0.0] * chips for _ in seconds]
@@ -154,7 +154,7 @@ def run_aihwkit(analog, seconds, chips: int, images, labels):
     """aihwkit's serial loop -> (acc[time][chip], seconds). Its programming and drift draw from
     torch's global generator (seeded per chip and per read here, inside a forked generator state);
     its forward noise comes from its C++ core, which has no seed."""
-    from hilt.bench.tasks.train import accuracy
+    from hilt.tasks.train import accuracy
 
     acc = [[0.0] * chips for _ in seconds]
     with torch.random.fork_rng():
@@ -195,8 +195,8 @@ def agreement(a, b) -> dict:
 
 def sweep(quick: bool = False, workloads=None, log=print) -> dict:
     """The sweep on each workload (default: the budget's), timed four ways; see the module doc."""
-    from hilt.bench.data.fashion_mnist import load_fashion_mnist
-    from hilt.bench.tasks.drift import workload_model
+    from hilt.data.fashion_mnist import load_fashion_mnist
+    from hilt.tasks.drift import workload_model
     from hilt.cim_sim import PRESETS, convert_to_analog, parse_time, preset
     from hilt.cim_sim.model import GDC_MODES
 
@@ -278,7 +278,7 @@ def sweep(quick: bool = False, workloads=None, log=print) -> dict:
 
 def _warm_up(serial, batched, images, labels, chips: int, batch) -> None:
     """One small pass of each hilt way: compiles the fused passes before any timing."""
-    from hilt.bench.tasks.train import accuracy
+    from hilt.tasks.train import accuracy
     from hilt.cim_sim import drift_to, evaluate, program
 
     program(serial, seed=0)

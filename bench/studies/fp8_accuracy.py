@@ -25,10 +25,10 @@ VARIANTS = {  # name: (scales, v_fp8, rotate, split_qk)
 
 
 def run(tokens: int = 4096, context: int = 512, sentences: int = 256, variants=tuple(VARIANTS), log=print) -> dict:
-    from hilt.bench.models.bert import embed, embedding_similarity, load_minilm
-    from hilt.bench.models.llama import load_llama, perplexity
-    from hilt.bench.data.text import sentences as real_sentences
-    from hilt.bench.data.text import shakespeare_text
+    from hilt.models.bert import embed, embedding_similarity, load_minilm
+    from hilt.models.llama import load_llama, perplexity
+    from hilt.data.text import sentences as real_sentences
+    from hilt.data.text import shakespeare_text
 
     llama, tokenizer = load_llama()
     ids = torch.tensor(tokenizer.encode(shakespeare_text("hamlet"))[:tokens])

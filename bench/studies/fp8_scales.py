@@ -35,8 +35,8 @@ def _max_logits(q, k, n_heads, n_kv, mask) -> torch.Tensor:
 
 @torch.inference_mode()
 def minilm(sentences: int = 128, path=None) -> list[dict]:
-    from hilt.bench.models.bert import load_minilm
-    from hilt.bench.data.text import sentences as real_sentences
+    from hilt.models.bert import load_minilm
+    from hilt.data.text import sentences as real_sentences
 
     model, tokenizer = load_minilm(path)
     cfg, layers = model.cfg, model.encoder.layer
@@ -72,8 +72,8 @@ def minilm(sentences: int = 128, path=None) -> list[dict]:
 
 @torch.inference_mode()
 def smollm2(tokens: int = 1024, context: int = 256, path=None) -> list[dict]:
-    from hilt.bench.models.llama import apply_rope, load_llama, rope_cos_sin
-    from hilt.bench.data.text import shakespeare_text
+    from hilt.models.llama import apply_rope, load_llama, rope_cos_sin
+    from hilt.data.text import shakespeare_text
 
     model, tokenizer = load_llama(path)
     cfg = model.cfg

@@ -1,6 +1,6 @@
 """`hilt fp8 transient`: do FP8 attention logits overflow when something changes?
 
-A small character-level GPT (bench/models/gpt.py) is pretrained on Shakespeare in fp32, then
+A small character-level GPT (hilt/models/gpt.py) is pretrained on Shakespeare in fp32, then
 fine-tuned with every layer's attention logits passed through E4M3 (straight-through
 gradient), one run per scale recipe and scenario:
 
@@ -96,7 +96,7 @@ def _recipe(name: str):
 @torch.no_grad()
 def burn_in(model, batches: int = 4, seed: int = 7) -> list[float]:
     """Per layer, the rank-aware gamma that covers the largest logits of a few training batches."""
-    from hilt.bench.models.gpt import batch, corpus
+    from hilt.models.gpt import batch, corpus
 
     cfg, (_, data, _) = model.cfg, corpus()
     seen = [0.0] * cfg.n_layer
@@ -119,7 +119,7 @@ def burn_in(model, batches: int = 4, seed: int = 7) -> list[float]:
 
 
 def _run(pretrained, scenario: str, recipe_name: str, plan: dict, seed: int, gammas: list[float]) -> list[dict]:
-    from hilt.bench.models.gpt import GPT, train
+    from hilt.models.gpt import GPT, train
 
     cfg = pretrained.cfg
     model = GPT(cfg) if scenario == "load" else copy.deepcopy(pretrained)
@@ -166,7 +166,7 @@ def _run(pretrained, scenario: str, recipe_name: str, plan: dict, seed: int, gam
 
 
 def study(quick: bool = False, seed: int = 0, plan: dict | None = None, log=print) -> dict:
-    from hilt.bench.models.gpt import GPT, GPTConfig, corpus, evaluate, train
+    from hilt.models.gpt import GPT, GPTConfig, corpus, evaluate, train
 
     plan = plan or (QUICK if quick else FULL)
     alphabet, _, val = corpus()

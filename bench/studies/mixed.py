@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 
 from hilt.bench import RESULTS
-from hilt.bench.tasks.sensitivity import candidate_variances, load_subject
+from hilt.tasks.sensitivity import candidate_variances, load_subject
 from hilt.quant.allocate import allocate
 from hilt.quant.checkpoint import write_json
 from hilt.quant.sensitivity import estimate_tpv, loss_hessian_trace, parse_candidates
@@ -102,13 +102,13 @@ class _Quality:
     def __init__(self, subject, quick: bool):
         self.subject = subject
         if subject.kind == "llama":
-            from hilt.bench.data.text import shakespeare_text
+            from hilt.data.text import shakespeare_text
 
             self.ids = torch.tensor(subject.tokenizer.encode(shakespeare_text("hamlet"))[:1024 if quick else 2048])
             self.name, self.higher_is_better = "perplexity", False
         else:
-            from hilt.bench.data.text import sentences
-            from hilt.bench.models import bert
+            from hilt.data.text import sentences
+            from hilt.models import bert
 
             self.sentences = sentences(64 if quick else 256)
             self.ref = bert.embed(subject.model, subject.tokenizer, self.sentences)
@@ -117,10 +117,10 @@ class _Quality:
     def __call__(self) -> float:
         s = self.subject
         if s.kind == "llama":
-            from hilt.bench.models import llama
+            from hilt.models import llama
 
             return llama.perplexity(s.model, self.ids, context=512)
-        from hilt.bench.models import bert
+        from hilt.models import bert
 
         return bert.embedding_similarity(self.ref, bert.embed(s.model, s.tokenizer, self.sentences))
 

@@ -31,7 +31,7 @@ from pathlib import Path
 
 import torch
 
-from hilt.bench.tasks import evaluate
+from hilt.tasks import evaluate
 from hilt.quant import QuantConfig, open_source, quantize_checkpoint
 from hilt.quant.checkpoint import select_targets, write_json
 
@@ -86,15 +86,15 @@ def _evaluate(model: str, quantized=None, tensors=None, tokens=2048, sentences=2
         if model == "smollm2":
             return evaluate.perplexity_run(quantized=quantized, tokens=tokens)["perplexity"]
         return evaluate.embedding_run(quantized=quantized, sentences=sentences)["cosine_similarity"]
-    from hilt.bench.data.text import sentences as real_sentences
-    from hilt.bench.data.text import shakespeare_text
+    from hilt.data.text import sentences as real_sentences
+    from hilt.data.text import shakespeare_text
 
     if model == "smollm2":
-        from hilt.bench.models import llama
+        from hilt.models import llama
 
         net, tokenizer = llama.load_llama(tensors=tensors)
         return llama.perplexity(net, tokenizer.encode(shakespeare_text("hamlet"))[:tokens])
-    from hilt.bench.models import bert
+    from hilt.models import bert
 
     batch = real_sentences(sentences)
     ref_model, tokenizer = bert.load_minilm()
@@ -111,9 +111,9 @@ def run(out="report", quick=False, models=None, widths=None, log=print) -> dict:
     """The study (see the module doc). ``quick``: MiniLM only, 3 bits, 32 calibration and 32 evaluation
     sentences. ``models`` / ``widths`` choose a part of the grid. The JSON, table and plot are rewritten
     after every row, so a long run can be read (or stopped) at any point."""
-    from hilt.bench.models.bert import minilm_path
-    from hilt.bench.models.llama import smollm2_path
-    from hilt.bench.tasks.calibrate import calibrate
+    from hilt.models.bert import minilm_path
+    from hilt.models.llama import smollm2_path
+    from hilt.tasks.calibrate import calibrate
 
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)

@@ -1,6 +1,6 @@
 """`hilt bench qat`: validation loss against weight memory under QAT (docs/references.md section 1).
 
-Character GPTs (bench/models/gpt.py, 4 layers) of several widths are trained from scratch on
+Character GPTs (hilt/models/gpt.py, 4 layers) of several widths are trained from scratch on
 Shakespeare with the same token budget, in 16-bit (full precision) and with QAT at 1, 2 and
 4 bits in two formats: k-means (codebook per layer, fitted after a full-precision warm-up,
 then trained by the loss; or, with learn_codebook=False, refitted by k-means on schedule, the
@@ -81,7 +81,7 @@ def lr_for(width: int, lr: float | None = None) -> float:
 
 def _one(width: int, method: str | None, bits: int, plan: dict, seed: int, log, learn_codebook: bool = True,
          lr: float | None = None) -> dict:
-    from hilt.bench.models.gpt import GPT, GPTConfig, corpus, evaluate, train
+    from hilt.models.gpt import GPT, GPTConfig, corpus, evaluate, train
 
     alphabet, _, val = corpus()
     torch.manual_seed(seed)

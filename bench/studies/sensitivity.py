@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from hilt.bench import RESULTS
-from hilt.bench.tasks.sensitivity import load_subject, sensitivity_run
+from hilt.tasks.sensitivity import load_subject, sensitivity_run
 from hilt.quant.checkpoint import write_json
 from hilt.quant.quantize import quantize_tensor
 from hilt.quant.sensitivity import format_label, parse_candidates, resolve, spearman
@@ -53,19 +53,19 @@ class _Measure:
         kind = subject.kind
         with torch.inference_mode():
             if kind == "bert":
-                from hilt.bench.data.text import sentences
-                from hilt.bench.models import bert
+                from hilt.data.text import sentences
+                from hilt.models import bert
 
                 self.sentences = sentences(64 if quick else 256)
                 self.ref = bert.embed(subject.model, subject.tokenizer, self.sentences)
             elif kind == "llama":
-                from hilt.bench.data.text import shakespeare_text
+                from hilt.data.text import shakespeare_text
 
                 ids = subject.tokenizer.encode(shakespeare_text("hamlet"))[:1024]
                 self.windows = torch.tensor(ids).view(-1, 512)
                 self.ref = [F.log_softmax(subject.model(w[None])[0, :-1].float(), -1) for w in self.windows]
             else:
-                from hilt.bench.data.fashion_mnist import load_fashion_mnist
+                from hilt.data.fashion_mnist import load_fashion_mnist
 
                 self.x, self.y = load_fashion_mnist("test", limit=2000 if quick else 10_000)
                 self.ref = subject.model(self.x)
@@ -74,7 +74,7 @@ class _Measure:
         s = self.subject
         with torch.inference_mode():
             if s.kind == "bert":
-                from hilt.bench.models import bert
+                from hilt.models import bert
 
                 e = bert.embed(s.model, s.tokenizer, self.sentences)
                 return {"change": 1 - bert.embedding_similarity(self.ref, e)}
@@ -197,7 +197,7 @@ def cim_study(workload: str = "cnn", preset_name: str = "pcm", time_text: str = 
     arrays alone (the rest digital), and which layers to keep digital: the k of largest TPV against
     the usual rule (the first and the last layer), accuracy from 1 s to a year."""
     from hilt.cim_sim import preset
-    from hilt.bench.data.fashion_mnist import load_fashion_mnist
+    from hilt.data.fashion_mnist import load_fashion_mnist
 
     subject = load_subject(workload, images=512 if quick else 2048)
     cim = {"preset_name": preset_name, "time_text": time_text, "chips": chips, "gdc": "global"}

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hilt.bench.data.text import available_works, shakespeare_text
+from hilt.data.text import available_works, shakespeare_text
 from hilt.errors import HiltError
 from hilt.progress import Progress
 

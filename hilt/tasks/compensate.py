@@ -47,7 +47,7 @@ def _read_text(path) -> str:
 
 
 def llama_batches(tokenizer, calibration=None, tokens: int = 4096) -> tuple[list[tuple], str]:
-    from hilt.bench.data.text import shakespeare_text
+    from hilt.data.text import shakespeare_text
 
     if calibration in (None, "default"):
         ids = tokenizer.encode(shakespeare_text(DEFAULT_WORK))
@@ -65,7 +65,7 @@ def llama_batches(tokenizer, calibration=None, tokens: int = 4096) -> tuple[list
 
 def bert_batches(tokenizer, calibration=None, sentences: int = 256) -> tuple[list[tuple], str]:
     """Sentences batched by token length, so that no batch holds padding (its rows would enter H)."""
-    from hilt.bench.data.text import sentences as real_sentences
+    from hilt.data.text import sentences as real_sentences
 
     if calibration in (None, "default"):
         chosen, name = real_sentences(sentences, work=DEFAULT_WORK), DEFAULT_WORK
@@ -90,17 +90,17 @@ def bert_batches(tokenizer, calibration=None, sentences: int = 256) -> tuple[lis
 def compensator(src, config: QuantConfig, comp: CompensationConfig = CompensationConfig(), targets=None,
                 calibration=None, tokens: int = 4096, sentences: int = 256) -> Compensator:
     """The Compensator for ``src`` (see the module doc); ``targets`` as ``select_targets`` chose them."""
-    from hilt.bench.models.weights import load_part_
+    from hilt.models.weights import load_part_
 
     kind = model_kind(src)
     if kind == "llama":
-        from hilt.bench.models import llama
+        from hilt.models import llama
 
         model, tokenizer = llama.load_llama(src, lazy_blocks=True)
         batches, seen = llama_batches(tokenizer, calibration, tokens)
         prefix = llama.BLOCKS
     else:
-        from hilt.bench.models import bert
+        from hilt.models import bert
 
         model, tokenizer = bert.load_minilm(src, lazy_blocks=True)
         batches, seen = bert_batches(tokenizer, calibration, sentences)

@@ -13,7 +13,7 @@ import time
 
 import torch
 
-from hilt.bench.tasks.drift import workload_model
+from hilt.tasks.drift import workload_model
 from hilt.cim_sim import convert_to_analog, preset, program
 from hilt.cim_sim.energy import GPUEnergy, chip, estimate
 
@@ -51,7 +51,7 @@ def precision_sweep(model, images, labels, bits=ADC_BITS, chips: int = 2, tolera
                     log=print) -> dict:
     """Accuracy on the pcm preset (1 s after programming) at each ADC resolution; the lowest that stays
     within ``tolerance`` of the highest's."""
-    from hilt.bench.tasks.train import accuracy
+    from hilt.tasks.train import accuracy
 
     rows = []
     for b in bits:
@@ -69,7 +69,7 @@ def precision_sweep(model, images, labels, bits=ADC_BITS, chips: int = 2, tolera
 
 def run(workload: str = "cnn", checkpoint=None, chip_name: str = "rram-22nm", adc_bits: int | None = None,
         dac_bits: int = 7, gpu_batch: int = 256, sweep: bool = False, test_images: int = 2000, log=print) -> dict:
-    from hilt.bench.data.fashion_mnist import load_fashion_mnist
+    from hilt.data.fashion_mnist import load_fashion_mnist
 
     model, path = workload_model(workload, checkpoint)
     images, labels = load_fashion_mnist("test", limit=test_images)

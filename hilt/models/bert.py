@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from tokenizers import Tokenizer
 
 from hilt.errors import HiltError
-from hilt.bench.models.weights import load_weights_
+from hilt.models.weights import load_weights_
 
 MAX_SEQ_LEN = 256  # sentence_bert_config.json of all-MiniLM-L6-v2
 BLOCKS = "encoder.layer."  # tensor-name prefix of the encoder layers

@@ -36,7 +36,7 @@ HELD_OUT = "hamlet"
 
 
 def _training_tokens(tokenizer, limit: int) -> torch.Tensor:
-    from hilt.bench.data.text import available_works, shakespeare_text
+    from hilt.data.text import available_works, shakespeare_text
 
     ids: list[int] = []
     for work in available_works():
@@ -89,7 +89,7 @@ def finetune(dst, method: str = "kmeans", bits: int = 2, block_size: int = 64, s
              log=print, progress: bool = True) -> dict:
     """QAT fine-tuning (see the module docstring); ``only``: a regular expression on weight names
     that narrows the quantized layers (as `hilt quantize --only`)."""
-    from hilt.bench.models.llama import load_llama
+    from hilt.models.llama import load_llama
 
     dst = Path(dst)
     state_dir = dst.with_name(dst.name + ".qat-state")

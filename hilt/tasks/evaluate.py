@@ -24,8 +24,8 @@ def perplexity_run(model="smollm2", quantized=None, text=None, tokens=2048, cont
     """Perplexity of a causal LM on ``tokens`` tokens of ``text`` (a file; default Hamlet). ``model``:
     smollm2, a Llama GGUF (``quantized``: a hilt checkpoint of it), or a Hugging Face causal-LM folder,
     quantized by hilt or not (``quantized``: a hilt folder made from it, run instead)."""
-    from hilt.bench.models import llama
-    from hilt.bench.data.text import shakespeare_text
+    from hilt.models import llama
+    from hilt.data.text import shakespeare_text
 
     path = _resolve(model, "smollm2", llama.smollm2_path)
     if text is None:
@@ -38,7 +38,7 @@ def perplexity_run(model="smollm2", quantized=None, text=None, tokens=2048, cont
     if tokens < 2:
         raise HiltError(f"--tokens must be at least 2, got {tokens}")
     if path.is_dir():
-        from hilt.bench.models import hf
+        from hilt.models import hf
 
         if quantized is None and is_hf_folder(path) and read_config(path).get("quantization_config"):
             quantized = path  # a quantized folder given as the model: say so in the result
@@ -65,13 +65,13 @@ def embedding_run(model="minilm", quantized=None, sentences=256) -> dict:
     """Mean (and worst) cosine similarity of sentence embeddings against the fp32 model."""
     import torch
 
-    from hilt.bench.models import bert
-    from hilt.bench.data.text import sentences as real_sentences
+    from hilt.models import bert
+    from hilt.data.text import sentences as real_sentences
 
     path = _resolve(model, "minilm", bert.minilm_path)
     batch = real_sentences(sentences)
     if quantized is not None and is_hf_folder(quantized) and _is_hf_model(path):
-        from hilt.bench.models import hf
+        from hilt.models import hf
 
         ref = hf.embed(*hf.load_encoder(path), batch)
         other = hf.embed(*hf.load_encoder(quantized), batch)

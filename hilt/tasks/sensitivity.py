@@ -67,7 +67,7 @@ def _llama_output(model, ids):
 def load_subject(model: str, checkpoint=None, calibration=None, tokens: int = 2048, sentences: int = 256,
                  images: int = 2048) -> Subject:
     """``model``: smollm2, minilm, mlp, cnn, a Llama GGUF file or a BERT folder."""
-    from hilt.bench.tasks.compensate import bert_batches, llama_batches, model_kind
+    from hilt.tasks.compensate import bert_batches, llama_batches, model_kind
     from hilt.quant.checkpoint import select_targets
     from hilt.quant.sources import open_source
 
@@ -75,8 +75,8 @@ def load_subject(model: str, checkpoint=None, calibration=None, tokens: int = 20
         if calibration is not None:
             raise HiltError("--calibration (a text file) applies to the text models; mlp and cnn calibrate on "
                             "Fashion-MNIST training images (--images)")
-        from hilt.bench.data.fashion_mnist import load_fashion_mnist
-        from hilt.bench.tasks.drift import workload_model
+        from hilt.data.fashion_mnist import load_fashion_mnist
+        from hilt.tasks.drift import workload_model
 
         net, path = workload_model(model, checkpoint)
         x, _ = load_fashion_mnist("train", limit=images)
@@ -86,10 +86,10 @@ def load_subject(model: str, checkpoint=None, calibration=None, tokens: int = 20
     if checkpoint is not None:
         raise HiltError("--checkpoint applies to the workloads (mlp, cnn) only")
     if model == "smollm2":
-        from hilt.bench.models.llama import smollm2_path
+        from hilt.models.llama import smollm2_path
         src = smollm2_path()
     elif model == "minilm":
-        from hilt.bench.models.bert import minilm_path
+        from hilt.models.bert import minilm_path
         src = minilm_path()
     else:
         src = Path(model)
@@ -100,14 +100,14 @@ def load_subject(model: str, checkpoint=None, calibration=None, tokens: int = 20
     with open_source(src) as source:
         targets = select_targets(source)
     if kind == "llama":
-        from hilt.bench.models import llama
+        from hilt.models import llama
 
         net, tokenizer = llama.load_llama(src)
         windows, seen = llama_batches(tokenizer, calibration, tokens)
         batches = [(w[i:i + 1],) for w in (b[0] for b in windows) for i in range(w.shape[0])]  # a window a pass
         output, metric = _llama_output, "softmax"
     else:
-        from hilt.bench.models import bert
+        from hilt.models import bert
 
         net, tokenizer = bert.load_minilm(src)
         batches, seen = bert_batches(tokenizer, calibration, sentences)

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-from hilt.bench import RESULTS
+from hilt.models import TRAINED
 from hilt.cim_sim import convert_to_analog, drift_to, parse_time, preset, program
 from hilt.errors import HiltError
 from hilt.progress import Progress
@@ -16,10 +16,10 @@ DEFAULT_TIMES = "1s,1h,1d,1mo,1y"
 
 
 def workload_model(workload: str, checkpoint):
-    from hilt.bench.tasks.train import load_workload
+    from hilt.tasks.train import load_workload
 
     if checkpoint is None:
-        checkpoint = RESULTS / f"{workload}-standard.safetensors"
+        checkpoint = TRAINED / f"{workload}-standard.safetensors"
         if not checkpoint.exists():
             raise HiltError(f"no checkpoint given and {checkpoint} does not exist; "
                             f"train one with: hilt train --workload {workload} --out {checkpoint}")
@@ -38,7 +38,7 @@ def drift_study(workload="cnn", checkpoint=None, preset_name="pcm", times=DEFAUL
     of loading one. All chips are programmed at once and evaluated in one batched pass per time;
     chip r is the one-chip model programmed with seed r and read with seed 10000 r + (time index).
     """
-    from hilt.bench.tasks.cim_inputs import load_data, load_model
+    from hilt.tasks.cim_inputs import load_data, load_model
     from hilt.cim_sim import analog_layers, evaluate
 
     seconds = [parse_time(t) for t in (times.split(",") if isinstance(times, str) else times)]

@@ -1,7 +1,7 @@
 """`hilt sweep GRID.toml --out DIR`: accuracy on simulated CIM chips over a grid of models x presets x
 AnalogConfig fields x chips x drift compensation x times after programming, locally or on a Ray cluster.
 
-The grid file (TOML; bench/grids/example.toml is a small one)::
+The grid file (TOML; hilt/tasks/grids/example.toml is a small one)::
 
     seed = 0                # the grid's seed: every cell's chips derive from it and the cell (default 0)
     chips = 4               # chips programmed per cell (default 5); or an axis: [axes] chips = [2, 8]
@@ -529,7 +529,7 @@ def _resume_rows(out: Path, grid: Grid, cells: list[Cell]) -> dict[int, dict]:
 
 
 def _load_model(grid: Grid, name: str):
-    from hilt.bench.tasks.cim_inputs import load_model
+    from hilt.tasks.cim_inputs import load_model
 
     entry = grid.models[name]
     checkpoint = entry["checkpoint"]
@@ -544,7 +544,7 @@ def _load_model(grid: Grid, name: str):
 
 
 def _load_data(grid: Grid):
-    from hilt.bench.tasks.cim_inputs import load_data
+    from hilt.tasks.cim_inputs import load_data
 
     spec = grid.data
     if spec is not None and spec != "fashion-mnist":

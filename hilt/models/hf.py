@@ -33,7 +33,7 @@ def gguf_to_hf(src, dst, dtype: torch.dtype = torch.bfloat16, overwrite: bool = 
     settings and chat template; the tokenizer is rebuilt from the GGUF's vocabulary as llama.cpp splits
     text (digits one by one), which transformers' GGUF tokenizer does not. Written under ``DST.partial``
     and renamed when complete."""
-    from hilt.bench.models.llama import GGUFTokenizer
+    from hilt.models.llama import GGUFTokenizer
 
     src, dst = Path(src), Path(dst)
     reader = read_gguf(src)
@@ -119,7 +119,7 @@ def _tokenizer(folder):
 
 def embed(model, tokenizer, sentences: list[str], batch_size: int = 32, max_length: int = 256) -> torch.Tensor:
     """Sentence embeddings of a transformers encoder (bert.mean_pool), float32 (n, hidden)."""
-    from hilt.bench.models.bert import mean_pool
+    from hilt.models.bert import mean_pool
 
     out = []
     max_length = min(max_length, tokenizer.model_max_length)

@@ -37,8 +37,8 @@ def load_model(spec: str, checkpoint=None) -> tuple[nn.Module, dict]:
     from ``checkpoint`` (a safetensors state dict) or, without one, from the factory itself.
     """
     if not is_factory(spec):
-        from hilt.bench.models.classifiers import check_workload
-        from hilt.bench.tasks.drift import workload_model
+        from hilt.models.classifiers import check_workload
+        from hilt.tasks.drift import workload_model
 
         check_workload(spec)
         model, path = workload_model(spec, checkpoint)
@@ -101,7 +101,7 @@ def load_data(spec=None, limit: int | None = None) -> tuple[torch.Tensor, torch.
     a ``.safetensors`` / ``.npz`` file holding ``inputs`` (the model's input, one row per example)
     and ``labels`` (class indices)."""
     if spec is None or spec == "fashion-mnist":
-        from hilt.bench.data.fashion_mnist import load_fashion_mnist
+        from hilt.data.fashion_mnist import load_fashion_mnist
 
         return load_fashion_mnist("test", limit=limit)
     path = Path(spec)

@@ -30,7 +30,7 @@ from hilt.errors import HiltError
 from hilt.progress import Progress
 from hilt.quant.nn import QuantEmbedding
 from hilt.quant.sources import read_gguf
-from hilt.bench.models.weights import load_weights_
+from hilt.models.weights import load_weights_
 
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 BLOCKS = "blk."  # tensor-name prefix of the decoder blocks

@@ -18,8 +18,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from hilt.bench.data.fashion_mnist import load_fashion_mnist
-from hilt.bench.models.classifiers import WORKLOADS, build, check_workload
+from hilt.data.fashion_mnist import load_fashion_mnist
+from hilt.models.classifiers import WORKLOADS, build, check_workload
 from hilt.cim_sim.training import NoisyTraining, noisy_loss
 from hilt.errors import HiltError
 from hilt.progress import Progress

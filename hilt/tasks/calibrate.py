@@ -52,8 +52,8 @@ def calibrate(model="smollm2", out="importance.safetensors", work="macbeth", tok
               overwrite=False) -> dict:
     """Importance for SmolLM2 ('smollm2' or a GGUF path) or MiniLM ('minilm' or its folder)."""
 
-    from hilt.bench.data.text import sentences as real_sentences
-    from hilt.bench.data.text import shakespeare_text
+    from hilt.data.text import sentences as real_sentences
+    from hilt.data.text import shakespeare_text
 
     out = Path(out)
     if out.exists() and not overwrite:
@@ -62,7 +62,7 @@ def calibrate(model="smollm2", out="importance.safetensors", work="macbeth", tok
         raise HiltError(f"{out}: folder {out.parent} does not exist")
     is_bert = model == "minilm" or (Path(model).exists() and Path(model).suffix != ".gguf")
     if is_bert:
-        from hilt.bench.models import bert
+        from hilt.models import bert
 
         net, tokenizer = bert.load_minilm(None if model == "minilm" else model)
         batch = real_sentences(sentences, work=work)
@@ -73,7 +73,7 @@ def calibrate(model="smollm2", out="importance.safetensors", work="macbeth", tok
                 yield (torch.tensor([e.ids for e in enc]), torch.tensor([e.attention_mask for e in enc]))
         seen = f"{len(batch)} sentences of {work}"
     else:
-        from hilt.bench.models import llama
+        from hilt.models import llama
 
         net, tokenizer = llama.load_llama(None if model == "smollm2" else model)
         ids = tokenizer.encode(shakespeare_text(work))

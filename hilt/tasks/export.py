@@ -104,8 +104,8 @@ def export_quantized(src, out, sentences: int = 64, overwrite: bool = False, pac
     """A hilt quantized checkpoint of all-MiniLM-L6-v2 -> ONNX (input_ids, attention_mask -> hidden states).
     ``packed_ops``: symmetric 2/4/8-bit integer weights as MatMulNBits (packed in the session); the
     other formats, and all of them without it, as the rebuild subgraph (folded to float at load)."""
-    from hilt.bench.models.bert import Bert, BertConfig, embed, load_minilm, minilm_path
-    from hilt.bench.data.text import sentences as real_sentences
+    from hilt.models.bert import Bert, BertConfig, embed, load_minilm, minilm_path
+    from hilt.data.text import sentences as real_sentences
     from hilt.quant import QuantizedWeight
     from hilt.quant.checkpoint import load_checkpoint, read_header
     from hilt.quant.onnx_export import replace_initializers, use_matmulnbits
@@ -174,9 +174,9 @@ def export_quantized(src, out, sentences: int = 64, overwrite: bool = False, pac
 def export_cim(workload: str, checkpoint, out, preset_name: str = "pcm", time_text: str = "1y", seed: int = 0,
                gdc: str = "global", test_images: int = 10_000, overwrite: bool = False, log=print) -> dict:
     """A workload programmed on CIM hardware and read ``time_text`` later, frozen into ONNX (images -> logits)."""
-    from hilt.bench.tasks.drift import workload_model
-    from hilt.bench.data.fashion_mnist import load_fashion_mnist
-    from hilt.bench.tasks.train import accuracy
+    from hilt.tasks.drift import workload_model
+    from hilt.data.fashion_mnist import load_fashion_mnist
+    from hilt.tasks.train import accuracy
     from hilt.cim_sim import convert_to_analog, drift_to, parse_time, preset, program
     from hilt.cim_sim.frozen import freeze
 
