@@ -1,7 +1,8 @@
 """hilt: hardware-in-the-loop low-precision inference.
 
-The packages: hilt.quant, hilt.kernels, hilt.fp8, hilt.cim_sim, and hilt.bench (the built-in
-workloads and studies); hilt.cli is the `hilt` command. Importing this module imports nothing;
+The library: hilt.kernels, hilt.quant, hilt.fp8, hilt.cim_sim. Above it: hilt.data and hilt.models
+(the built-in workloads), hilt.tasks (what the commands run), hilt.bench (studies and timings) and
+hilt.cli (the `hilt` command; docs/architecture.md). Importing this module imports nothing;
 it arranges that transformers, once its quantizer registry is imported, knows hilt's folders
 (``quant_method: "hilt"``, hilt.quant.hf_quantizer).
 """

@@ -175,7 +175,7 @@ def test_wheel_and_sdist_install_only_hilt(built):
         assert {t for t in top if not t.endswith(".dist-info")} == {"hilt"}, (wheel.name, top)
         with zipfile.ZipFile(wheel) as z:
             names = set(z.namelist())
-        for module in ("hilt/kernels/lut_matmul_triton.py", "hilt/models/llama.py", "hilt/cli.py",
+        for module in ("hilt/kernels/lut_matmul_triton.py", "hilt/models/llama.py", "hilt/cli/quantize.py",
                        "hilt/models/trained/cnn-standard.safetensors", "hilt/bench/perf/gpu_check.sh"):
             assert module in names, (wheel.name, module)
 

@@ -1,0 +1,90 @@
+from __future__ import annotations
+
+from pathlib import Path
+
+from hilt.cli.common import LOG, OUTPUT, PLOT, SEED, WORKLOADS, command, write_json, write_outputs
+from hilt.errors import HiltError
+
+
+def cmd_bench_certify(args) -> int:
+    from hilt.bench.studies import certify
+
+    result = certify.study(quick=args.quick, log=LOG.info, progress=True, seed=args.seed)
+    write_outputs(args, result, certify.plot)
+    if args.markdown:
+        Path(args.markdown).write_text(certify.render(result))
+        LOG.info(f"wrote {args.markdown}")
+    if any(result["sound_violations"].values()):
+        raise HiltError(f"an input certified by an exact or Lipschitz certificate flipped under an allowed "
+                        f"perturbation: {result['sound_violations']} (the results are written)")
+    return 0
+
+
+def cmd_bench_cim(args) -> int:
+    from hilt.bench.perf import cim_speed
+
+    write_json(args, cim_speed.speed(log=LOG.info))
+    return 0
+
+
+def cmd_bench_sweep(args) -> int:
+    from hilt.bench.studies import cim_peers
+
+    result = cim_peers.sweep(quick=args.quick, workloads=args.workload and [args.workload], log=LOG.info)
+    write_outputs(args, result, cim_peers.plot)
+    return 0
+
+
+def cmd_bench_sweep_ray(args) -> int:
+    from hilt.bench.perf import sweep_scaling
+
+    result = sweep_scaling.run(quick=args.quick, log=LOG.info)
+    write_json(args, result)
+    if not result["identical_files"]:  # saved above with the timings
+        raise HiltError("the sweep's result files differ between the local and the Ray runs")
+    return 0
+
+
+def cmd_bench_robustness(args) -> int:
+    from hilt.bench.studies import robustness
+
+    result = robustness.study(quick=args.quick, log=LOG.info)
+    write_outputs(args, result, robustness.plot)
+    if args.markdown:
+        Path(args.markdown).write_text(robustness.render(result))
+        LOG.info(f"wrote {args.markdown}")
+    return 0
+
+
+def register(bsub) -> None:
+    bc = command(bsub, "cim", "CIM simulator speed: each preset against the digital forward (batch 256), and "
+                 "aihwkit's default configuration when it is installed",
+                 "hilt bench cim --json cim_speed.json", [OUTPUT])
+    bc.set_defaults(func=cmd_bench_cim)
+    bw = command(bsub, "sweep", "a PCM drift sweep (10 chips x 6 times x 10,000 images) timed four ways: digital, "
+                 "aihwkit's serial loop (when installed), hilt one chip at a time, hilt batched; accuracy beside "
+                 "aihwkit's", "hilt bench sweep --quick --json cim_sweep.json --plot cim_sweep.png", [OUTPUT, PLOT],
+                 plot="accuracy against time (mean ± std over chips) per workload, and the sweep's time per way")
+    bw.add_argument("--quick", action="store_true", help="MLP only, 2 chips, 2 times, 500 images (seconds)")
+    bw.add_argument("--workload", choices=WORKLOADS, help="one workload only (default: mlp and cnn; --quick: mlp)")
+    bw.set_defaults(func=cmd_bench_sweep)
+    bsr = command(bsub, "sweep-ray", "`hilt sweep` on Ray: one grid (16 CNN cells) run locally, then as Ray tasks "
+                  "with 1 and with 2 workers, each after an untimed warm-up run; wall times and their ratio, result "
+                  "files compared", "hilt bench sweep-ray --json bench/results/sweep_scaling.json", [OUTPUT])
+    bsr.add_argument("--quick", action="store_true", help="200 images instead of 1000 (a few minutes on 2 cores)")
+    bsr.set_defaults(func=cmd_bench_sweep_ray)
+    br = command(bsub, "robustness", "standard vs noise-injection vs DWP training on the CNN: mismatch sweep, a year "
+                 "of PCM drift, DWP ablation",
+                 "hilt bench robustness --quick --json robustness.json --plot robustness.png", [OUTPUT, PLOT],
+                 plot="accuracy against mismatch level and over a year of drift")
+    br.add_argument("--quick", action="store_true", help="small budget (under 5 minutes on 2 cores)")
+    br.add_argument("--markdown", metavar="FILE", help="the tables as Markdown")
+    br.set_defaults(func=cmd_bench_robustness)
+    bce = command(bsub, "certify", "weight-perturbation certificates of the Fashion-MNIST MLP and CNN against int and "
+                  "k-means at 2-8 bits and CIM chips over a year, with Monte-Carlo soundness checks",
+                  "hilt bench certify --quick --json certify.json --plot certify.png", [OUTPUT, PLOT, SEED],
+                  plot="certified fraction against bits, and against time on a chip beside the measured accuracy")
+    bce.add_argument("--quick", action="store_true", help="small budgets (under a minute; the full run took 28 "
+                     "minutes on 2 cores shared with another job)")
+    bce.add_argument("--markdown", metavar="FILE", help="the tables as Markdown")
+    bce.set_defaults(func=cmd_bench_certify)

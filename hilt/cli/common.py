@@ -1,0 +1,263 @@
+"""What every command module shares: the parser class, argument types, parent parsers, logging set-up,
+and the JSON and plot outputs."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import math
+import re
+import sys
+from pathlib import Path
+
+from hilt.errors import HiltError
+from hilt.progress import Handler
+
+EXIT_ERROR, EXIT_USAGE, EXIT_INTERRUPTED = 1, 2, 130
+LOG = logging.getLogger("hilt")
+
+
+class UsageError(HiltError):
+    """Flags that contradict each other: reported like a bad flag (exit 2)."""
+
+
+# ------------------------------------------------------------------ parsing
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse with one-line errors (`hilt quantize: error: --bits: expected an integer 1..8,
+    got 'abc'`, exit 2) instead of the usage block."""
+
+    def error(self, message):
+        message = re.sub(r"^argument (?:\S+/)?([^\s/]+): ", r"\1: ", message)  # -q/--quiet: the long name
+        self.exit(EXIT_USAGE, f"{self.prog}: error: {message}\n")
+
+    def parse_args(self, args=None, namespace=None):
+        parsed, extra = self.parse_known_args(args, namespace)
+        if extra:  # named after the command they were given to, not just `hilt`
+            self.exit(EXIT_USAGE, f"{getattr(parsed, '_prog', self.prog)}: error: unrecognized arguments: "
+                                  f"{' '.join(extra)}\n")
+        return parsed
+
+    def add_argument(self, *args, **kwargs):
+        if isinstance(kwargs.get("choices"), Names) and "metavar" not in kwargs:
+            # a metavar keeps add_argument from formatting (so reading) the choices for every `hilt` run
+            action = super().add_argument(*args, metavar="NAME", **kwargs)
+            action.metavar = None  # help shows {a,b,c}
+            return action
+        return super().add_argument(*args, **kwargs)
+
+    def _check_value(self, action, value):  # argparse's hook; a bad choice reads like a bad number
+        if action.choices is not None and value not in action.choices:
+            raise argparse.ArgumentError(action, f"expected one of {', '.join(map(str, action.choices))}, "
+                                                 f"got {value!r}")
+
+
+def integer(lo: int | None = None, hi: int | None = None):
+    what = ("an integer" if lo is None else f"an integer {lo}..{hi}" if hi is not None
+            else "a positive integer" if lo == 1 else f"an integer >= {lo}")
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            value = None
+        if value is None or (lo is not None and value < lo) or (hi is not None and value > hi):
+            raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}")
+        return value
+    return parse
+
+
+def number(positive: bool = False):
+    what = "a positive number" if positive else "a number"
+
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            value = math.nan
+        if not math.isfinite(value) or (positive and value <= 0):
+            raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}")
+        return value
+    return parse
+
+
+POSITIVE, NON_NEGATIVE, ANY_INT, POSITIVE_NUMBER = integer(1), integer(0), integer(), number(positive=True)
+
+
+def float_pair(text: str) -> tuple[float, float]:
+    try:
+        lo, hi = (float(v) for v in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected MIN,MAX such as 0.1,0.6, got {text!r}") from None
+    return lo, hi
+
+
+class Names:
+    """Choices named by a library constant (a dict's keys or a tuple's items). The module is
+    imported when argparse first needs them (a value to check, a command's --help), so that
+    `hilt --help` imports no torch."""
+
+    def __init__(self, module: str, constant: str):
+        self.module, self.constant, self._names = module, constant, None
+
+    def _load(self) -> tuple:
+        if self._names is None:
+            import importlib
+
+            self._names = tuple(getattr(importlib.import_module(self.module), self.constant))
+        return self._names
+
+    def __iter__(self):
+        return iter(self._load())
+
+    def __contains__(self, value) -> bool:
+        return value in self._load()
+
+    def __len__(self) -> int:
+        return len(self._load())
+
+
+QUANT_METHODS = Names("hilt.quant.qweight", "METHODS")
+CIM_PRESETS = Names("hilt.cim_sim.analog", "PRESETS")
+DRIFT_COMPENSATION = Names("hilt.cim_sim.model", "GDC_MODES")
+ENERGY_CHIPS = Names("hilt.cim_sim.energy", "CHIPS")
+WORKLOADS = Names("hilt.models.classifiers", "WORKLOADS")
+TRAINING_METHODS = Names("hilt.cim_sim.training", "METHODS")
+NOISE_MODELS = Names("hilt.cim_sim.training", "NOISE_MODELS")
+WEIGHTINGS = Names("hilt.cim_sim.training", "WEIGHTINGS")
+DENSE_DTYPES = ("bfloat16", "float16", "float32")
+
+
+def model_spec(text: str) -> str:
+    """A built-in workload name or a factory, PKG.MODULE:FACTORY (checked when loaded)."""
+    if ":" in text or text in WORKLOADS:
+        return text
+    raise argparse.ArgumentTypeError(f"expected one of {', '.join(WORKLOADS)} or PKG.MODULE:FACTORY, got {text!r}")
+
+
+class Renamed(argparse.Action):
+    """A flag that was renamed: says to what, rather than 'unrecognized arguments'."""
+
+    def __init__(self, option_strings, dest, new: str, why: str = "", **kwargs):
+        super().__init__(option_strings, dest, default=argparse.SUPPRESS, help=argparse.SUPPRESS, **kwargs)
+        self.new, self.why = new, why
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        parser.error(f"{option_string}: renamed to {self.new}{self.why}")
+
+
+class Version(argparse.Action):
+    """--version, looked up in the package metadata only when asked for."""
+
+    def __init__(self, option_strings, dest=argparse.SUPPRESS, default=argparse.SUPPRESS, help=None):
+        super().__init__(option_strings, dest, nargs=0, default=default, help=help)
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        from hilt import __version__
+
+        print(f"hilt {__version__}")
+        parser.exit()
+
+
+# Flags that several commands share come from these parents, so they read the same everywhere.
+# SUPPRESS: a flag absent after the command name keeps what `hilt -v CMD` set before it.
+COMMON = argparse.ArgumentParser(add_help=False)
+COMMON.add_argument("-v", "--verbose", action="count", default=argparse.SUPPRESS,
+                     help="more detail: the libraries' own log lines too (-vv: their debug lines)")
+COMMON.add_argument("-q", "--quiet", action="count", default=argparse.SUPPRESS,
+                     help="no progress or informational lines, only results and errors (-qq: no warnings)")
+COMMON.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help="show tracebacks")
+OUTPUT = argparse.ArgumentParser(add_help=False)
+OUTPUT.add_argument("--json", metavar="FILE", help="write the results as JSON (written whole); '-': to stdout, "
+                     "everything else then goes to stderr")
+PLOT = argparse.ArgumentParser(add_help=False)
+PLOT.add_argument("--plot", metavar="FILE", help="draw the results as a PNG image")
+SEED = argparse.ArgumentParser(add_help=False)
+SEED.add_argument("--seed", type=ANY_INT, default=0, help="seed of the random draws (default 0)")
+
+
+def command(sub, name: str, help_text: str, example: str | None = None, parents=(), plot: str = ""):
+    """A subcommand; ``plot``: what its --plot draws (said in its own help only)."""
+    extra = {"epilog": f"example:\n  {example}", "formatter_class": argparse.RawDescriptionHelpFormatter} \
+        if example else {}
+    p = sub.add_parser(name, help=help_text, description=help_text + (f"\n\n--plot: {plot}" if plot else ""),
+                       parents=[COMMON, *parents], **extra)
+    p.set_defaults(_prog=p.prog)
+    return p
+
+
+def group(sub, name: str, help_text: str, dest: str):
+    p = command(sub, name, help_text)
+    return p.add_subparsers(dest=dest, required=True, metavar=dest.upper())
+
+
+# ------------------------------------------------------------------ output
+
+
+def configure_logging(verbosity: int, stream) -> None:
+    """The `hilt` logger: INFO and DEBUG to ``stream`` as plain lines, warnings and errors to stderr."""
+    for old in [h for h in LOG.handlers if getattr(h, "hilt_cli", False)]:
+        LOG.removeHandler(old)  # main() may run more than once in a process (tests)
+    lines = Handler(stream)
+    lines.addFilter(lambda record: record.levelno < logging.WARNING)
+    warnings = Handler(sys.stderr)
+    warnings.setLevel(logging.WARNING)
+    warnings.setFormatter(WarningFormat())
+    for h in (lines, warnings):
+        h.hilt_cli = True
+        LOG.addHandler(h)
+    LOG.setLevel(min(logging.ERROR, max(logging.DEBUG, logging.INFO - 10 * verbosity)))
+    LOG.propagate = False
+    if verbosity > 0:  # other libraries (torch, onnx, ...) otherwise only show their warnings
+        logging.basicConfig(level=logging.INFO if verbosity == 1 else logging.DEBUG, format="%(name)s: %(message)s")
+
+
+class WarningFormat(logging.Formatter):
+    def format(self, record):
+        return f"hilt: {record.levelname.lower()}: {record.getMessage()}"
+
+
+def write_json(args, obj) -> None:
+    """--json FILE (atomic, as every JSON file hilt writes), or --json - (stdout)."""
+    if not getattr(args, "json", None):
+        return
+    if args.json == "-":
+        args.stdout.write(json.dumps(obj, indent=1) + "\n")
+        args.stdout.flush()
+    else:
+        from hilt.quant.checkpoint import write_json
+
+        write_json(args.json, obj)
+
+
+def check_output_folders(args) -> None:
+    """--json FILE and --plot FILE need an existing folder: said before any work, not after it."""
+    for flag in ("json", "plot"):
+        path = getattr(args, flag, None)
+        if isinstance(path, (str, Path)) and str(path) != "-" and not Path(path).parent.is_dir():
+            raise HiltError(f"--{flag} {path}: folder {Path(path).parent} does not exist")
+
+
+def write_outputs(args, result, plot=None) -> None:
+    """--json and, where the command has one, --plot FILE drawn by ``plot(result, path)``."""
+    write_json(args, result)
+    if plot is not None and args.plot:
+        try:
+            plot(result, args.plot)
+        except OSError as e:
+            raise HiltError(f"--plot {args.plot}: cannot write ({e.strerror or e})") from None
+        LOG.info(f"wrote {args.plot}")
+
+
+def resolve_bits(args, default: int) -> int:
+    """--bits may be left out: --method binary is 1 bit, the others take ``default``."""
+    if args.method == "binary":
+        if args.bits not in (None, 1):
+            raise UsageError(f"--method binary is 1 bit, but --bits {args.bits} was given (leave --bits out)")
+        return 1
+    return default if args.bits is None else args.bits
+
+
+# ------------------------------------------------------------------ quantize
