@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from hilt.errors import HiltError
-from hilt.kernels import byte_table, dequantize_lut, int_cpu, lut_matmul, uses_byte_table
+from hilt.kernels import byte_table, dequantize_lut, lut_matmul, uses_byte_table
 from hilt.kernels.lut_matmul import PackedWeight
 from hilt.quant.checkpoint import KEEP_DENSE, load_checkpoint
 from hilt.quant.quantize import QuantConfig, quantize_tensor
@@ -32,7 +32,7 @@ class _Packed(nn.Module):
         self.register_buffer("codebook", qweight.codebook)
         self.register_buffer("scales", qweight.scales)
         self.register_buffer("offsets", qweight.offsets)
-        self._table = self._cpu_pack = None  # what the kernels keep (see _kept)
+        self._table = None  # what the kernels keep (see _kept)
         self._derived_from: dict[str, list] = {}
 
     @property
@@ -50,7 +50,9 @@ class _Packed(nn.Module):
 
     def _matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         w = self.packed
-        return lut_matmul(x, w, bias, table=self._byte_table(x, w), cpu_pack=self._int_pack(x, w))
+        # on the CPU the C kernel reads the buffers as stored: no second copy of the weight (PyTorch's
+        # int4 kernel wants its own layout, which doubled resident memory; see kernels.int_cpu)
+        return lut_matmul(x, w, bias, table=self._byte_table(x, w))
 
     def _kept(self, name: str, parts: list[torch.Tensor], make):
         """The attribute ``name``, a value made from ``parts`` and kept between calls (decode would
@@ -69,19 +71,11 @@ class _Packed(nn.Module):
             return None
         return self._kept("_table", [w.codebook], lambda: byte_table(w.codebook, w.bits))
 
-    def _int_pack(self, x: torch.Tensor, w: PackedWeight):
-        """The CPU integer kernels' copy of the weight (kernels.int_cpu), for bfloat16 inputs to symmetric
-        int4 and row-wise int8 weights; None where no such kernel applies."""
-        if x.is_cuda or x.dtype != torch.bfloat16 or self.method != "int" or self.bits not in (4, 8):
-            return None
-        return self._kept("_cpu_pack", [w.codes, w.scales, w.codebook],
-                          lambda: int_cpu.prepack(w) if int_cpu.supports(w) else None)
-
     def _apply(self, fn, recurse=True):
         """Moves keep each packed part's dtype: ``model.to(torch.bfloat16)`` or ``.half()`` would round the
         float16 codebook (and a float32 one to bfloat16), changing the weights; only the device follows."""
         kept = {n: b for n, b in self._buffers.items() if b is not None}
-        self._table = self._cpu_pack = None  # made again from the moved parts (and the old ones freed)
+        self._table = None  # made again from the moved parts (and the old ones freed)
         self._derived_from.clear()
         out = super()._apply(fn, recurse)
         for name, old in kept.items():
