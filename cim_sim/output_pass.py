@@ -10,83 +10,31 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
-import os
-import platform
-import shutil
-import subprocess
-import tempfile
 from pathlib import Path
 
 import torch
 
 from hilt.cim_sim.devices import _TABLES
+from hilt.kernels import cbuild
 
 SOURCE = Path(__file__).with_name("output_pass.c")
 # -ffp-contract=off: no fused multiply-adds, so every product and sum rounds as in the reference
 FLAGS = ["-O2", "-ffp-contract=off", "-fPIC", "-shared"]
 
 
-def cache_dir() -> Path:
-    root = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(root) / "hilt"
-
-
-def _compiler() -> str | None:
-    return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
-
-
-def _build(cc: str, flags: list[str], target: Path) -> bool:
-    """Compile to a temporary name beside ``target``, then rename: concurrent builders (Ray workers)
-    never load a half-written library."""
-    tmp = None
-    try:
-        target.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
-        os.close(fd)
-        done = subprocess.run([cc, *flags, str(SOURCE), "-o", tmp], capture_output=True, timeout=120)
-        if done.returncode != 0:
-            return False
-        os.replace(tmp, target)
-        return True
-    except (OSError, subprocess.SubprocessError):  # no write access, a compiler that does not run
-        return False
-    finally:
-        if tmp is not None and os.path.exists(tmp):
-            os.unlink(tmp)
-
-
-def _load(path: Path):
-    """The library at ``path``, or None for a file that does not load or lacks the kernel."""
-    try:
-        lib = ctypes.CDLL(str(path))
-    except OSError:
-        return None
-    return lib if all(hasattr(lib, name) for name in ("hilt_output_pass", "hilt_output_pass_isa")) else None
-
-
 @functools.cache
 def library():
     """The loaded kernel library, or None where it cannot be built (no compiler, no write access)."""
-    cc = _compiler()
-    if cc is None:
-        return None
-    source = SOURCE.read_bytes()
     # with OpenMP the rows run on torch's threads (the same libgomp); without (a compiler lacking
     # it), on one
-    for flags in (FLAGS + ["-fopenmp"], FLAGS):
-        key = hashlib.sha256(source + "\0".join([cc, *flags, platform.machine()]).encode()).hexdigest()[:16]
-        path = cache_dir() / f"output_pass-{key}.so"
-        lib = _load(path) if path.exists() else None
-        if lib is None and _build(cc, flags, path):  # not built yet, or a damaged file in the cache: built afresh
-            lib = _load(path)
-        if lib is not None:
-            lib.hilt_output_pass.restype = None
-            pointer, i64, f32, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
-            lib.hilt_output_pass.argtypes = [pointer] * 2 + [i64] * 2 + [pointer] * 3 + [f32] * 2 + [i32] * 2 + \
-                [i64] * 3 + [pointer] * 2 + [i32]  # as hilt_output_pass in output_pass.c
-            lib.hilt_output_pass_isa.restype = ctypes.c_int
-            return lib
+    lib = cbuild.load(SOURCE, [FLAGS + ["-fopenmp"], FLAGS], ("hilt_output_pass", "hilt_output_pass_isa"))
+    if lib is not None:
+        lib.hilt_output_pass.restype = None
+        pointer, i64, f32, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
+        lib.hilt_output_pass.argtypes = [pointer] * 2 + [i64] * 2 + [pointer] * 3 + [f32] * 2 + [i32] * 2 + \
+            [i64] * 3 + [pointer] * 2 + [i32]  # as hilt_output_pass in output_pass.c
+        lib.hilt_output_pass_isa.restype = ctypes.c_int
+        return lib
     return None
 
 

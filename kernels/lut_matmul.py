@@ -32,9 +32,12 @@ of two, N, K, bits, format) from ``SPLIT_K_CONFIGS`` / ``GEMM_CONFIGS`` at the f
 call and cached on disk per GPU target (see kernels.triton_util); ``config=`` fixes
 one. The weights are read in their on-disk layout (no repacking).
 
-Dispatch: :func:`lut_matmul` runs CUDA tensors through Triton and CPU tensors
-through the reference, except bfloat16 inputs to symmetric 4-bit (and row-wise 8-bit) integer
-weights, which take PyTorch's fused CPU integer kernels (kernels.int_cpu). On the CPU the Triton code itself runs under
+Dispatch: :func:`lut_matmul` runs CUDA tensors through Triton and CPU tensors through the C
+kernel of kernels.lut_cpu (every format; the reference where no compiler builds it), except
+bfloat16 inputs to symmetric int4 and row-wise int8 weights when the caller passes PyTorch's packed
+copy (``cpu_pack``, kernels.int_cpu): QuantLinear does, because those kernels are measured faster
+(at M = 1 on a 4096x14336 layer, 34 G weights/s against the LUT kernel's 15; docs/results/kernels.md),
+at the cost of that second copy of the weight. On the CPU the Triton code itself runs under
 Triton's interpreter (``kernels.backends.triton_kernels("lut_matmul_triton",
 interpret=True).lut_matmul_triton``): that is how the tests check it.
 """
@@ -178,11 +181,16 @@ def uses_byte_table(w: PackedWeight) -> bool:
     return w.bits in (1, 2, 4) and not w.per_block_codebook and w.block_size in (8, 16, 32, 64)
 
 
+_warned_no_compiler = False
+
+
 def lut_matmul(x, w: PackedWeight, bias=None, path=None, table=None, cpu_pack=None):
     """Public entry: CUDA tensors -> Triton kernel (``path`` overrides the choice; ``table``: the
-    codebook's :func:`byte_table` if the caller keeps one). CPU: bfloat16 x with ``cpu_pack`` (the
-    weight's kernels.int_cpu.prepack, for symmetric int4 and row-wise int8) -> PyTorch's fused
-    integer kernels; otherwise the reference."""
+    codebook's :func:`byte_table` if the caller keeps one). CPU tensors -> the C kernel
+    (kernels.lut_cpu) for every format; with ``cpu_pack`` (a kernels.int_cpu.prepack the caller keeps)
+    and bfloat16 x, PyTorch's fused integer kernels. Where no C compiler builds the kernel, the
+    reference, with one warning per process."""
+    global _warned_no_compiler
     if x.is_cuda:
         from hilt.kernels.backends import triton_kernels
 
@@ -191,4 +199,15 @@ def lut_matmul(x, w: PackedWeight, bias=None, path=None, table=None, cpu_pack=No
         from hilt.kernels.int_cpu import int_matmul
 
         return int_matmul(x, w, cpu_pack, bias)
+    from hilt.kernels.lut_cpu import lut_matmul_cpu
+
+    y = lut_matmul_cpu(x, w, bias)
+    if y is not None:
+        return y
+    if not _warned_no_compiler:
+        import warnings
+
+        _warned_no_compiler = True
+        warnings.warn("hilt: no C compiler built the CPU lookup-table kernel (set CC, or install cc); "
+                      "quantized layers run the slow PyTorch reference", RuntimeWarning, stacklevel=2)
     return lut_matmul_reference(x, w, bias)

@@ -177,9 +177,12 @@ def test_cpu_integer_kernels_only_where_exact():
         layer = QuantLinear(quantize_tensor(torch.randn(64, 128, generator=g), config))
         y = layer(x.to(torch.bfloat16))
         assert layer._cpu_pack is None, config
-        assert torch.equal(y, lut_matmul_reference(x.to(torch.bfloat16), layer.packed))
+        xb = x.to(torch.bfloat16)  # the LUT kernel instead: within the kernels' bound
+        assert error_ratio(y, xb, lut_matmul_reference(xb.double(), layer.packed).double(),
+                           layer.qweight.dequantize().double().abs()) <= 1, config
     layer = QuantLinear(quantize_tensor(torch.randn(64, 128, generator=g), QuantConfig("int", 4, 32)))
-    assert torch.equal(layer(x), lut_matmul_reference(x, layer.packed)) and layer._cpu_pack is None  # float32 in
+    assert error_ratio(layer(x), x, lut_matmul_reference(x.double(), layer.packed).double(),
+                       layer.qweight.dequantize().double().abs()) <= 1 and layer._cpu_pack is None  # float32 in
 
 
 def test_quantized_embeddings_and_tied_head(tmp_path):

@@ -5,7 +5,7 @@ from torch import nn
 from helpers import make_checkpoint, run_hilt
 from hilt.errors import HiltError
 from hilt.kernels import lut_matmul
-from hilt.kernels.lut_matmul import lut_matmul_reference
+from hilt.kernels.lut_matmul import error_ratio, lut_matmul_reference
 from hilt.quant import QuantConfig, QuantLinear, load_quantized_, quantize_model_, quantize_tensor
 
 
@@ -26,7 +26,8 @@ def test_dispatch_equals_reference_and_keeps_dtype():
     x = torch.randn(2, 5, 64, dtype=torch.bfloat16)
     y = lut_matmul(x, q.packed)
     assert y.dtype == torch.bfloat16 and y.shape == (2, 5, 32)
-    assert torch.equal(y, lut_matmul_reference(x, q.packed))
+    ref = lut_matmul_reference(x.double(), q.packed).double()  # the CPU kernel: within the kernels' bound
+    assert error_ratio(y, x, ref, q.dequantize().double().abs()) <= 1
     with pytest.raises(HiltError, match="input has 63 features"):
         lut_matmul(torch.randn(1, 63), q.packed)
 

@@ -1,11 +1,19 @@
-"""CPU decode through transformers, hilt's 4-bit folders against the dense model: `hilt bench decode`.
+"""CPU decode through transformers, hilt's quantized folders against the dense model: `hilt bench decode`.
 
 SmolLM2-135M made into a Hugging Face folder (`hilt convert`, bfloat16), quantized by `hilt quantize`
-to symmetric int4 (PyTorch's fused CPU int4 kernel), the same with int8 embeddings (`--embeddings 8`:
-the tied head through the int8 kernel) and to 4-bit k-means (the reference: dequantize, then matmul),
-each loaded with ``AutoModelForCausalLM.from_pretrained(dtype=bfloat16)`` and timed on
-greedy ``generate`` in one run, beside transformers' own loading of the packed GGUF. Each model's
-load runs once more in a child process, for its peak resident memory against the bytes of its weights.
+to symmetric int4, the same with int8 embeddings (`--embeddings 8`), k-means at 2, 3 and 4 bits,
+binary (1 bit) and compensated k-means 4-bit, each loaded with
+``AutoModelForCausalLM.from_pretrained(dtype=bfloat16)`` and timed on greedy ``generate`` in one run,
+beside transformers' own loading of the packed GGUF. Every quantized layer runs the CPU lookup-table
+kernel (kernels.lut_cpu). Each model's load runs once more in a child process, for its peak resident
+memory against the bytes of its weights.
+
+The one-layer GEMV table (M = 1, bfloat16 x) separates the kernel from the per-token framework
+overhead: GB/s of weight bytes read, against the copy bandwidth measured in the same run (a 256 MB
+``copy_``, read and written bytes counted, as STREAM does). Each layer is cycled through enough
+copies to exceed the last-level cache, so the weights come from memory. llama.cpp is not built
+here: its row says so (`llama-bench` from the llama-cpp-python sdist's sources is a documented,
+optional step).
 """
 
 from __future__ import annotations
@@ -27,7 +35,17 @@ PROMPT = "The capital of France is Paris. The capital of Germany is"
 # label -> (format, --embeddings bits)
 FORMATS = {"hilt int4 (block 64)": (QuantConfig("int", 4, 64), None),
            "hilt int4 + int8 embeddings": (QuantConfig("int", 4, 64), 8),
-           "hilt k-means 4 (block 64)": (QuantConfig("kmeans", 4, 64), None)}
+           "hilt k-means 4 (block 64)": (QuantConfig("kmeans", 4, 64), None),
+           "hilt k-means 3 (block 64)": (QuantConfig("kmeans", 3, 64), None),
+           "hilt k-means 2 (block 64)": (QuantConfig("kmeans", 2, 64), None),
+           "hilt binary (block 64)": (QuantConfig("binary", 1, 64), None),
+           "hilt k-means 4 compensated": (QuantConfig("kmeans", 4, 64), "compensate")}
+QUICK_FORMATS = ("hilt k-means 4 (block 64)",)
+# (in_features, out_features): SmolLM2's up projection, and an 8B model's
+GEMV_SHAPES = [(576, 1536), (4096, 14336)]
+GEMV_FORMATS = [("k-means 4", QuantConfig("kmeans", 4, 64)), ("k-means 3", QuantConfig("kmeans", 3, 64)),
+                ("k-means 2", QuantConfig("kmeans", 2, 64)), ("binary", QuantConfig("binary", 1, 64)),
+                ("int4", QuantConfig("int", 4, 64))]
 
 # Resident memory of a load, in a fresh process. The baseline is taken once the load path's own modules
 # are imported (transformers' quantizer registry, which registers hilt's, and the model's class: hundreds
@@ -75,51 +93,157 @@ def _weight_bytes(folder: Path) -> int:
     return sum(f.stat().st_size for f in folder.glob("*.safetensors"))
 
 
-def run(quick: bool = False, work=None, threads: int = 2, log=print) -> dict:
+def _compensator(config):
+    """The Compensator maker for quantize_checkpoint, on SmolLM2's own GGUF (calibration text)."""
+    from hilt.models.llama import smollm2_path
+    from hilt.tasks.compensate import compensator
+
+    return lambda targets: compensator(smollm2_path(), config, targets=targets)
+
+
+def _best_time(fn, repeats: int) -> float:
+    fn()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return min(times)
+
+
+def copy_bandwidth(mbytes: int = 256, repeats: int = 5) -> float:
+    """GB/s of a large tensor copy, read and written bytes counted (STREAM's convention)."""
+    a = torch.ones(mbytes << 18)  # float32: mbytes MB
+    b = torch.empty_like(a)
+    return 2 * a.numel() * 4 / _best_time(lambda: b.copy_(a), repeats) / 1e9
+
+
+def gemv_table(shapes=None, repeats: int = 10, log=print) -> list[dict]:
+    """One layer at M = 1, bfloat16 x: GB/s of weight bytes read, per format, the dense bf16 matmul and
+    PyTorch's int4 kernel beside hilt's. Weights cycled through copies past the last-level cache."""
+    from hilt.kernels import int_cpu, lut_cpu
+    from hilt.kernels.lut_matmul import lut_matmul
+    from hilt.quant import quantize_tensor
+
+    rows = []
+    for k, n in shapes or GEMV_SHAPES:
+        g = torch.Generator().manual_seed(k + n)
+        w = torch.randn(n, k, generator=g) * 0.02
+        x = torch.randn(1, k, generator=g).to(torch.bfloat16)
+
+        def cycled(nbytes, make, call):
+            copies = [make() for _ in range(max(2, -(-(96 << 20) // nbytes)))]  # past a 32 MB L3
+
+            def step():
+                for c in copies:
+                    call(c)
+            return _best_time(step, repeats) / len(copies)
+
+        dense = w.to(torch.bfloat16)
+        t = cycled(dense.numel() * 2, dense.clone, lambda d: x @ d.T)
+        rows.append({"shape": f"{k}x{n}", "format": "dense bf16 (torch)", "bytes": dense.numel() * 2,
+                     "us": t * 1e6, "gb_per_s": dense.numel() * 2 / t / 1e9})
+        for label, config in GEMV_FORMATS:
+            q = quantize_tensor(w, config)
+            p = q.packed
+            mk = lambda p=p: type(p)(**{f: (v.clone() if isinstance(v, torch.Tensor) else v)  # noqa: E731
+                                        for f, v in vars(p).items()})
+            t = cycled(p.nbytes, mk, lambda c: lut_matmul(x, c))
+            rows.append({"shape": f"{k}x{n}", "format": f"hilt {label} (lut_cpu, {lut_cpu.layout(p)[0]} lanes)",
+                         "bytes": p.nbytes, "us": t * 1e6, "gb_per_s": p.nbytes / t / 1e9})
+            if config.method == "int" and int_cpu.supports(p):
+                t = cycled(p.nbytes, lambda: (p, int_cpu.prepack(p)), lambda c: int_cpu.int_matmul(x, c[0], c[1]))
+                rows.append({"shape": f"{k}x{n}", "format": "int4 (torch _weight_int4pack_mm_for_cpu)",
+                             "bytes": p.nbytes, "us": t * 1e6, "gb_per_s": p.nbytes / t / 1e9})
+            log(f"  GEMV {k}x{n} {rows[-1]['format']}: {rows[-1]['gb_per_s']:.1f} GB/s")
+    return rows
+
+
+def run(quick: bool = False, work=None, threads: int = 2, log=print, gemv: bool = True) -> dict:
+    """``quick``: k-means 4-bit and dense only, 8 tokens, SmolLM2's layer in the GEMV table."""
     from hilt.models.llama import GGUF_FILE, smollm2_path
 
     transformers = require_transformers()
     torch.set_num_threads(threads)
-    new_tokens, repeats = (16, 2) if quick else (64, 3)
+    new_tokens, repeats = (8, 1) if quick else (64, 3)
+    bandwidth = copy_bandwidth(64 if quick else 256)
+    log(f"copy bandwidth: {bandwidth:.1f} GB/s")
+    gemv_rows = gemv_table(GEMV_SHAPES[:1] if quick else None, 3 if quick else 10, log) if gemv else []
+    for r in gemv_rows:
+        r["of_copy_bandwidth"] = round(r["gb_per_s"] / bandwidth, 3)
+    formats = {k: v for k, v in FORMATS.items() if not quick or k in QUICK_FORMATS}
     with tempfile.TemporaryDirectory(dir=work) as tmp:
         tmp = Path(tmp)
         log("converting SmolLM2's GGUF to a Hugging Face folder (bfloat16)")
         dense = gguf_to_hf(smollm2_path(), tmp / "smollm2-hf")
         folders = {"dense bf16": dense}
-        for i, (label, (config, embeddings)) in enumerate(FORMATS.items()):
+        for i, (label, (config, extra)) in enumerate(formats.items()):
             log(f"quantizing: {label}")
             folders[label] = tmp / f"quantized-{i}"
-            quantize_checkpoint(dense, folders[label], config, embeddings=embeddings)
+            try:
+                if extra == "compensate":
+                    quantize_checkpoint(dense, folders[label], config, compensate=_compensator(config))
+                else:
+                    quantize_checkpoint(dense, folders[label], config, embeddings=extra)
+            except Exception as e:  # noqa: BLE001 (one row fails, the others are measured)
+                log(f"  {label}: {type(e).__name__}: {e}")
+                del folders[label]
         tokenizer = transformers.AutoTokenizer.from_pretrained(str(dense))
         ids = tokenizer(PROMPT, return_tensors="pt", add_special_tokens=False)["input_ids"]
         rows = []
         gguf_kwargs = {"gguf_file": GGUF_FILE}
         cases = [(label, folder, {}) for label, folder in folders.items()]
-        cases.append(("transformers GGUF (Q4_1 file)", smollm2_path().parent, gguf_kwargs))
+        if not quick:
+            cases.append(("transformers GGUF (Q4_1 file)", smollm2_path().parent, gguf_kwargs))
         for label, folder, kwargs in cases:
             log(f"decoding: {label}")
             model = transformers.AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.bfloat16, **kwargs)
             speed, tokens = _tokens_per_second(model.eval(), ids, new_tokens, repeats)
             del model
             weights = smollm2_path().stat().st_size if kwargs else _weight_bytes(folder)
-            memory = _load_memory(folder, kwargs)
+            memory = _load_memory(folder, kwargs) if not quick or label != "dense bf16" else {}
             rows.append({"model": label, "tokens_per_second": round(speed, 2), "weight_bytes": weights,
                          "text": tokenizer.decode(tokens[:12]), **{f"rss_{k}": v for k, v in memory.items()}})
     base = rows[0]["tokens_per_second"]
     for r in rows:
+        if r.get("tokens_per_second") is None:
+            continue
         r["vs_dense_bf16"] = round(r["tokens_per_second"] / base, 3)
         if "rss_loaded" in r:
             r["loaded_over_weights"] = round((r["rss_loaded"] - r["rss_baseline"]) / r["weight_bytes"], 3)
             r["decoding_over_weights"] = round((r["rss_decoding"] - r["rss_baseline"]) / r["weight_bytes"], 3)
+    rows.append({"model": "llama.cpp llama-bench (Q4_0, Q8_0 exports)", "tokens_per_second": None,
+                 "note": "not built"})
     return {"threads": threads, "new_tokens": new_tokens, "repeats": repeats, "prompt": PROMPT,
             "device": "cpu", "torch": torch.__version__, "transformers": transformers.__version__,
-            "rows": rows, "table": table(rows)}
+            "cpu_flags": _cpu_flags(), "copy_gb_per_s": round(bandwidth, 2), "rows": rows, "gemv": gemv_rows,
+            "table": table(rows) + ("\n\n" + gemv_markdown(gemv_rows, bandwidth) if gemv_rows else "")}
+
+
+def _cpu_flags() -> str:
+    try:
+        flags = next(l for l in open("/proc/cpuinfo") if l.startswith("flags")).split(":")[1].split()
+    except (OSError, StopIteration):
+        return "unknown"
+    return " ".join(f for f in flags if f.startswith(("avx", "fma", "f16c")))
+
+
+def gemv_markdown(rows: list[dict], bandwidth: float) -> str:
+    lines = [f"One layer, M = 1, bfloat16 x (copy bandwidth {bandwidth:.1f} GB/s)", "",
+             "| layer (in x out) | format | weight MB | us | GB/s | of copy bandwidth |", "|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['shape']} | {r['format']} | {r['bytes'] / 1e6:.2f} | {r['us']:.0f} | "
+                     f"{r['gb_per_s']:.1f} | {r['of_copy_bandwidth']:.0%} |")
+    return "\n".join(lines)
 
 
 def table(rows: list[dict]) -> str:
     lines = ["| model (from_pretrained, bf16) | tokens/s | vs dense bf16 | weights MB | "
              "resident over weights: loaded / decoding |", "|---|---|---|---|---|"]
     for r in rows:
+        if r.get("tokens_per_second") is None:
+            lines.append(f"| {r['model']} | {r.get('note', 'n/a')} | | | |")
+            continue
         memory = (f"{r['loaded_over_weights']:.2f}x / {r['decoding_over_weights']:.2f}x" if "loaded_over_weights" in r
                   else r.get("rss_error", "n/a"))
         lines.append(f"| {r['model']} | {r['tokens_per_second']:.2f} | {r['vs_dense_bf16']:.2f}x | "

@@ -1,0 +1,545 @@
+/* The lookup-table matmul y = x @ dequant(W).T on the CPU, reading hilt's packed codes as stored
+ * (kernels/packing.py): W[n, k] = codebook[code[n, k]] * scale[n, k / B] (+ offset[n, k / B]).
+ * The reference is lut_matmul_reference in lut_matmul.py; built and loaded by lut_cpu.py.
+ *
+ * Decode is bound by memory, so the aim is to read each packed byte once and spend few
+ * instructions per weight. The vector paths dequantize in registers: per block, the codebook
+ * (replicated to 16 entries) times the block's scale (plus offset) is one register, and a code is
+ * looked up with one permute (AVX-512 _mm512_permutexvar_ps: 16 entries; AVX2
+ * _mm256_permutevar8x32_ps: 8, two and a blend for 4 bits). The permutes read only the low 4 (3)
+ * bits of each lane, so codes need no masking: lane i holds code byte i, and the codes inside the
+ * byte are reached by shifting the whole vector. That visits a byte's codes in "phases" (code j of
+ * 16 bytes at once), so x is reordered once per call to match: within each chunk of L * cpb weights
+ * (L lanes, cpb codes per lane unit), xp[j * L + i] = x[i * cpb + j]. The result is the same sum
+ * in another order. 8-bit codes are gathered from the codebook, or converted when it is uniform
+ * (integers). The scalar path takes every format (any width, any block) on any CPU. */
+
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#define HILT_X86 1
+#include <immintrin.h>
+#endif
+
+enum { DT_F32 = 0, DT_F16 = 1, DT_BF16 = 2 };
+
+/* The weight as lut_cpu.py passes it (ctypes Structure of the same fields). */
+typedef struct {
+    const uint8_t *codes;  /* (N, row_bytes) */
+    int64_t row_bytes;
+    const void *book;      /* (levels,) or, per block, (N, nb, levels) */
+    int32_t book_dt, per_block;
+    const void *scales;    /* (N, nb) */
+    const void *offsets;   /* (N, nb) or NULL */
+    int32_t scales_dt, offsets_dt;
+    int32_t bits, pad;
+    int64_t block, K, N, nb;
+} LutWeight;
+
+/* What one call derives from it once: per-layer codebooks as float32 registers' contents. */
+typedef struct {
+    LutWeight w;
+    int levels, lanes, cpb, uniform;
+    float base, step;
+    float tab16[16];  /* codebook replicated to 16 entries (entry i: level i mod levels) */
+    float book[256];  /* per-layer codebook as float32 */
+} Wt;
+
+static inline float f16_to_f32(uint16_t h) {
+    uint32_t sign = (uint32_t)(h & 0x8000) << 16, e = (h >> 10) & 0x1f, m = h & 0x3ff, u;
+    float f;
+    if (e == 0) {
+        f = (float)m * (1.0f / 16777216.0f); /* subnormal: m * 2^-24 */
+        memcpy(&u, &f, 4);
+        u |= sign;
+    } else if (e == 31) {
+        u = sign | 0x7f800000u | (m << 13);
+    } else {
+        u = sign | ((e + 112) << 23) | (m << 13);
+    }
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+static inline float bf16_to_f32(uint16_t h) {
+    uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+static inline uint16_t f32_to_bf16(float f) { /* round to nearest even, as torch's .to(bfloat16) */
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40); /* NaN stays NaN */
+    return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1)) >> 16);
+}
+
+static inline float load_f(const void *p, int dt, int64_t i) {
+    if (dt == DT_F16) return f16_to_f32(((const uint16_t *)p)[i]);
+    if (dt == DT_BF16) return bf16_to_f32(((const uint16_t *)p)[i]);
+    return ((const float *)p)[i];
+}
+
+static inline float scale_at(const Wt *w, int64_t n, int64_t b) { return load_f(w->w.scales, w->w.scales_dt, n * w->w.nb + b); }
+static inline float offset_at(const Wt *w, int64_t n, int64_t b) {
+    return w->w.offsets ? load_f(w->w.offsets, w->w.offsets_dt, n * w->w.nb + b) : 0.0f;
+}
+
+/* code k of a row: bits [k*bits, (k+1)*bits) of the row's little-endian bit stream */
+static inline unsigned code_at(const uint8_t *row, int64_t k, int bits) {
+    int64_t bit = k * bits, p = bit >> 3;
+    int sh = (int)(bit & 7);
+    unsigned v = row[p] >> sh;
+    if (sh + bits > 8) v |= (unsigned)row[p + 1] << (8 - sh); /* only when the code crosses a byte */
+    return v & ((1u << bits) - 1);
+}
+
+/* codes per lane unit: a byte holds 8/bits codes; 3-bit codes come in groups of 8 in 3 bytes */
+static int codes_per_unit(int bits) { return bits == 3 ? 8 : 8 / bits; }
+
+static void setup(Wt *t, const LutWeight *w, int isa) {
+    t->w = *w;
+    t->levels = 1 << w->bits;
+    t->cpb = (w->bits <= 4 || w->bits == 8) ? codes_per_unit(w->bits) : 1;
+    t->uniform = 0;
+    if (!w->per_block) {
+        for (int c = 0; c < t->levels; c++) t->book[c] = load_f(w->book, w->book_dt, c);
+        for (int i = 0; i < 16; i++) t->tab16[i] = t->book[i & (t->levels - 1)];
+        /* a uniform codebook (every integer format): level c is base + c * step, exactly */
+        t->base = t->book[0];
+        t->step = t->levels > 1 ? t->book[1] - t->book[0] : 0.0f;
+        t->uniform = 1;
+        for (int c = 0; c < t->levels; c++) t->uniform &= t->book[c] == t->base + (float)c * t->step;
+    }
+    /* the vector width this weight's blocks allow: a chunk of lanes * cpb weights must lie in one block */
+    int vec = (w->bits >= 1 && w->bits <= 4) || (w->bits == 8 && !w->per_block);
+    t->lanes = 1;
+    if (vec && isa >= 2 && w->block % (16 * t->cpb) == 0) t->lanes = 16;
+    else if (vec && isa >= 1 && w->block % (8 * t->cpb) == 0) t->lanes = 8;
+    if (t->lanes == 1) t->cpb = 1;
+}
+
+/* ---------------------------------------------------------------- portable path (any format) */
+
+/* res[m] = sum_k x[m, k] W[n, k] for m < M (x natural order, row stride ldx) */
+static void row_scalar(const Wt *w, int64_t n, const float *x, int64_t ldx, int64_t M, float *res) {
+    const int bits = w->w.bits, levels = w->levels;
+    const int64_t B = w->w.block;
+    const uint8_t *row = w->w.codes + n * w->w.row_bytes;
+    float tab[256];
+    const int use_tab = levels <= B; /* a table per block pays off when it has fewer entries than the block */
+    for (int64_t m = 0; m < M; m++) res[m] = 0.0f;
+    for (int64_t b = 0; b < w->w.nb; b++) {
+        const float s = scale_at(w, n, b), o = offset_at(w, n, b);
+        const int64_t bk = w->w.per_block ? (n * w->w.nb + b) * levels : 0;
+        if (use_tab)
+            for (int c = 0; c < levels; c++)
+                tab[c] = (w->w.per_block ? load_f(w->w.book, w->w.book_dt, bk + c) : w->book[c]) * s + o;
+        for (int64_t k = b * B; k < (b + 1) * B; k++) {
+            unsigned c = code_at(row, k, bits);
+            float v = use_tab ? tab[c] : (w->w.per_block ? load_f(w->w.book, w->w.book_dt, bk + c) : w->book[c]) * s + o;
+            for (int64_t m = 0; m < M; m++) res[m] += x[m * ldx + k] * v;
+        }
+    }
+}
+
+static void dequant_scalar(const Wt *w, int64_t n, float *out) {
+    const int bits = w->w.bits, levels = w->levels;
+    const int64_t B = w->w.block;
+    const uint8_t *row = w->w.codes + n * w->w.row_bytes;
+    for (int64_t b = 0; b < w->w.nb; b++) {
+        const float s = scale_at(w, n, b), o = offset_at(w, n, b);
+        const int64_t bk = w->w.per_block ? (n * w->w.nb + b) * levels : 0;
+        for (int64_t k = b * B; k < (b + 1) * B; k++) {
+            unsigned c = code_at(row, k, bits);
+            out[k] = (w->w.per_block ? load_f(w->w.book, w->w.book_dt, bk + c) : w->book[c]) * s + o;
+        }
+    }
+}
+
+/* a per-block codebook replicated to 16 entries (scalar: bfloat16/float32 books, or 2 levels) */
+static void block_book16(const Wt *w, int64_t n, int64_t b, float *tab) {
+    const int64_t bk = (n * w->w.nb + b) * w->levels;
+    for (int i = 0; i < 16; i++) tab[i] = load_f(w->w.book, w->w.book_dt, bk + (i & (w->levels - 1)));
+}
+
+#ifdef HILT_X86
+#define T512 __attribute__((target("avx512f,avx2,fma,f16c")))
+#define T256 __attribute__((target("avx2,fma,f16c")))
+#define INLINE static inline __attribute__((always_inline))
+
+/* 8 lanes of 3-bit codes: lane i = bytes 3i..3i+2 of p (24 bytes read, none beyond) */
+INLINE T256 __m256i load3_8(const uint8_t *p) {
+    const __m128i pick = _mm_setr_epi8(0, 1, 2, -1, 3, 4, 5, -1, 6, 7, 8, -1, 9, 10, 11, -1);
+    __m128i a = _mm_loadu_si128((const __m128i *)p), b = _mm_loadl_epi64((const __m128i *)(p + 16));
+    __m128i lo = _mm_shuffle_epi8(a, pick), hi = _mm_shuffle_epi8(_mm_alignr_epi8(b, a, 12), pick);
+    return _mm256_set_m128i(hi, lo);
+}
+
+INLINE T512 __m512 book512(const Wt *w, int64_t n, int64_t b) {
+    const int L = w->levels;
+    const int64_t bk = (n * w->w.nb + b) * L;
+    if (w->w.book_dt == DT_F16) { /* the stored dtype: converted in registers */
+        const uint16_t *h = (const uint16_t *)w->w.book + bk;
+        if (L == 16) return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)h));
+        if (L == 8) {
+            __m256 v = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)h));
+            return _mm512_castpd_ps(_mm512_broadcast_f64x4(_mm256_castps_pd(v)));
+        }
+        if (L == 4) return _mm512_broadcast_f32x4(_mm_cvtph_ps(_mm_loadl_epi64((const __m128i *)h)));
+    }
+    float tab[16];
+    block_book16(w, n, b, tab);
+    return _mm512_loadu_ps(tab);
+}
+
+/* The weight vector of phase j of a chunk (codes in v, the block's values in t; 8 bits: t, u the
+ * scale and offset terms). */
+INLINE T512 __m512 look512(const Wt *w, __m512i v, __m512 t, __m512 u, int j, const int BITS) {
+    if (BITS == 8)
+        return w->uniform ? _mm512_fmadd_ps(_mm512_cvtepi32_ps(v), t, u)
+                          : _mm512_fmadd_ps(_mm512_i32gather_ps(v, w->book, 4), t, u);
+    return _mm512_permutexvar_ps(_mm512_srli_epi32(v, j * BITS), t);
+}
+
+INLINE T512 __m512i codes512(const uint8_t *p, const int BITS) {
+    if (BITS == 3) return _mm512_inserti64x4(_mm512_castsi256_si512(load3_8(p)), load3_8(p + 24), 1);
+    return _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p));
+}
+
+/* one chunk into the accumulators: phase j of it adds to chain (first + j) mod CH of each row of x.
+ * Several chains: an FMA's latency is 4 cycles, so one chain per row of x would bound decode at one
+ * vector of weights per 4 cycles */
+INLINE T512 void chunk512(const Wt *w, const uint8_t *p, const float *xk, int64_t ldx, __m512 t, __m512 u,
+                          __m512 *acc, const int MT, const int CH, const int first, const int BITS) {
+    const int cpb = BITS == 3 ? 8 : 8 / BITS;
+    __m512i v = codes512(p, BITS);
+#pragma GCC unroll 8
+    for (int j = 0; j < cpb; j++) {
+        __m512 wv = look512(w, v, t, u, j, BITS);
+#pragma GCC unroll 8
+        for (int m = 0; m < MT; m++)
+            acc[m * CH + (first + j) % CH] = _mm512_fmadd_ps(wv, _mm512_loadu_ps(xk + m * ldx + j * 16), acc[m * CH + (first + j) % CH]);
+    }
+}
+
+INLINE T512 void block_values512(const Wt *w, int64_t n, int64_t b, __m512 *book, __m512 *t, __m512 *u, const int BITS,
+                                  const int PB) {
+    const __m512 s = _mm512_set1_ps(scale_at(w, n, b)), o = _mm512_set1_ps(offset_at(w, n, b));
+    *t = s;
+    *u = o;
+    if (BITS == 8) {
+        if (w->uniform) { /* level c * step + base, scaled: c * (step s) + (base s + o) */
+            *t = _mm512_mul_ps(_mm512_set1_ps(w->step), s);
+            *u = _mm512_fmadd_ps(_mm512_set1_ps(w->base), s, o);
+        }
+    } else {
+        if (PB) *book = book512(w, n, b);
+        *t = _mm512_fmadd_ps(*book, s, o); /* this block's 16 weight values */
+    }
+}
+
+/* One output row against MT rows of the reordered x (row stride ldx): res[m] for m < MT. */
+INLINE T512 void body512(const Wt *w, int64_t n, const float *xp, int64_t ldx, float *res, const int MT,
+                         const int BITS, const int PB) {
+    const int cpb = BITS == 3 ? 8 : 8 / BITS, chunk = 16 * cpb;
+    const int CH = MT >= 8 ? 1 : (8 / MT < 4 ? 8 / MT : 4); /* at most 8 accumulators */
+    const int U = CH > cpb ? CH / cpb : 1;                   /* chunks per step to fill the chains */
+    const int64_t B = w->w.block;
+    const int unrolled = (B / chunk) % U == 0;
+    const uint8_t *row = w->w.codes + n * w->w.row_bytes;
+    __m512 acc[8];
+    for (int i = 0; i < MT * CH; i++) acc[i] = _mm512_setzero_ps();
+    __m512 book = _mm512_loadu_ps(BITS == 8 ? w->book : w->tab16), t, u;
+    for (int64_t b = 0; b < w->w.nb; b++) {
+        block_values512(w, n, b, &book, &t, &u, BITS, PB);
+        int64_t k0 = b * B;
+        if (U == 2 && unrolled)
+            for (; k0 < (b + 1) * B; k0 += 2 * chunk) {
+                chunk512(w, row + ((k0 * BITS) >> 3), xp + k0, ldx, t, u, acc, MT, CH, 0, BITS);
+                chunk512(w, row + (((k0 + chunk) * BITS) >> 3), xp + k0 + chunk, ldx, t, u, acc, MT, CH, cpb, BITS);
+            }
+        for (; k0 < (b + 1) * B; k0 += chunk)
+            chunk512(w, row + ((k0 * BITS) >> 3), xp + k0, ldx, t, u, acc, MT, CH, 0, BITS);
+    }
+    for (int m = 0; m < MT; m++) {
+        __m512 a = acc[m * CH];
+        for (int c = 1; c < CH; c++) a = _mm512_add_ps(a, acc[m * CH + c]);
+        res[m] = _mm512_reduce_add_ps(a);
+    }
+}
+
+INLINE T512 void dq512(const Wt *w, int64_t n, float *out, const int BITS, const int PB) {
+    const int cpb = BITS == 3 ? 8 : 8 / BITS, chunk = 16 * cpb;
+    const int64_t B = w->w.block;
+    const uint8_t *row = w->w.codes + n * w->w.row_bytes;
+    __m512 book = _mm512_loadu_ps(BITS == 8 ? w->book : w->tab16), t, u;
+    for (int64_t b = 0; b < w->w.nb; b++) {
+        block_values512(w, n, b, &book, &t, &u, BITS, PB);
+        for (int64_t k0 = b * B; k0 < (b + 1) * B; k0 += chunk) {
+            __m512i v = codes512(row + ((k0 * BITS) >> 3), BITS);
+            for (int j = 0; j < cpb; j++) _mm512_storeu_ps(out + k0 + j * 16, look512(w, v, t, u, j, BITS));
+        }
+    }
+}
+
+/* AVX2: 8 lanes. 4-bit codes index 16 entries: two 8-entry permutes, the code's bit 3 picks one. */
+typedef struct { __m256 lo, hi; } Tab256;
+
+INLINE T256 Tab256 book256(const Wt *w, int64_t n, int64_t b) {
+    Tab256 r;
+    const int L = w->levels;
+    const int64_t bk = (n * w->w.nb + b) * L;
+    if (w->w.book_dt == DT_F16 && L >= 8) {
+        const uint16_t *h = (const uint16_t *)w->w.book + bk;
+        r.lo = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)h));
+        r.hi = L == 16 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(h + 8))) : r.lo;
+        return r;
+    }
+    float tab[16];
+    block_book16(w, n, b, tab);
+    r.lo = _mm256_loadu_ps(tab);
+    r.hi = _mm256_loadu_ps(tab + 8);
+    return r;
+}
+
+INLINE T256 __m256 look256(__m256i v, __m256 lo, __m256 hi, const int BITS) {
+    if (BITS < 4) return _mm256_permutevar8x32_ps(lo, v);
+    return _mm256_blendv_ps(_mm256_permutevar8x32_ps(lo, v), _mm256_permutevar8x32_ps(hi, v),
+                            _mm256_castsi256_ps(_mm256_slli_epi32(v, 28)));
+}
+
+INLINE T256 __m256 wv256(const Wt *w, __m256i v, __m256 tlo, __m256 thi, int j, const int BITS) {
+    if (BITS == 8)
+        return w->uniform ? _mm256_fmadd_ps(_mm256_cvtepi32_ps(v), tlo, thi)
+                          : _mm256_fmadd_ps(_mm256_i32gather_ps(w->book, v, 4), tlo, thi);
+    return look256(_mm256_srli_epi32(v, j * BITS), tlo, thi, BITS);
+}
+
+INLINE T256 __m256i codes256(const uint8_t *p, const int BITS) {
+    return BITS == 3 ? load3_8(p) : _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p));
+}
+
+INLINE T256 void chunk256(const Wt *w, const uint8_t *p, const float *xk, int64_t ldx, __m256 tlo, __m256 thi,
+                          __m256 *acc, const int MT, const int CH, const int first, const int BITS) {
+    const int cpb = BITS == 3 ? 8 : 8 / BITS;
+    __m256i v = codes256(p, BITS);
+#pragma GCC unroll 8
+    for (int j = 0; j < cpb; j++) {
+        __m256 wv = wv256(w, v, tlo, thi, j, BITS);
+#pragma GCC unroll 4
+        for (int m = 0; m < MT; m++)
+            acc[m * CH + (first + j) % CH] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(xk + m * ldx + j * 8), acc[m * CH + (first + j) % CH]);
+    }
+}
+
+INLINE T256 void block_values256(const Wt *w, int64_t n, int64_t b, Tab256 *book, __m256 *tlo, __m256 *thi, const int BITS,
+                                  const int PB) {
+    const __m256 s = _mm256_set1_ps(scale_at(w, n, b)), o = _mm256_set1_ps(offset_at(w, n, b));
+    *tlo = s;
+    *thi = o;
+    if (BITS == 8) {
+        if (w->uniform) {
+            *tlo = _mm256_mul_ps(_mm256_set1_ps(w->step), s);
+            *thi = _mm256_fmadd_ps(_mm256_set1_ps(w->base), s, o);
+        }
+    } else {
+        if (PB) *book = book256(w, n, b);
+        *tlo = _mm256_fmadd_ps(book->lo, s, o);
+        *thi = _mm256_fmadd_ps(book->hi, s, o);
+    }
+}
+
+INLINE T256 void body256(const Wt *w, int64_t n, const float *xp, int64_t ldx, float *res, const int MT,
+                         const int BITS, const int PB) {
+    const int cpb = BITS == 3 ? 8 : 8 / BITS, chunk = 8 * cpb;
+    const int CH = MT >= 4 ? 1 : 4 / MT; /* 16 registers: at most 4 accumulators */
+    const int U = CH > cpb ? CH / cpb : 1;
+    const int64_t B = w->w.block;
+    const int unrolled = (B / chunk) % U == 0;
+    const uint8_t *row = w->w.codes + n * w->w.row_bytes;
+    __m256 acc[4];
+    for (int i = 0; i < MT * CH; i++) acc[i] = _mm256_setzero_ps();
+    Tab256 book;
+    book.lo = _mm256_loadu_ps(BITS == 8 ? w->book : w->tab16);
+    book.hi = _mm256_loadu_ps(w->tab16 + 8);
+    __m256 tlo, thi;
+    for (int64_t b = 0; b < w->w.nb; b++) {
+        block_values256(w, n, b, &book, &tlo, &thi, BITS, PB);
+        int64_t k0 = b * B;
+        if (U == 2 && unrolled)
+            for (; k0 < (b + 1) * B; k0 += 2 * chunk) {
+                chunk256(w, row + ((k0 * BITS) >> 3), xp + k0, ldx, tlo, thi, acc, MT, CH, 0, BITS);
+                chunk256(w, row + (((k0 + chunk) * BITS) >> 3), xp + k0 + chunk, ldx, tlo, thi, acc, MT, CH, cpb, BITS);
+            }
+        for (; k0 < (b + 1) * B; k0 += chunk)
+            chunk256(w, row + ((k0 * BITS) >> 3), xp + k0, ldx, tlo, thi, acc, MT, CH, 0, BITS);
+    }
+    for (int m = 0; m < MT; m++) {
+        __m256 a = acc[m * CH];
+        for (int c = 1; c < CH; c++) a = _mm256_add_ps(a, acc[m * CH + c]);
+        __m128 h = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+        h = _mm_add_ps(h, _mm_movehl_ps(h, h));
+        h = _mm_add_ss(h, _mm_movehdup_ps(h));
+        res[m] = _mm_cvtss_f32(h);
+    }
+}
+
+INLINE T256 void dq256(const Wt *w, int64_t n, float *out, const int BITS, const int PB) {
+    const int cpb = BITS == 3 ? 8 : 8 / BITS, chunk = 8 * cpb;
+    const int64_t B = w->w.block;
+    const uint8_t *row = w->w.codes + n * w->w.row_bytes;
+    Tab256 book;
+    book.lo = _mm256_loadu_ps(BITS == 8 ? w->book : w->tab16);
+    book.hi = _mm256_loadu_ps(w->tab16 + 8);
+    __m256 tlo, thi;
+    for (int64_t b = 0; b < w->w.nb; b++) {
+        block_values256(w, n, b, &book, &tlo, &thi, BITS, PB);
+        for (int64_t k0 = b * B; k0 < (b + 1) * B; k0 += chunk) {
+            __m256i v = codes256(row + ((k0 * BITS) >> 3), BITS);
+            for (int j = 0; j < cpb; j++) _mm256_storeu_ps(out + k0 + j * 8, wv256(w, v, tlo, thi, j, BITS));
+        }
+    }
+}
+
+/* each (tile height, width) pair as its own function, so the loops above unroll on constants */
+#define BITS_SWITCH(F, ...)                                                  \
+    if (w->w.per_block) switch (w->w.bits) {                                 \
+        case 1: F(__VA_ARGS__, 1, 1); break;                                 \
+        case 2: F(__VA_ARGS__, 2, 1); break;                                 \
+        case 3: F(__VA_ARGS__, 3, 1); break;                                 \
+        default: F(__VA_ARGS__, 4, 1); break; /* per-block 8-bit: scalar */  \
+        }                                                                    \
+    else switch (w->w.bits) {                                                \
+        case 1: F(__VA_ARGS__, 1, 0); break;                                 \
+        case 2: F(__VA_ARGS__, 2, 0); break;                                 \
+        case 3: F(__VA_ARGS__, 3, 0); break;                                 \
+        case 4: F(__VA_ARGS__, 4, 0); break;                                 \
+        default: F(__VA_ARGS__, 8, 0); break;                                \
+        }
+#define TILE512(MT) \
+    static T512 void tile512_##MT(const Wt *w, int64_t n, const float *xp, int64_t ldx, float *res) { \
+        BITS_SWITCH(body512, w, n, xp, ldx, res, MT) }
+#define TILE256(MT) \
+    static T256 void tile256_##MT(const Wt *w, int64_t n, const float *xp, int64_t ldx, float *res) { \
+        BITS_SWITCH(body256, w, n, xp, ldx, res, MT) }
+TILE512(1) TILE512(2) TILE512(3) TILE512(4) TILE512(5) TILE512(6) TILE512(7) TILE512(8)
+TILE256(1) TILE256(2) TILE256(3) TILE256(4)
+
+typedef void (*TileFn)(const Wt *, int64_t, const float *, int64_t, float *);
+static const TileFn TILES512[9] = {0, tile512_1, tile512_2, tile512_3, tile512_4, tile512_5, tile512_6, tile512_7, tile512_8};
+static const TileFn TILES256[5] = {0, tile256_1, tile256_2, tile256_3, tile256_4};
+
+static T512 void dequant512(const Wt *w, int64_t n, float *out) { BITS_SWITCH(dq512, w, n, out) }
+static T256 void dequant256(const Wt *w, int64_t n, float *out) { BITS_SWITCH(dq256, w, n, out) }
+#endif
+
+/* ---------------------------------------------------------------- entry points */
+
+/* The widest vector path this CPU runs: 2 AVX-512, 1 AVX2 (with FMA and F16C), 0 neither. */
+int hilt_lut_isa(void) {
+#ifdef HILT_X86
+    __builtin_cpu_init();
+    int base = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
+    if (base && __builtin_cpu_supports("avx512f")) return 2;
+    if (base) return 1;
+#endif
+    return 0;
+}
+
+/* sizeof(LutWeight): lut_cpu.py checks its ctypes mirror against it when it loads the library */
+int64_t hilt_lut_struct_size(void) { return (int64_t)sizeof(LutWeight); }
+
+/* Lanes of the path a weight takes under isa (16, 8; 1: the portable path), and its codes per lane
+ * unit: what the caller reorders x by for hilt_lut_dequant's column order. */
+int hilt_lut_layout(const LutWeight *lw, int isa, int *cpb) {
+    Wt w;
+    setup(&w, lw, isa);
+    *cpb = w.cpb;
+    return w.lanes;
+}
+
+/* xp (M, K) float32 = x (M, K) reordered for lanes and cpb (see the top), converted from x_dt */
+void hilt_lut_prepare_x(const void *x, int x_dt, int64_t M, int64_t K, int lanes, int cpb, float *xp) {
+    const int64_t chunk = (int64_t)lanes * cpb;
+    for (int64_t m = 0; m < M; m++)
+        for (int64_t c = 0; c < K; c += chunk)
+            for (int64_t i = 0; i < lanes; i++)
+                for (int64_t j = 0; j < cpb; j++)
+                    xp[m * K + c + j * lanes + i] = load_f(x, x_dt, m * K + c + i * cpb + j);
+}
+
+static void row_any(const Wt *w, int64_t n, const float *xp, int64_t K, int64_t M, float *res) {
+#ifdef HILT_X86
+    if (w->lanes == 16 || w->lanes == 8) {
+        const int most = w->lanes == 16 ? 8 : 4;
+        const TileFn *tiles = w->lanes == 16 ? TILES512 : TILES256;
+        for (int64_t m0 = 0; m0 < M; m0 += most) {
+            int64_t h = M - m0 < most ? M - m0 : most;
+            tiles[h](w, n, xp + m0 * K, K, res + m0);
+        }
+        return;
+    }
+#endif
+    for (int64_t m0 = 0; m0 < M; m0 += 16) row_scalar(w, n, xp + m0 * K, K, M - m0 < 16 ? M - m0 : 16, res + m0);
+}
+
+/* out (M, N) in out_dt = x (M, K) in x_dt @ W.T (+ bias float32 (N,)); rows of W on `threads`
+ * threads. Returns 0, or 1 when scratch memory could not be had. */
+int hilt_lut_matmul(const LutWeight *lw, const void *x, int x_dt, int64_t M, const float *bias, void *out, int out_dt,
+                    int isa, int threads) {
+    Wt w;
+    setup(&w, lw, isa);
+    const int64_t K = lw->K, N = lw->N;
+    float *xp = (float *)malloc(sizeof(float) * (size_t)(M * K > 0 ? M * K : 1));
+    if (!xp) return 1;
+    hilt_lut_prepare_x(x, x_dt, M, K, w.lanes, w.cpb, xp);
+    int64_t work = N * K * (M < 4 ? M : 4);
+    (void)threads;
+    (void)work;
+#ifdef _OPENMP
+#pragma omp parallel for schedule(static) num_threads(threads) if (work >= 65536 && threads > 1)
+#endif
+    for (int64_t n = 0; n < N; n++) {
+        float res[64];
+        for (int64_t m0 = 0; m0 < M; m0 += 64) {
+            int64_t h = M - m0 < 64 ? M - m0 : 64;
+            row_any(&w, n, xp + m0 * K, K, h, res);
+            for (int64_t m = 0; m < h; m++) {
+                float v = res[m] + (bias ? bias[n] : 0.0f);
+                if (out_dt == DT_BF16) ((uint16_t *)out)[(m0 + m) * N + n] = f32_to_bf16(v);
+                else ((float *)out)[(m0 + m) * N + n] = v;
+            }
+        }
+    }
+    free(xp);
+    return 0;
+}
+
+/* out (row1 - row0, K) float32: rows [row0, row1) of W, columns in the order of the path isa picks
+ * for this weight (hilt_lut_layout): what a BLAS call multiplies with x reordered the same way. */
+void hilt_lut_dequant(const LutWeight *lw, int64_t row0, int64_t row1, float *out, int isa, int threads) {
+    Wt w;
+    setup(&w, lw, isa);
+    const int64_t K = lw->K;
+    (void)threads;
+#ifdef _OPENMP
+#pragma omp parallel for schedule(static) num_threads(threads) if ((row1 - row0) * K >= 65536 && threads > 1)
+#endif
+    for (int64_t n = row0; n < row1; n++) {
+        float *o = out + (n - row0) * K;
+#ifdef HILT_X86
+        if (w.lanes == 16) { dequant512(&w, n, o); continue; }
+        if (w.lanes == 8) { dequant256(&w, n, o); continue; }
+#endif
+        dequant_scalar(&w, n, o);
+    }
+}

@@ -1,0 +1,178 @@
+"""The lookup-table matmul on the CPU as a C kernel (lut_cpu.c), reading hilt's packed codes as stored.
+
+Built on first use by the system's C compiler into the per-user cache (kernels.cbuild), with OpenMP
+where the compiler has it (rows of W on torch's threads). The vector path, AVX-512 or AVX2, is chosen
+at run time from the CPU and from the weight (a chunk of 16 or 8 lanes' codes must lie in one block);
+the portable scalar path takes every format on every CPU. ``HILT_LUT_ISA=scalar|avx2|avx512`` (or
+``isa=``) caps the path, as the tests do to check each one.
+
+M <= 16 rows of x (decode): the kernel itself, weights dequantized in registers, nothing else
+allocated but x reordered. More rows (prefill): bands of rows dequantized by the kernel into float32
+(at most ``BAND_FLOATS`` values at a time, so memory stays bounded) and multiplied by torch's BLAS.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import os
+from pathlib import Path
+
+import torch
+
+from hilt.errors import HiltError
+from hilt.kernels import cbuild
+from hilt.kernels.lut_matmul import PackedWeight, check_input
+
+SOURCE = Path(__file__).with_name("lut_cpu.c")
+FLAGS = ["-O2", "-fPIC", "-shared"]
+ISAS = {"scalar": 0, "avx2": 1, "avx512": 2}
+SMALL_M = 16  # rows of x the kernel runs itself; beyond, dequantized bands and BLAS
+BAND_FLOATS = 1 << 21  # 8 MB of float32 weights per band in the prefill path
+_DTYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
+
+
+class LutWeight(ctypes.Structure):
+    """As LutWeight in lut_cpu.c."""
+
+    _fields_ = [("codes", ctypes.c_void_p), ("row_bytes", ctypes.c_int64), ("book", ctypes.c_void_p),
+                ("book_dt", ctypes.c_int32), ("per_block", ctypes.c_int32), ("scales", ctypes.c_void_p),
+                ("offsets", ctypes.c_void_p), ("scales_dt", ctypes.c_int32), ("offsets_dt", ctypes.c_int32),
+                ("bits", ctypes.c_int32), ("pad", ctypes.c_int32), ("block", ctypes.c_int64),
+                ("K", ctypes.c_int64), ("N", ctypes.c_int64), ("nb", ctypes.c_int64)]
+
+
+@functools.cache
+def library():
+    """The loaded kernel, or None where it cannot be built (no compiler, no write access)."""
+    lib = cbuild.load(SOURCE, [FLAGS + ["-fopenmp"], FLAGS],
+                      ("hilt_lut_matmul", "hilt_lut_dequant", "hilt_lut_isa", "hilt_lut_layout", "hilt_lut_prepare_x",
+                                     "hilt_lut_struct_size"))
+    if lib is None:
+        return None
+    lib.hilt_lut_struct_size.restype = ctypes.c_int64
+    if lib.hilt_lut_struct_size() != ctypes.sizeof(LutWeight):  # the two definitions drifted apart
+        raise HiltError("kernels/lut_cpu.c's LutWeight and lut_cpu.py's differ in size; fix the mirror")
+    p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+    weight = ctypes.POINTER(LutWeight)
+    lib.hilt_lut_isa.restype = i32
+    lib.hilt_lut_isa.argtypes = []
+    lib.hilt_lut_layout.restype = i32
+    lib.hilt_lut_layout.argtypes = [weight, i32, ctypes.POINTER(ctypes.c_int)]
+    lib.hilt_lut_prepare_x.restype = None
+    lib.hilt_lut_prepare_x.argtypes = [p, i32, i64, i64, i32, i32, p]
+    lib.hilt_lut_matmul.restype = i32
+    lib.hilt_lut_matmul.argtypes = [weight, p, i32, i64, p, p, i32, i32, i32]
+    lib.hilt_lut_dequant.restype = None
+    lib.hilt_lut_dequant.argtypes = [weight, i64, i64, p, i32, i32]
+    return lib
+
+
+@functools.cache
+def machine_isa() -> int:
+    """The widest vector path of this CPU: 2 AVX-512, 1 AVX2, 0 neither; -1 without the kernel."""
+    lib = library()
+    return -1 if lib is None else lib.hilt_lut_isa()
+
+
+def resolve_isa(isa: str | int | None = None) -> int:
+    """The path to run: ``isa`` (a name of ISAS or its number), else HILT_LUT_ISA, else the widest;
+    never wider than the CPU has."""
+    if isa is None:
+        isa = os.environ.get("HILT_LUT_ISA") or machine_isa()
+    if isinstance(isa, str):
+        if isa not in ISAS:
+            raise HiltError(f"unknown CPU kernel path {isa!r}; one of {', '.join(ISAS)}")
+        isa = ISAS[isa]
+    return min(int(isa), machine_isa())
+
+
+def available() -> bool:
+    return library() is not None
+
+
+def _as_kernel_dtype(t: torch.Tensor) -> torch.Tensor:
+    t = t if t.dtype in _DTYPES else t.float()
+    return t.contiguous()
+
+
+def _weight_struct(w: PackedWeight) -> tuple[LutWeight, list[torch.Tensor]]:
+    """The C view of ``w`` and the tensors it points into (kept alive by the caller for the call)."""
+    codes = w.codes.contiguous()
+    book, scales = _as_kernel_dtype(w.codebook), _as_kernel_dtype(w.scales)
+    offsets = None if w.offsets is None else _as_kernel_dtype(w.offsets)
+    s = LutWeight(codes.data_ptr(), codes.shape[1], book.data_ptr(), _DTYPES[book.dtype], int(w.per_block_codebook),
+                  scales.data_ptr(), 0 if offsets is None else offsets.data_ptr(), _DTYPES[scales.dtype],
+                  0 if offsets is None else _DTYPES[offsets.dtype], w.bits, 0, w.block_size, w.in_features,
+                  w.out_features, w.n_blocks)
+    return s, [codes, book, scales, offsets]
+
+
+def layout(w: PackedWeight, isa=None) -> tuple[int, int]:
+    """(lanes, codes per lane unit) of the path ``w`` takes: the column order of :func:`dequantize`."""
+    lib = library()
+    if lib is None:
+        raise HiltError("the CPU LUT kernel is not built here (no working C compiler)")
+    s, _keep = _weight_struct(w)
+    cpb = ctypes.c_int()
+    lanes = lib.hilt_lut_layout(ctypes.byref(s), resolve_isa(isa), ctypes.byref(cpb))
+    return lanes, cpb.value
+
+
+def _threads() -> int:
+    return max(1, torch.get_num_threads())
+
+
+def dequantize(w: PackedWeight, rows: tuple[int, int] | None = None, isa=None) -> torch.Tensor:
+    """float32 rows of W, columns in the kernel's order for its path (natural order on the portable
+    path); tests and the prefill path."""
+    lib = library()
+    s, _keep = _weight_struct(w)
+    r0, r1 = rows or (0, w.out_features)
+    out = torch.empty(r1 - r0, w.in_features, dtype=torch.float32)
+    lib.hilt_lut_dequant(ctypes.byref(s), r0, r1, out.data_ptr(), resolve_isa(isa), _threads())
+    return out
+
+
+def lut_matmul_cpu(x: torch.Tensor, w: PackedWeight, bias: torch.Tensor | None = None, isa=None):
+    """y = x @ dequant(w).T (+ bias) on CPU tensors by the C kernel, in x's dtype; None where the
+    kernel is not built (the caller runs the reference)."""
+    lib = library()
+    if lib is None:
+        return None
+    check_input(x, w)
+    if bias is not None and tuple(bias.shape) != (w.out_features,):
+        raise HiltError(f"bias has shape {tuple(bias.shape)}, expected {(w.out_features,)}")
+    path = resolve_isa(isa)
+    n, k = w.out_features, w.in_features
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, k)
+    if x2.dtype not in (torch.float32, torch.bfloat16):
+        x2 = x2.float()  # float16, float64: through float32, the result cast back below
+    x2 = x2.contiguous()
+    m = x2.shape[0]
+    b = None if bias is None else bias.detach().float().contiguous()
+    s, _keep = _weight_struct(w)
+    if m <= SMALL_M:
+        out = torch.empty(m, n, dtype=x2.dtype)
+        if m and lib.hilt_lut_matmul(ctypes.byref(s), x2.data_ptr(), _DTYPES[x2.dtype], m,
+                                     None if b is None else b.data_ptr(), out.data_ptr(), _DTYPES[out.dtype], path,
+                                     _threads()):
+            raise MemoryError("the CPU LUT kernel could not allocate its scratch copy of x")
+    else:
+        cpb = ctypes.c_int()
+        lanes = lib.hilt_lut_layout(ctypes.byref(s), path, ctypes.byref(cpb))
+        xp = torch.empty(m, k, dtype=torch.float32)  # x in the dequantized bands' column order
+        lib.hilt_lut_prepare_x(x2.data_ptr(), _DTYPES[x2.dtype], m, k, lanes, cpb.value, xp.data_ptr())
+        out_t = torch.empty(n, m, dtype=torch.float32)
+        step = max(1, BAND_FLOATS // k)
+        band = torch.empty(min(step, n), k, dtype=torch.float32)
+        for r0 in range(0, n, step):
+            r1 = min(n, r0 + step)
+            lib.hilt_lut_dequant(ctypes.byref(s), r0, r1, band.data_ptr(), path, _threads())
+            torch.mm(band[:r1 - r0], xp.T, out=out_t[r0:r1])
+        out = out_t.T
+        if b is not None:
+            out = out + b
+        out = out.to(x2.dtype)
+    return out.to(x.dtype).reshape(*lead, n)

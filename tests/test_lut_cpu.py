@@ -1,0 +1,193 @@
+"""The CPU C kernel of the lookup-table matmul (kernels/lut_cpu.c) against its PyTorch reference, on
+each vector path this CPU has and on the portable path."""
+
+import ctypes
+import dataclasses
+import sys
+import warnings
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from hilt.errors import HiltError
+from hilt.kernels import lut_cpu
+from hilt.kernels.lut_matmul import error_ratio, lut_matmul, lut_matmul_reference
+from hilt.quant import QuantConfig, QuantLinear, quantize_tensor
+
+pytestmark = pytest.mark.skipif(not lut_cpu.available(), reason="no C compiler builds the CPU kernel here")
+
+# every path this machine runs, the portable one always
+PATHS = [name for name, level in lut_cpu.ISAS.items() if level <= max(0, lut_cpu.machine_isa())]
+FORMATS = ["kmeans-layer", "kmeans-block", "int", "int-asym"]
+
+
+def _weights(n, k, fmt, bits, block, seed):
+    method, scope = (fmt.split("-") + ["layer"])[:2] if fmt.startswith("kmeans") else (fmt, "layer")
+    if method == "int" and bits == 1:
+        method = "binary"
+    w = torch.randn(n, k, generator=torch.Generator().manual_seed(seed)) * 0.05
+    return quantize_tensor(w, QuantConfig(method, bits, block, codebook=scope))
+
+
+def _check(q, x, isa, bias=None):
+    y = lut_cpu.lut_matmul_cpu(x, q.packed, bias, isa=isa)
+    assert y.dtype == x.dtype and y.shape == (*x.shape[:-1], q.shape[0])
+    ref = lut_matmul_reference(x.double(), q.packed, None if bias is None else bias.double()).double()
+    ratio = error_ratio(y, x, ref, q.dequantize().double().abs())
+    assert ratio <= 1.0, (isa, ratio)
+
+
+@pytest.mark.parametrize("isa", PATHS)
+@pytest.mark.parametrize("bits", [1, 2, 3, 4, 8])
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_every_width_and_format_on_every_path(isa, bits, fmt):
+    if fmt == "int-asym" and bits == 1:
+        pytest.skip("no asymmetric 1-bit format")
+    for block, k in ((64, 256), (128, 256), (32, 96)):  # 16 lanes, 8 lanes or the portable loop by width
+        q = _weights(19, k, fmt, bits, block, bits * 7 + block)
+        for m in (1, 2, 5, 16, 17):  # the kernel's row tiles, and the dequantize-then-BLAS path
+            for dtype in (torch.float32, torch.bfloat16):
+                x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)).to(dtype)
+                _check(q, x, isa)
+
+
+@settings(max_examples=40, deadline=None)
+@given(m=st.integers(1, 17), n=st.integers(1, 40), blocks=st.integers(1, 3),
+       block=st.sampled_from([8, 16, 32, 48, 64, 128]), bits=st.sampled_from([1, 2, 3, 4, 5, 8]),
+       fmt=st.sampled_from(FORMATS), dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.float16]),
+       isa=st.sampled_from(PATHS), seed=st.integers(0, 2**20))
+def test_kernel_matches_reference(m, n, blocks, block, bits, fmt, dtype, isa, seed):
+    if fmt == "int-asym" and bits == 1:
+        fmt = "int"
+    q = _weights(n, blocks * block, fmt, bits, block, seed)
+    x = torch.randn(m, blocks * block, generator=torch.Generator().manual_seed(seed + 1)).to(dtype)
+    _check(q, x, isa, bias=torch.randn(n, generator=torch.Generator().manual_seed(seed + 2)))
+
+
+@pytest.mark.parametrize("isa", PATHS)
+def test_smallest_shapes(isa):
+    for bits in (1, 2, 3, 4, 8):
+        # one output row; the smallest K the format allows (a block of one code): the portable loop
+        q = _weights(1, 1, "kmeans-layer", bits, 1, bits)
+        _check(q, torch.randn(3, 1), isa)
+        q = _weights(1, 8, "kmeans-layer", bits, 8, bits)
+        _check(q, torch.randn(1, 8), isa)
+
+
+@pytest.mark.parametrize("isa", PATHS)
+@pytest.mark.parametrize("m", [1, 4, 17])
+def test_nan_and_inf_in_x_propagate(isa, m):
+    q = _weights(9, 128, "kmeans-layer", 4, 64, 0)
+    x = torch.randn(m, 128)
+    x[0, 3] = float("nan")
+    x[-1, 100] = float("inf")
+    y = lut_cpu.lut_matmul_cpu(x, q.packed, isa=isa)
+    ref = lut_matmul_reference(x, q.packed)
+    assert torch.isnan(y[0]).all() and torch.isnan(ref[0]).all()
+    assert torch.equal(torch.isfinite(y), torch.isfinite(ref))
+    assert torch.equal(torch.isnan(y), torch.isnan(ref))
+    finite = torch.isfinite(ref)
+    assert torch.allclose(y[finite], ref[finite], rtol=1e-4, atol=1e-4)
+
+
+def test_each_path_is_what_it_claims():
+    """The layout (lanes) each path gives a weight: a vector path really runs where forced."""
+    q = _weights(8, 256, "kmeans-layer", 4, 64, 0)
+    assert lut_cpu.layout(q.packed, "scalar") == (1, 1)
+    if "avx2" in PATHS:
+        assert lut_cpu.layout(q.packed, "avx2") == (8, 2)
+    if "avx512" in PATHS:
+        assert lut_cpu.layout(q.packed, "avx512") == (16, 2)
+        assert lut_cpu.layout(_weights(8, 256, "kmeans-layer", 2, 32, 0).packed, "avx512") == (8, 4)  # 64-code chunks
+    assert lut_cpu.layout(_weights(8, 256, "kmeans-layer", 5, 64, 0).packed) == (1, 1)  # 5 bits: portable
+
+
+@pytest.mark.parametrize("isa", PATHS)
+def test_dequantize_in_the_paths_column_order(isa):
+    q = _weights(5, 256, "kmeans-block", 2, 64, 3)
+    lanes, cpb = lut_cpu.layout(q.packed, isa)
+    d = lut_cpu.dequantize(q.packed, isa=isa)
+    # column j * lanes + i of a chunk is weight i * cpb + j
+    order = torch.arange(256).view(-1, lanes, cpb).transpose(1, 2).reshape(-1)
+    assert torch.allclose(d, q.dequantize().float()[:, order], rtol=1e-6, atol=1e-7)
+    assert torch.equal(lut_cpu.dequantize(q.packed, rows=(1, 3), isa=isa), d[1:3])
+
+
+def test_the_path_is_capped_by_the_cpu_and_named(monkeypatch):
+    assert lut_cpu.resolve_isa("avx512") <= lut_cpu.machine_isa()
+    monkeypatch.setenv("HILT_LUT_ISA", "scalar")
+    assert lut_cpu.resolve_isa() == 0
+    with pytest.raises(HiltError, match="unknown CPU kernel path 'sse'"):
+        lut_cpu.resolve_isa("sse")
+
+
+def test_refusals_are_one_line_errors():
+    q = _weights(8, 128, "kmeans-layer", 2, 64, 0)
+    with pytest.raises(HiltError, match="input has 100 features, the weight expects 128"):
+        lut_cpu.lut_matmul_cpu(torch.randn(1, 100), q.packed)
+    with pytest.raises(HiltError, match=r"bias has shape \(7,\), expected \(8,\)"):
+        lut_cpu.lut_matmul_cpu(torch.randn(1, 128), q.packed, torch.zeros(7))
+
+
+def test_batched_input_empty_input_and_other_dtypes():
+    q = _weights(24, 128, "kmeans-layer", 4, 64, 3)
+    x = torch.randn(2, 3, 128)
+    y = lut_cpu.lut_matmul_cpu(x, q.packed)
+    assert y.shape == (2, 3, 24) and torch.allclose(y, lut_matmul_reference(x, q.packed), atol=1e-5)
+    assert lut_cpu.lut_matmul_cpu(torch.randn(0, 128), q.packed).shape == (0, 24)
+    y = lut_cpu.lut_matmul_cpu(x.double(), q.packed)
+    assert y.dtype == torch.float64 and torch.allclose(y, lut_matmul_reference(x.double(), q.packed), atol=1e-5)
+    # a float32 codebook and scales (hand-made PackedWeight), read as they are
+    w = dataclasses.replace(q.packed, codebook=q.codebook.float(), scales=q.scales.float())
+    assert torch.allclose(lut_cpu.lut_matmul_cpu(x, w), lut_matmul_reference(x, w), atol=1e-5)
+
+
+def test_prefill_bands_cover_every_row(monkeypatch):
+    monkeypatch.setattr(lut_cpu, "BAND_FLOATS", 3 * 128)  # 3 rows a band: 24 rows in 8 bands
+    q = _weights(24, 128, "kmeans-layer", 3, 64, 5)
+    _check(q, torch.randn(40, 128), None, bias=torch.randn(24))
+
+
+def test_dispatch_runs_the_kernel_and_without_one_the_reference_with_one_warning(monkeypatch):
+    q = _weights(16, 128, "kmeans-layer", 4, 64, 1)
+    x = torch.randn(2, 128)
+    calls = []
+    real = lut_cpu.lut_matmul_cpu
+    monkeypatch.setattr(lut_cpu, "lut_matmul_cpu", lambda *a, **k: calls.append(1) or real(*a, **k))
+    lut_matmul(x, q.packed)
+    assert calls == [1]
+    monkeypatch.setattr(lut_cpu, "lut_matmul_cpu", lambda *a, **k: None)  # as where nothing builds it
+    monkeypatch.setattr(sys.modules["hilt.kernels.lut_matmul"], "_warned_no_compiler", False)
+    with pytest.warns(RuntimeWarning, match="no C compiler built the CPU lookup-table kernel"):
+        y = lut_matmul(x, q.packed)
+    assert torch.equal(y, lut_matmul_reference(x, q.packed))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        lut_matmul(x, q.packed)  # once per process
+
+
+def test_no_compiler_means_no_kernel(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-compiler"))
+    assert lut_cpu.library.__wrapped__() is None
+    assert not list(tmp_path.rglob("*.so"))
+
+
+@pytest.mark.parametrize("method", ["kmeans", "binary"])
+def test_quant_linear_keeps_no_second_copy(method):
+    """k-means and binary layers run the kernel on the stored buffers (int4/int8 with bfloat16 inputs keep
+    PyTorch's packed copy, which is faster: kernels.lut_matmul)."""
+    q = _weights(64, 256, method, 1 if method == "binary" else 4, 64, 2)
+    layer = QuantLinear(q)
+    before = {k: v.data_ptr() for k, v in layer.state_dict().items()}
+    x = torch.randn(1, 256).to(torch.bfloat16)
+    y = layer(x)
+    assert error_ratio(y, x, lut_matmul_reference(x.double(), q.packed).double(), q.dequantize().double().abs()) <= 1
+    kept = [v for v in vars(layer).values() if isinstance(v, torch.Tensor)]
+    assert kept == [] and {k: v.data_ptr() for k, v in layer.state_dict().items()} == before
+
+
+def test_struct_matches_the_c_side():
+    assert lut_cpu.library().hilt_lut_struct_size() == ctypes.sizeof(lut_cpu.LutWeight)
