@@ -67,11 +67,11 @@ def cmd_bench_decode(args) -> int:
     r = decode_speed.run(quick=args.quick, work=args.work, threads=args.threads, log=LOG.info)
     print(r["table"])
     if args.out:
-        from hilt.quant.checkpoint import write_json
+        from hilt.quant.checkpoint import write_json as write_json_file
 
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
-        write_json(out / "decode.json", r)
+        write_json_file(out / "decode.json", r)
         (out / "decode.md").write_text(r["table"] + "\n")
     write_json(args, r)
     return 0
