@@ -1,10 +1,10 @@
 """cim_sim: compute-in-memory simulation in vectorised PyTorch.
 
-    from hilt.cim_sim import convert_to_analog, program, drift_to, preset
+    from hilt.cim_sim import convert_to_analog, program, drift_to, preset, evaluate
     analog = convert_to_analog(model, preset("pcm"))   # Linear/Conv2d -> analog layers (a copy)
     program(analog, seed=0)                            # programming noise, drift exponents
     drift_to(analog, 86400, seed=1, gdc="global")      # read one day later, compensated
-    accuracy(analog, ...)
+    evaluate(analog, (inputs, labels))                 # one accuracy per programmed chip
 
     from hilt.cim_sim import certify, cim_perturbation        # weight-perturbation certificates
     certify(model, (images, labels), cim_perturbation(model, "pcm", 86400)).fractions()

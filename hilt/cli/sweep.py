@@ -7,8 +7,6 @@ from hilt.cli.common import LOG, OUTPUT, POSITIVE, UsageError, command, write_js
 
 
 def cmd_sweep(args) -> int:
-    import os
-
     from hilt.tasks import sweep
 
     if args.resume and args.overwrite:
