@@ -19,10 +19,8 @@ import importlib
 import os
 import sys
 
-from hilt.cli.common import (
-    COMMON, EXIT_ERROR, EXIT_INTERRUPTED, EXIT_USAGE, Parser, UsageError, Version, check_output_folders,
-    configure_logging,
-)
+from hilt.cli.common import COMMON, EXIT_ERROR, EXIT_INTERRUPTED, EXIT_USAGE, Parser, UsageError, Version
+from hilt.cli.output import check_output_folders, configure_logging
 from hilt.errors import HiltError
 
 # in the order `hilt --help` lists them

@@ -1,7 +1,8 @@
 from __future__ import annotations
 
 from hilt.cli import bench_cim, bench_quant
-from hilt.cli.common import LOG, OUTPUT, command, group, write_json
+from hilt.cli.common import LOG, OUTPUT, command, group
+from hilt.cli.output import write_json
 from hilt.errors import HiltError
 
 

@@ -2,7 +2,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from hilt.cli.common import LOG, OUTPUT, PLOT, SEED, WORKLOADS, command, write_json, write_outputs
+from hilt.cli.common import LOG, OUTPUT, PLOT, SEED, WORKLOADS, command
+from hilt.cli.output import write_json, write_outputs
 from hilt.errors import HiltError
 
 

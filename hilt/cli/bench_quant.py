@@ -3,9 +3,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from hilt.cli.common import (
-    ANY_INT, LOG, OUTPUT, PLOT, POSITIVE, POSITIVE_NUMBER, command, integer, write_json, write_outputs,
-)
+from hilt.cli.common import ANY_INT, LOG, OUTPUT, PLOT, POSITIVE, POSITIVE_NUMBER, command, integer
+from hilt.cli.output import write_json, write_outputs
 
 
 def cmd_bench_qat(args) -> int:

@@ -1,6 +1,7 @@
 from __future__ import annotations
 
-from hilt.cli.common import OUTPUT, POSITIVE, command, write_json
+from hilt.cli.common import OUTPUT, POSITIVE, command
+from hilt.cli.output import write_json
 
 
 def cmd_calibrate(args) -> int:

@@ -2,8 +2,9 @@ from __future__ import annotations
 
 from hilt.cli.common import (
     CIM_PRESETS, DRIFT_COMPENSATION, LOG, OUTPUT, PLOT, POSITIVE, POSITIVE_NUMBER, QUANT_METHODS, UsageError,
-    WORKLOADS, command, integer, resolve_bits, write_json,
+    WORKLOADS, command, integer, resolve_bits,
 )
+from hilt.cli.output import write_json
 
 
 def cmd_certify(args) -> int:

@@ -1,6 +1,7 @@
 from __future__ import annotations
 
-from hilt.cli.common import DENSE_DTYPES, OUTPUT, command, write_json
+from hilt.cli.common import DENSE_DTYPES, OUTPUT, command
+from hilt.cli.output import write_json
 
 
 def cmd_convert(args) -> int:

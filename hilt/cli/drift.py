@@ -2,9 +2,8 @@ from __future__ import annotations
 
 import argparse
 
-from hilt.cli.common import (
-    CIM_PRESETS, DRIFT_COMPENSATION, LOG, OUTPUT, PLOT, POSITIVE, command, model_spec, write_outputs,
-)
+from hilt.cli.common import CIM_PRESETS, DRIFT_COMPENSATION, LOG, OUTPUT, PLOT, POSITIVE, command, model_spec
+from hilt.cli.output import write_outputs
 
 
 def cmd_drift(args) -> int:

@@ -1,8 +1,7 @@
 from __future__ import annotations
 
-from hilt.cli.common import (
-    ENERGY_CHIPS, LOG, OUTPUT, PLOT, POSITIVE, Renamed, UsageError, WORKLOADS, command, write_outputs,
-)
+from hilt.cli.common import ENERGY_CHIPS, LOG, OUTPUT, PLOT, POSITIVE, Renamed, UsageError, WORKLOADS, command
+from hilt.cli.output import write_outputs
 
 
 def cmd_energy(args) -> int:

@@ -2,7 +2,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from hilt.cli.common import CIM_PRESETS, DRIFT_COMPENSATION, LOG, OUTPUT, SEED, command, group, write_json
+from hilt.cli.common import CIM_PRESETS, DRIFT_COMPENSATION, LOG, OUTPUT, SEED, command, group
+from hilt.cli.output import write_json
 from hilt.errors import HiltError
 
 

@@ -1,6 +1,7 @@
 from __future__ import annotations
 
-from hilt.cli.common import LOG, OUTPUT, PLOT, POSITIVE, SEED, command, group, write_json, write_outputs
+from hilt.cli.common import LOG, OUTPUT, PLOT, POSITIVE, SEED, command, group
+from hilt.cli.output import write_json, write_outputs
 
 
 def cmd_fp8_scales(args) -> int:

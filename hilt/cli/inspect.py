@@ -2,7 +2,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from hilt.cli.common import OUTPUT, command, write_json
+from hilt.cli.common import OUTPUT, command
+from hilt.cli.output import write_json
 
 
 def cmd_inspect(args) -> int:

@@ -4,8 +4,9 @@ import argparse
 
 from hilt.cli.common import (
     LOG, NON_NEGATIVE, OUTPUT, POSITIVE, POSITIVE_NUMBER, QUANT_METHODS, SEED, command, integer,
-    resolve_bits, write_json,
+    resolve_bits,
 )
+from hilt.cli.output import write_json
 from hilt.errors import HiltError
 
 

@@ -6,8 +6,9 @@ from pathlib import Path
 
 from hilt.cli.common import (
     DENSE_DTYPES, LOG, OUTPUT, POSITIVE, POSITIVE_NUMBER, QUANT_METHODS, SEED, UsageError, command, integer,
-    number, resolve_bits, write_json,
+    number, resolve_bits,
 )
+from hilt.cli.output import write_json
 from hilt.progress import Progress
 
 

@@ -1,6 +1,7 @@
 from __future__ import annotations
 
-from hilt.cli.common import LOG, OUTPUT, command, write_json
+from hilt.cli.common import LOG, OUTPUT, command
+from hilt.cli.output import write_json
 
 
 def cmd_report(args) -> int:

@@ -2,8 +2,8 @@ from __future__ import annotations
 
 from hilt.cli.common import (
     CIM_PRESETS, DRIFT_COMPENSATION, OUTPUT, PLOT, POSITIVE, SEED, UsageError, command, integer,
-    write_outputs,
 )
+from hilt.cli.output import write_outputs
 
 
 def cmd_sensitivity(args) -> int:

@@ -3,7 +3,8 @@ from __future__ import annotations
 import argparse
 import os
 
-from hilt.cli.common import LOG, OUTPUT, POSITIVE, UsageError, command, write_json
+from hilt.cli.common import LOG, OUTPUT, POSITIVE, UsageError, command
+from hilt.cli.output import write_json
 
 
 def cmd_sweep(args) -> int:

@@ -2,8 +2,9 @@ from __future__ import annotations
 
 from hilt.cli.common import (
     NOISE_MODELS, OUTPUT, POSITIVE, SEED, TRAINING_METHODS, WEIGHTINGS, WORKLOADS, command, float_pair,
-    number, write_json,
+    number,
 )
+from hilt.cli.output import write_json
 
 
 def cmd_train(args) -> int:
