@@ -39,12 +39,12 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from hilt import __version__
-from hilt.errors import HiltError
+from hilt.errors import HiltError, one_line
 from hilt.progress import LOG
 from hilt.quant import hf_folder
 from hilt.quant.quantize import QuantConfig, check_quantizable, quantize_tensor, relative_error
 from hilt.quant.qweight import QuantizedWeight
-from hilt.quant.sources import Source, _one_line, open_source
+from hilt.quant.sources import Source, open_source
 
 if TYPE_CHECKING:
     from hilt.quant.compensate import Compensator
@@ -135,7 +135,7 @@ def save_safetensors(tensors: dict, path, metadata: dict | None = None) -> None:
         os.chmod(tmp, 0o666 & ~umask)
         os.replace(tmp, path)
     except (OSError, SafetensorError) as e:
-        raise HiltError(f"{path}: cannot write ({str(e).splitlines()[0]})") from None
+        raise HiltError(f"{path}: cannot write ({one_line(e)})") from None
     finally:
         tmp.unlink(missing_ok=True)
 
@@ -577,4 +577,4 @@ def open_shard(path: Path):
         with safe_open(str(path), framework="pt") as f:
             yield f
     except (OSError, SafetensorError) as e:
-        raise HiltError(f"{path}: not a readable safetensors file ({_one_line(e)})") from None
+        raise HiltError(f"{path}: not a readable safetensors file ({one_line(e)})") from None

@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from hilt.errors import HiltError
+from hilt.errors import HiltError, one_line
 
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
 
@@ -103,7 +103,7 @@ class SafetensorsSource(Source):
                 with safe_open(str(f), framework="pt"):  # full validation of the header
                     pass
             except (SafetensorError, OSError, ValueError) as e:
-                raise HiltError(f"{f}: not a readable safetensors file ({_one_line(e)})") from None
+                raise HiltError(f"{f}: not a readable safetensors file ({one_line(e)})") from None
             for name in sorted(k for k in header if k != "__metadata__"):
                 if name in self._where:
                     raise HiltError(f"{f}: tensor '{name}' also appears in another shard")
@@ -155,7 +155,7 @@ def _read_safetensors_header(f: Path) -> tuple[int, dict]:
             header = json.loads(fh.read(n))
         end = max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"), default=0)
     except (struct.error, ValueError, KeyError, TypeError, AttributeError, UnicodeDecodeError) as e:
-        raise HiltError(f"{f}: not a readable safetensors file ({_one_line(e)})") from None
+        raise HiltError(f"{f}: not a readable safetensors file ({one_line(e)})") from None
     if 8 + n + end > size:
         raise HiltError(f"{f}: truncated safetensors file ({size} bytes, header promises {8 + n + end})")
     return 8 + n, header
@@ -201,7 +201,7 @@ class GGUFSource(Source):
         try:  # block types, and BF16 (raw 16-bit words in the file)
             arr = gguf.quants.dequantize(t.data, t.tensor_type)
         except (NotImplementedError, ValueError, KeyError) as e:
-            raise HiltError(f"{self.path}: tensor '{name}' has GGUF type {kind}, which hilt cannot read ({_one_line(e)})") from None
+            raise HiltError(f"{self.path}: tensor '{name}' has GGUF type {kind}, which hilt cannot read ({one_line(e)})") from None
         out = torch.from_numpy(np.array(arr, dtype=np.float32)).reshape(self.shape(name))
         return out.to(self._NATIVE.get(kind, torch.float32))
 
@@ -220,7 +220,7 @@ def read_gguf(path):
     try:
         return _parsed_gguf(str(path.resolve()), st.st_size, st.st_mtime_ns, st.st_ino)
     except Exception as e:  # gguf raises ValueError/struct errors on a bad file
-        raise HiltError(f"{path}: not a readable GGUF file ({_one_line(e)})") from None
+        raise HiltError(f"{path}: not a readable GGUF file ({one_line(e)})") from None
 
 
 @functools.lru_cache(maxsize=2)
@@ -228,10 +228,6 @@ def _parsed_gguf(path: str, size: int, mtime_ns: int, inode: int):
     import gguf
 
     return gguf.GGUFReader(path)  # a read-only memory map: sharing it is safe
-
-
-def _one_line(e: Exception) -> str:
-    return " ".join(str(e).split()) or type(e).__name__
 
 
 def open_source(path) -> Source:
@@ -261,7 +257,7 @@ def _open_folder(path: Path) -> Source:
         try:
             weight_map = json.loads(index.read_text())["weight_map"]
         except (ValueError, KeyError, TypeError) as e:
-            raise HiltError(f"{index}: not a valid safetensors index ({_one_line(e)})") from None
+            raise HiltError(f"{index}: not a valid safetensors index ({one_line(e)})") from None
         files = sorted({path / f for f in weight_map.values()})
         missing = [f for f in files if not f.exists()]
         if missing:

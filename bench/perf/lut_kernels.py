@@ -38,7 +38,7 @@ from pathlib import Path
 
 import torch
 
-from hilt.errors import HiltError
+from hilt.errors import HiltError, one_line
 from hilt.kernels import byte_table, uses_byte_table
 from hilt.kernels.lut_matmul import PackedWeight, choose_path, dequantize_lut, error_ratio, lut_matmul_reference
 from hilt.kernels.backends import triton_kernels
@@ -87,7 +87,7 @@ def check(device: str = "cpu", log=print, configs=None, quick: bool = False) -> 
         try:
             y = kt.lut_matmul_triton(x, w, bias=bias, path=path, split_k=split_k, config=config, out=out)
         except Exception as e:  # noqa: BLE001 - recorded as a failure (exit 1); a config this GPU cannot compile must not stop the rest
-            failures.append({**case, "error": f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"})
+            failures.append({**case, "error": f"{type(e).__name__}: {one_line(e)}"})
             return
         ref = lut_matmul_reference(x.float(), w, bias=bias).double()
         ratio = error_ratio(y, x, ref, q.dequantize().double().abs())
@@ -230,7 +230,7 @@ def timings(quick: bool = False, cuda_graphs: bool = False, log=print, progress=
                     try:
                         row.update(_graph_row(x, w, packed, l2, table))
                     except Exception as e:  # noqa: BLE001 - recorded, exit 1 at the end; the do_bench numbers stay
-                        row["graph_error"] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+                        row["graph_error"] = f"{type(e).__name__}: {one_line(e)}"
                         try:
                             torch.cuda.synchronize()
                         except RuntimeError:

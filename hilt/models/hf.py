@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from hilt.errors import HiltError
+from hilt.errors import HiltError, one_line
 from hilt.quant.hf_folder import CONFIG, is_hf_folder, read_config
 from hilt.quant.sources import read_gguf
 
@@ -67,7 +67,7 @@ def gguf_to_hf(src, dst, dtype: torch.dtype = torch.bfloat16, overwrite: bool = 
         shutil.rmtree(partial, ignore_errors=True)
         if isinstance(e, HiltError) or not isinstance(e, Exception):
             raise
-        raise HiltError(f"{src}: transformers could not convert it ({' '.join(str(e).split())[:300]})") from None
+        raise HiltError(f"{src}: transformers could not convert it ({one_line(e)})") from None
     if dst.exists():
         shutil.rmtree(dst)
     os.replace(partial, dst)
@@ -92,7 +92,7 @@ def _load(folder, auto_class: str, dtype=torch.float32):
     except (ValueError, KeyError, OSError, RuntimeError) as e:
         kind = config.get("model_type", "unknown")
         raise HiltError(f"{folder}: transformers cannot load it as {auto_class} (model_type {kind!r}: "
-                        f"{' '.join(str(e).split())[:300]})") from None
+                        f"{one_line(e)})") from None
     return model.eval()
 
 
@@ -114,7 +114,7 @@ def _tokenizer(folder):
     try:
         return AutoTokenizer.from_pretrained(str(folder))
     except (ValueError, OSError, KeyError) as e:
-        raise HiltError(f"{folder}: no usable tokenizer ({' '.join(str(e).split())[:200]})") from None
+        raise HiltError(f"{folder}: no usable tokenizer ({one_line(e, 200)})") from None
 
 
 def embed(model, tokenizer, sentences: list[str], batch_size: int = 32, max_length: int = 256) -> torch.Tensor:

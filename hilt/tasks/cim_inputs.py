@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from hilt.errors import HiltError
+from hilt.errors import HiltError, one_line
 
 DATA_KEYS = ("inputs", "labels")
 
@@ -60,14 +60,14 @@ def _build(spec: str) -> nn.Module:
     try:
         module = importlib.import_module(module_name)
     except Exception as e:
-        raise HiltError(f"model {spec}: cannot import {module_name}: {type(e).__name__}: {_first_line(e)}") from e
+        raise HiltError(f"model {spec}: cannot import {module_name}: {type(e).__name__}: {one_line(e)}") from e
     factory = getattr(module, attr, None)
     if not callable(factory):
         raise HiltError(f"model {spec}: {module_name} has no function {attr!r}")
     try:
         model = factory()
     except Exception as e:
-        raise HiltError(f"model {spec}: {attr}() failed: {type(e).__name__}: {_first_line(e)}") from e
+        raise HiltError(f"model {spec}: {attr}() failed: {type(e).__name__}: {one_line(e)}") from e
     if not isinstance(model, nn.Module):
         raise HiltError(f"model {spec}: {attr}() returned {type(model).__name__}, not a torch.nn.Module")
     return model
@@ -84,7 +84,7 @@ def _load_state(model: nn.Module, path: Path, spec: str) -> None:
     try:
         state = load_file(path)
     except (SafetensorError, OSError) as e:
-        raise HiltError(f"{path}: not a readable safetensors file ({_first_line(e)})") from e
+        raise HiltError(f"{path}: not a readable safetensors file ({one_line(e)})") from e
     try:
         result = model.load_state_dict(state, strict=False)
     except RuntimeError as e:  # a tensor of another shape
@@ -114,7 +114,7 @@ def load_data(spec=None, limit: int | None = None) -> tuple[torch.Tensor, torch.
         try:
             arrays = load_file(path)
         except (SafetensorError, OSError) as e:
-            raise HiltError(f"{path}: not a readable safetensors file ({_first_line(e)})") from e
+            raise HiltError(f"{path}: not a readable safetensors file ({one_line(e)})") from e
     elif path.suffix == ".npz":
         import zipfile
 
@@ -124,9 +124,9 @@ def load_data(spec=None, limit: int | None = None) -> tuple[torch.Tensor, torch.
             with np.load(path, allow_pickle=False) as npz:
                 arrays = {k: torch.from_numpy(npz[k]) for k in npz.files if k in DATA_KEYS}
         except ValueError as e:  # object arrays would need pickle
-            raise HiltError(f"{path}: cannot read it without pickle ({_first_line(e)})") from e
+            raise HiltError(f"{path}: cannot read it without pickle ({one_line(e)})") from e
         except (OSError, EOFError, zipfile.BadZipFile) as e:
-            raise HiltError(f"{path}: not a readable .npz file ({_first_line(e) or type(e).__name__})") from e
+            raise HiltError(f"{path}: not a readable .npz file ({one_line(e)})") from e
     else:
         raise HiltError(f"{path}: data files are .safetensors or .npz, with tensors `inputs` and `labels`")
     missing = [k for k in DATA_KEYS if k not in arrays]
@@ -143,7 +143,3 @@ def load_data(spec=None, limit: int | None = None) -> tuple[torch.Tensor, torch.
     if not torch.isfinite(inputs).all():
         raise HiltError(f"{path}: `inputs` contains NaN or Inf")
     return (inputs[:limit], labels[:limit].long()) if limit else (inputs, labels.long())
-
-
-def _first_line(e: BaseException) -> str:
-    return (str(e).strip().splitlines() or [""])[0]

@@ -21,7 +21,7 @@ from torch import nn
 from hilt.data.fashion_mnist import load_fashion_mnist
 from hilt.models.classifiers import WORKLOADS, build, check_workload
 from hilt.cim_sim.training import NoisyTraining, noisy_loss
-from hilt.errors import HiltError
+from hilt.errors import HiltError, one_line
 from hilt.progress import Progress
 
 FORMAT = "hilt-workload"
@@ -178,8 +178,7 @@ def load_workload(path: str | Path, name: str | None = None) -> tuple[nn.Module,
             meta = dict(f.metadata() or {})
             tensors = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118 (safe_open is not a dict)
     except (SafetensorError, OSError) as e:
-        why = str(e).splitlines()[0] if str(e) else type(e).__name__
-        raise HiltError(f"{path}: not a readable safetensors file ({why})") from None
+        raise HiltError(f"{path}: not a readable safetensors file ({one_line(e)})") from None
 
     recorded = meta.get("workload")
     if name is None and recorded is None:
