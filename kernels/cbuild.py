@@ -16,8 +16,10 @@ import os
 import platform
 import shutil
 import subprocess
-import tempfile
 from pathlib import Path
+
+from hilt.atomic import replacing
+from hilt.errors import HiltError
 
 
 def cache_dir() -> Path:
@@ -32,21 +34,15 @@ def compiler() -> str | None:
 def build(cc: str, flags: list[str], source: Path, target: Path) -> bool:
     """Compile to a temporary name beside ``target``, then rename: concurrent builders (Ray workers)
     never load a half-written library."""
-    tmp = None
     try:
         target.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
-        os.close(fd)
-        done = subprocess.run([cc, *flags, str(source), "-o", tmp], capture_output=True, timeout=120)
-        if done.returncode != 0:
-            return False
-        os.replace(tmp, target)
+        with replacing(target, ".so", unique=True) as tmp:
+            done = subprocess.run([cc, *flags, str(source), "-o", str(tmp)], capture_output=True, timeout=120)
+            if done.returncode != 0:
+                raise subprocess.CalledProcessError(done.returncode, cc)
         return True
-    except (OSError, subprocess.SubprocessError):  # no write access, a compiler that does not run
+    except (OSError, subprocess.SubprocessError, HiltError):  # no write access, a compiler that does not run
         return False
-    finally:
-        if tmp is not None and os.path.exists(tmp):
-            os.unlink(tmp)
 
 
 def _open(path: Path, symbols: tuple[str, ...]):

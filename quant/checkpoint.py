@@ -36,9 +36,9 @@ from typing import TYPE_CHECKING, Callable, Iterable
 
 import torch
 from safetensors import SafetensorError, safe_open
-from safetensors.torch import save_file
 
 from hilt import __version__
+from hilt.atomic import move_into_place, save_safetensors, write_json
 from hilt.errors import HiltError, one_line
 from hilt.progress import LOG
 from hilt.quant import hf_folder
@@ -62,8 +62,7 @@ KEEP_DENSE = re.compile(
     r"wte|wpe|tok_embeddings|token_embd|lm_head|output)\.weight$|(^|\.)(lm_head|embed_tokens)(\.|$)"
 )
 
-__all__ = ["quantize_checkpoint", "load_checkpoint", "read_header", "select_targets", "open_source",
-           "save_safetensors", "write_json"]
+__all__ = ["quantize_checkpoint", "load_checkpoint", "read_header", "select_targets", "open_source"]
 
 
 def select_targets(source: Source, only: str | None = None, ignore: str | None = None) -> list[str]:
@@ -121,40 +120,6 @@ def _check_destination(dst: Path, overwrite: bool, resume: bool) -> Path:
     if partial.exists() and not resume and not overwrite:
         raise HiltError(f"{partial}: an interrupted run is there; pass --resume to continue it or --overwrite to start over")
     return partial
-
-
-def save_safetensors(tensors: dict, path, metadata: dict | None = None) -> None:
-    """Write a safetensors file whole (a temporary name, then a rename), readable as the umask
-    allows: safetensors itself creates files that only their owner can read."""
-    path = Path(path)
-    tmp = path.with_name(path.name + ".tmp")
-    try:
-        save_file(tensors, str(tmp), metadata=metadata)
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp, 0o666 & ~umask)
-        os.replace(tmp, path)
-    except (OSError, SafetensorError) as e:
-        raise HiltError(f"{path}: cannot write ({one_line(e)})") from None
-    finally:
-        tmp.unlink(missing_ok=True)
-
-
-def write_json(path, obj, *, sort_keys: bool = False) -> None:
-    """Write ``obj`` as JSON whole: to a temporary name, renamed over ``path`` once complete, so
-    ``path`` never holds half a file and no temporary is left behind."""
-    path = Path(path)
-    if not path.parent.is_dir():
-        raise HiltError(f"{path}: folder {path.parent} does not exist")
-    text = json.dumps(obj, indent=1, sort_keys=sort_keys) + "\n"
-    tmp = path.with_name(path.name + ".tmp")
-    try:
-        tmp.write_text(text)
-        os.replace(tmp, path)
-    except OSError as e:
-        raise HiltError(f"{path}: cannot write ({e.strerror or e})") from None
-    finally:
-        tmp.unlink(missing_ok=True)
 
 
 def part_key(name: str, part: str, version: int = FORMAT_VERSION) -> str:
@@ -300,7 +265,7 @@ def quantize_checkpoint(
                            {**model_config, "quantization_config": hf_folder.quantization_config(header)})
             write_json(partial / HEADER, header, sort_keys=True)
             (partial / PROGRESS).unlink()
-            _move_into_place(partial, dst)
+            move_into_place(partial, dst)
             return header
         except KeyboardInterrupt:
             raise  # keep DST.partial for --resume
@@ -416,7 +381,7 @@ def _name_shards(partial: Path, state: dict) -> None:
     for e in state["tensors"].values():
         e["shard"] = rename[e["shard"]]
     if len(final) > 1:
-        hf_folder.write_index(partial, weight_map, total, write_json)
+        hf_folder.write_index(partial, weight_map, total)
     write_json(partial / PROGRESS, state, sort_keys=True)  # a resumed run finds the shards by their new names
 
 
@@ -432,18 +397,6 @@ def _totals(tensors: dict) -> dict:
         "rel_error_mean": (round(sum(t["rel_error"] for t in q) / len(q), 6)
                            if q and all(t.get("rel_error") is not None for t in q) else None),
     }
-
-
-def _move_into_place(partial: Path, dst: Path) -> None:
-    """Publish the finished folder; an old DST (--overwrite) is removed only after."""
-    if dst.exists():
-        old = dst.with_name(dst.name + ".old")
-        shutil.rmtree(old, ignore_errors=True)
-        os.replace(dst, old)
-        os.replace(partial, dst)
-        shutil.rmtree(old)
-    else:
-        os.replace(partial, dst)
 
 
 def load_importance(path) -> dict[str, torch.Tensor]:

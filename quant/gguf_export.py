@@ -19,12 +19,12 @@ hilt's names for a GGUF source are its tensor names.
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import numpy as np
 import torch
 
+from hilt.atomic import replacing
 from hilt.errors import HiltError
 from hilt.kernels.packing import unpack_codes
 from hilt.quant.checkpoint import load_checkpoint, read_header
@@ -124,9 +124,8 @@ def export_gguf(dst, out, overwrite: bool = False) -> dict:
     reader = read_gguf(source)
     arch = reader.fields["general.architecture"].contents()
     tensors = load_checkpoint(dst)
-    tmp = out.with_name(out.name + ".partial")
     counts: dict[str, int] = {}
-    try:
+    with replacing(out, ".partial") as tmp:
         writer = gguf.GGUFWriter(str(tmp), arch)
         _copy_metadata(reader, writer)
         for name, value in tensors.items():
@@ -147,13 +146,6 @@ def export_gguf(dst, out, overwrite: bool = False) -> dict:
         writer.write_kv_data_to_file()
         writer.write_tensors_to_file()
         writer.close()
-        os.replace(tmp, out)
-    except OSError as e:
-        tmp.unlink(missing_ok=True)
-        raise HiltError(f"{out}: cannot write ({e.strerror or e})") from None
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
     return {"out": str(out), "source": str(source), "tensors": len(tensors), "types": counts,
             "bytes": out.stat().st_size}
 

@@ -14,6 +14,7 @@ import json
 import shutil
 from pathlib import Path
 
+from hilt.atomic import write_json
 from hilt.errors import HiltError
 
 QUANT_METHOD = "hilt"
@@ -52,7 +53,7 @@ def shard_names(count: int) -> list[str]:
     return [f"model-{i:05d}-of-{count:05d}.safetensors" for i in range(1, count + 1)]
 
 
-def write_index(folder: Path, weight_map: dict[str, str], total_size: int, write_json) -> None:
+def write_index(folder: Path, weight_map: dict[str, str], total_size: int) -> None:
     """model.safetensors.index.json: which shard holds each key (only for more than one shard)."""
     write_json(folder / INDEX, {"metadata": {"total_size": total_size}, "weight_map": dict(sorted(weight_map.items()))})
 

@@ -337,7 +337,7 @@ def test_written_safetensors_are_readable_as_the_umask_allows(tmp_path):
     """safetensors creates owner-only files; checkpoints and importance files follow the umask."""
     import os
 
-    from hilt.quant.checkpoint import save_safetensors
+    from hilt.atomic import save_safetensors
 
     old = os.umask(0o022)
     try:
@@ -355,7 +355,7 @@ def test_written_safetensors_are_readable_as_the_umask_allows(tmp_path):
 
 def test_write_json_is_whole_or_nothing(tiny_ckpt, tmp_path):
     from hilt.errors import HiltError
-    from hilt.quant.checkpoint import write_json
+    from hilt.atomic import write_json
 
     d = tmp_path / "j"
     d.mkdir()

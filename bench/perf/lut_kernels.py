@@ -38,6 +38,7 @@ from pathlib import Path
 
 import torch
 
+from hilt.atomic import write_json
 from hilt.errors import HiltError, one_line
 from hilt.kernels import byte_table, uses_byte_table
 from hilt.kernels.lut_matmul import PackedWeight, choose_path, dequantize_lut, error_ratio, lut_matmul_reference
@@ -403,10 +404,8 @@ def main(argv=None) -> int:
     result = {"machine": gpu_info() if gpu else {"device": "cpu", "platform": platform.platform()}}
 
     def save():  # as the timings go too: they take minutes, and a run can be stopped or fail later
-        if args.json:  # whole files only: written beside, then renamed over
-            part = Path(args.json + ".part")
-            part.write_text(json.dumps(result, indent=1) + "\n")
-            part.replace(args.json)
+        if args.json:
+            write_json(args.json, result)
 
     chosen = args.check or args.timings or args.decode
     if args.timings and not gpu:

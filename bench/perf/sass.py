@@ -28,6 +28,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+from hilt.atomic import write_json
+
 SHAPE = (8192, 8192)  # (N, K): Llama-70B q_proj
 ARCH = 90
 
@@ -255,7 +257,7 @@ def main(argv=None) -> int:
           f"{spills} use stack (spilled registers)" + ("; --quick: one configuration per path and way of reading "
                                                         "codes, the full run compiles every one" if args.quick else ""))
     if args.json:
-        Path(args.json).write_text(json.dumps(result, indent=1) + "\n")
+        write_json(args.json, result)
     return 0
 
 

@@ -30,10 +30,10 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from hilt.atomic import write_json, write_text
 from hilt.bench import RESULTS
 from hilt.tasks.sensitivity import candidate_variances, load_subject
 from hilt.quant.allocate import allocate
-from hilt.quant.checkpoint import write_json
 from hilt.quant.sensitivity import estimate_tpv, loss_hessian_trace, parse_candidates
 
 BUDGETS = (2.5, 3.0, 3.5, 4.25)
@@ -237,6 +237,6 @@ def run(out=None, quick: bool = False, models=("minilm", "smollm2"), budgets=BUD
         out = Path(out)
         write_json(out, results)
         plot(results, out.with_suffix(".png"))
-        out.with_suffix(".md").write_text(results["table"] + "\n")
+        write_text(out.with_suffix(".md"), results["table"] + "\n")
         log(f"wrote {out}, {out.with_suffix('.png')} and {out.with_suffix('.md')}")
     return results

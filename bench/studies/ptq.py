@@ -31,9 +31,10 @@ from pathlib import Path
 
 import torch
 
+from hilt.atomic import write_json, write_text
 from hilt.tasks import evaluate
 from hilt.quant import QuantConfig, open_source, quantize_checkpoint
-from hilt.quant.checkpoint import select_targets, write_json
+from hilt.quant.checkpoint import select_targets
 
 METHODS = ("int", "hqq", "kmeans", "kmeans-imp", "gptq-int", "gptq-kmeans")
 GROUP = 64
@@ -134,7 +135,7 @@ def run(out="report", quick=False, models=None, widths=None, log=print) -> dict:
                               "minilm": "mean cosine to fp32 on Hamlet sentences (higher is better)"},
                   "rows": rows, "verdicts": verdicts(rows)}
         write_json(target, result)
-        (out / "ptq.md").write_text(markdown(result))
+        write_text(out / "ptq.md", markdown(result))
         plot(result, target.with_suffix(".png"))
         return result
 

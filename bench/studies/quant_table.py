@@ -19,9 +19,9 @@ import shutil
 import time
 from pathlib import Path
 
+from hilt.atomic import write_json, write_text
 from hilt.tasks import evaluate
 from hilt.quant import QuantConfig, quantize_checkpoint
-from hilt.quant.checkpoint import write_json
 
 # (label, method, bits); "kmeans-imp" is k-means weighted by calibrated input importance, "gptq-*" the
 # format with error compensation (`hilt quantize --compensate`, calibrated on Macbeth)
@@ -94,7 +94,7 @@ def run(out="report", quick=False, json_path=None, tokens=None, sentences=None, 
 
 def render(result: dict, out: Path) -> None:
     """The Markdown table and the PNG plot of a result (also from a saved JSON)."""
-    (out / "quant_table.md").write_text(markdown(result))
+    write_text(out / "quant_table.md", markdown(result))
     plot(result, out / "quant_table.png")
 
 

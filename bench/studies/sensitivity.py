@@ -30,7 +30,7 @@ import torch.nn.functional as F
 
 from hilt.bench import RESULTS
 from hilt.tasks.sensitivity import load_subject, sensitivity_run
-from hilt.quant.checkpoint import write_json
+from hilt.atomic import write_json
 from hilt.quant.quantize import quantize_tensor
 from hilt.quant.sensitivity import format_label, parse_candidates, resolve, spearman
 

@@ -2,6 +2,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from hilt.atomic import write_text
 from hilt.cli.common import LOG, OUTPUT, PLOT, SEED, WORKLOADS, command
 from hilt.cli.output import write_json, write_outputs
 from hilt.errors import HiltError
@@ -13,7 +14,7 @@ def cmd_bench_certify(args) -> int:
     result = certify.study(quick=args.quick, log=LOG.info, progress=True, seed=args.seed)
     write_outputs(args, result, certify.plot)
     if args.markdown:
-        Path(args.markdown).write_text(certify.render(result))
+        write_text(args.markdown, certify.render(result))
         LOG.info(f"wrote {args.markdown}")
     if any(result["sound_violations"].values()):
         raise HiltError(f"an input certified by an exact or Lipschitz certificate flipped under an allowed "
@@ -52,7 +53,7 @@ def cmd_bench_robustness(args) -> int:
     result = robustness.study(quick=args.quick, log=LOG.info)
     write_outputs(args, result, robustness.plot)
     if args.markdown:
-        Path(args.markdown).write_text(robustness.render(result))
+        write_text(args.markdown, robustness.render(result))
         LOG.info(f"wrote {args.markdown}")
     return 0
 

@@ -3,6 +3,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from hilt.atomic import write_text
 from hilt.cli.common import ANY_INT, LOG, OUTPUT, PLOT, POSITIVE, POSITIVE_NUMBER, command, integer
 from hilt.cli.output import write_json, write_outputs
 
@@ -66,12 +67,12 @@ def cmd_bench_decode(args) -> int:
     r = decode_speed.run(quick=args.quick, work=args.work, threads=args.threads, log=LOG.info)
     print(r["table"])
     if args.out:
-        from hilt.quant.checkpoint import write_json as write_json_file
+        from hilt.atomic import write_json as write_json_file
 
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
         write_json_file(out / "decode.json", r)
-        (out / "decode.md").write_text(r["table"] + "\n")
+        write_text(out / "decode.md", r["table"] + "\n")
     write_json(args, r)
     return 0
 

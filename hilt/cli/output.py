@@ -43,7 +43,7 @@ def write_json(args, obj) -> None:
         args.stdout.write(json.dumps(obj, indent=1) + "\n")
         args.stdout.flush()
     else:
-        from hilt.quant.checkpoint import write_json as write_json_file
+        from hilt.atomic import write_json as write_json_file
 
         write_json_file(args.json, obj)
 

@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from hilt.errors import HiltError
-from hilt.quant.checkpoint import save_safetensors
+from hilt.atomic import save_safetensors
 
 
 def collect_importance(model: nn.Module, batches) -> dict[str, torch.Tensor]:

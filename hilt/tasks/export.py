@@ -24,6 +24,7 @@ from pathlib import Path
 
 import torch
 
+from hilt.atomic import replacing
 from hilt.errors import HiltError
 
 OPSET = 20
@@ -50,13 +51,8 @@ def _save(model_proto, out: Path) -> int:
     import onnx
 
     onnx.checker.check_model(model_proto, full_check=True)
-    tmp = out.with_name(out.name + ".partial")
-    try:
+    with replacing(out, ".partial") as tmp:
         onnx.save_model(model_proto, str(tmp))
-        os.replace(tmp, out)
-    except OSError as e:
-        tmp.unlink(missing_ok=True)
-        raise HiltError(f"{out}: cannot write ({e.strerror})") from None
     return out.stat().st_size
 
 
@@ -66,6 +62,8 @@ def _check_out(out) -> Path:
         raise HiltError(f"{out}: the output file must end in .onnx")
     if not out.parent.is_dir():
         raise HiltError(f"{out}: folder {out.parent} does not exist")
+    if not os.access(out.parent, os.W_OK | os.X_OK):  # before the minutes of work, not after
+        raise HiltError(f"{out}: folder {out.parent} is not writable")
     return out
 
 

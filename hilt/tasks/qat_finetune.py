@@ -19,10 +19,10 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
+from hilt.atomic import replacing, save_safetensors, write_json
 from hilt.errors import HiltError
 from hilt.progress import Progress
 from hilt.quant import QuantConfig
-from hilt.quant.checkpoint import save_safetensors, write_json
 from hilt.quant.qat import (
     QATSchedule,
     fake_quant_layers,
@@ -46,18 +46,16 @@ def _training_tokens(tokenizer, limit: int) -> torch.Tensor:
 
 
 def _save_state(path: Path, model, opt, step: int, settings: dict) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
     tensors = {f"model.{n}": t.detach().contiguous().clone() for n, t in model.state_dict().items()}
     opt_state = opt.state_dict()
     for i, st in opt_state["state"].items():
         for key, value in st.items():
             tensors[f"opt.{i}.{key}"] = torch.as_tensor(value).contiguous()
-    save_safetensors(tensors, tmp / "state.safetensors")
-    write_json(tmp / "state.json", {"step": step, "settings": settings, "param_groups": opt_state["param_groups"]})
-    shutil.rmtree(path, ignore_errors=True)
-    tmp.rename(path)  # the previous state stays whole until the new one is complete
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with replacing(path) as tmp:  # the previous state stays whole until the new one is complete
+        tmp.mkdir()
+        save_safetensors(tensors, tmp / "state.safetensors")
+        write_json(tmp / "state.json", {"step": step, "settings": settings, "param_groups": opt_state["param_groups"]})
 
 
 def _state_meta(path: Path, settings: dict) -> dict:

@@ -87,6 +87,7 @@ from hilt.cim_sim import (
     program,
 )
 from hilt.cim_sim.model import GDC_MODES
+from hilt.atomic import Appender, write_text
 from hilt.errors import HiltError
 from hilt.progress import Progress
 
@@ -441,39 +442,10 @@ def _csv_line(row: dict, header: bool = False) -> str:
     return buf.getvalue()
 
 
-class _Appender:
-    """A file that rows are appended to: each row is one write, then fsync, so a kill leaves whole
-    rows and at most one partial last line (which resume drops)."""
-
-    def __init__(self, path: Path):
-        self.fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-
-    def write(self, text: str) -> None:
-        os.write(self.fd, text.encode())
-        os.fsync(self.fd)
-
-    def close(self) -> None:
-        os.close(self.fd)
-
-
-def _write_whole(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    try:
-        with open(tmp, "w") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except OSError as e:
-        raise HiltError(f"{path}: cannot write ({e.strerror or e})") from None
-    finally:
-        tmp.unlink(missing_ok=True)
-
-
 def _write_rows(out: Path, rows: list[dict]) -> None:
     """results.jsonl and results.csv, whole (each to a temporary name, then renamed)."""
-    _write_whole(out / RESULTS_JSONL, "".join(_jsonl(r) for r in rows))
-    _write_whole(out / RESULTS_CSV, "".join(_csv_line(r, i == 0) for i, r in enumerate(rows)))
+    write_text(out / RESULTS_JSONL, "".join(_jsonl(r) for r in rows), fsync=True)
+    write_text(out / RESULTS_CSV, "".join(_csv_line(r, i == 0) for i, r in enumerate(rows)), fsync=True)
 
 
 def _first_difference(a, b, prefix="") -> str:
@@ -504,7 +476,7 @@ def _resume_rows(out: Path, grid: Grid, cells: list[Cell]) -> dict[int, dict]:
     lines = raw.split(b"\n")
     complete, tail = lines[:-1], lines[-1]
     if tail:  # killed mid-write: keep the whole rows only
-        _write_whole(path, b"".join(line + b"\n" for line in complete).decode())
+        write_text(path, b"".join(line + b"\n" for line in complete).decode(), fsync=True)
     by_key = {c.key: c for c in cells}
     done = {}
     for number, line in enumerate(complete, 1):
@@ -599,20 +571,20 @@ def run_sweep(grid_path, out, *, resume: bool = False, overwrite: bool = False, 
         out.mkdir(parents=True, exist_ok=True)
     except OSError as e:
         raise HiltError(f"{out}: cannot create the folder ({e.strerror or e})") from None
-    _write_whole(out / GRID_JSON, json.dumps(grid.normalized(), indent=1) + "\n")
+    write_text(out / GRID_JSON, json.dumps(grid.normalized(), indent=1) + "\n", fsync=True)
     if not done:
         for name in (RESULTS_JSONL, RESULTS_CSV, TIMING_JSON):
             (out / name).unlink(missing_ok=True)
         for png in out.glob("accuracy*.png"):
             png.unlink()
     else:  # the csv follows the kept rows (the run that wrote them may have died between the two files)
-        _write_whole(out / RESULTS_CSV, "".join(_csv_line(r, i == 0) for i, r in enumerate(done.values())))
+        write_text(out / RESULTS_CSV, "".join(_csv_line(r, i == 0) for i, r in enumerate(done.values())), fsync=True)
     log(f"{grid.path}: {len(cells)} cells in {len(groups)} groups (model x configuration x chips)"
         + (f"; {len(done)} already in {results}" if done else "") + f"; {len(data[1]) if data else 0} samples")
 
     rows = dict(done)
     group_seconds = {}
-    jsonl, csv_file = _Appender(results), _Appender(out / RESULTS_CSV)
+    jsonl, csv_file = Appender(results), Appender(out / RESULTS_CSV)
     bar = Progress(len(cells), "sweep", "cell", initial=len(done), enabled=progress)
     header = not done
 
@@ -661,7 +633,7 @@ def run_sweep(grid_path, out, *, resume: bool = False, overwrite: bool = False, 
               "groups": [{"group": " ".join(_show(a, g.cells[0].values[a]) for a in GROUP_AXES if a in grid.axes),
                           "cells": len(task["cells"]), "seconds": round(group_seconds.get(g.index, 0.0), 3)}
                          for g, task in tasks]}
-    _write_whole(out / TIMING_JSON, json.dumps(timing, indent=1) + "\n")
+    write_text(out / TIMING_JSON, json.dumps(timing, indent=1) + "\n", fsync=True)
     drawn = plot_sweep(grid, ordered, out) if plots else []
     log(f"wrote {results}, {out / RESULTS_CSV}" + (f" and {len(drawn)} plots" if drawn else ""))
     return {"grid": str(grid.path), "out": str(out), "cells": len(cells), "computed": len(cells) - len(done),

@@ -149,7 +149,7 @@ def save_workload(model: nn.Module, path: str | Path, name: str, meta: dict | No
     """
     check_workload(name)
     path = Path(path)
-    from hilt.quant.checkpoint import save_safetensors
+    from hilt.atomic import save_safetensors
 
     if not path.parent.is_dir():
         raise HiltError(f"{path}: folder {path.parent} does not exist")

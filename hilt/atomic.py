@@ -1,0 +1,123 @@
+"""Files written whole or not at all: every writer in hilt goes through here.
+
+A file (or folder) is built under a temporary name beside its destination and renamed over it
+once complete, so a reader, a crash or a Ctrl-C never finds half of one, and a failed write
+leaves neither a temporary nor a changed destination. A write the system refuses (a read-only
+folder, a full disk) becomes one HiltError naming the destination; the clean-up never hides it.
+Imports nothing of the project but the error class, so every package can use it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+from hilt.errors import HiltError, one_line
+
+
+def _remove(path: Path) -> None:
+    """Remove a file or a folder, quietly: clean-up after a failure must not raise a second error."""
+    try:
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            path.unlink(missing_ok=True)
+    except OSError:
+        pass
+
+
+def make_readable(path) -> None:
+    """Give a file the permissions the umask allows: some writers (safetensors) create owner-only files."""
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(path, 0o666 & ~umask)
+
+
+def move_into_place(tmp, path) -> None:
+    """Rename a finished ``tmp`` over ``path``; a folder already at ``path`` is moved aside first
+    and removed only once the new one is in place."""
+    tmp, path = Path(tmp), Path(path)
+    if tmp.is_dir() and path.is_dir():
+        old = path.with_name(path.name + ".old")
+        _remove(old)
+        os.replace(path, old)
+        os.replace(tmp, path)
+        _remove(old)
+    else:
+        os.replace(tmp, path)
+
+
+@contextlib.contextmanager
+def replacing(path, suffix: str = ".tmp", *, unique: bool = False) -> Iterator[Path]:
+    """``with replacing(dst) as tmp:`` write a file or a folder at ``tmp``; on a clean exit it
+    replaces ``dst`` (a folder replaces a folder, the old one removed only after the rename).
+    On any error ``tmp`` is removed and ``dst`` is left as it was; an OSError becomes a HiltError
+    naming ``dst``. ``unique`` gives each writer its own temporary name, for processes that may
+    build the same file at once."""
+    path = Path(path)
+    tag = f".{os.getpid()}-{uuid.uuid4().hex[:8]}" if unique else ""
+    tmp = path.with_name(path.name + tag + suffix)
+    _remove(tmp)
+    try:
+        yield tmp
+        move_into_place(tmp, path)
+    except OSError as e:
+        _remove(tmp)
+        raise HiltError(f"{path}: cannot write ({e.strerror or one_line(e)})") from None
+    except BaseException:
+        _remove(tmp)
+        raise
+
+
+def write_text(path, text: str, *, fsync: bool = False) -> None:
+    """Write ``text`` whole; ``fsync`` also forces it to disk before the rename (files a resumed run trusts)."""
+    path = Path(path)
+    if not path.parent.is_dir():
+        raise HiltError(f"{path}: folder {path.parent} does not exist")
+    with replacing(path) as tmp, open(tmp, "w") as f:
+        f.write(text)
+        if fsync:
+            f.flush()
+            os.fsync(f.fileno())
+
+
+def write_json(path, obj, *, sort_keys: bool = False) -> None:
+    """Write ``obj`` as indented JSON, whole."""
+    write_text(path, json.dumps(obj, indent=1, sort_keys=sort_keys) + "\n")
+
+
+def save_safetensors(tensors: dict, path, metadata: dict | None = None) -> None:
+    """Write a safetensors file whole, readable as the umask allows."""
+    from safetensors import SafetensorError
+    from safetensors.torch import save_file
+
+    path = Path(path)
+    try:
+        with replacing(path) as tmp:
+            save_file(tensors, str(tmp), metadata=metadata)
+            make_readable(tmp)
+    except SafetensorError as e:
+        raise HiltError(f"{path}: cannot write ({one_line(e)})") from None
+
+
+class Appender:
+    """A file that rows are appended to: each row is one write, then fsync, so a kill leaves whole
+    rows and at most one partial last line (which a resumed reader drops)."""
+
+    def __init__(self, path):
+        try:
+            self.fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        except OSError as e:
+            raise HiltError(f"{path}: cannot write ({e.strerror or one_line(e)})") from None
+
+    def write(self, text: str) -> None:
+        os.write(self.fd, text.encode())
+        os.fsync(self.fd)
+
+    def close(self) -> None:
+        os.close(self.fd)
