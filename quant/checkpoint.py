@@ -30,7 +30,8 @@ import math
 import os
 import re
 import shutil
-from dataclasses import asdict
+import time
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Iterable
 
@@ -40,9 +41,11 @@ from safetensors import SafetensorError, safe_open
 from hilt import __version__
 from hilt.atomic import move_into_place, save_safetensors, write_json
 from hilt.errors import HiltError, one_line
-from hilt.progress import LOG
+from hilt.progress import LOG, Progress
 from hilt.quant import hf_folder
-from hilt.quant.quantize import QuantConfig, check_quantizable, quantize_tensor, relative_error
+from hilt.quant.quantize import (
+    QuantConfig, check_quantizable, expected_bits_per_weight, quantize_tensor, relative_error,
+)
 from hilt.quant.qweight import QuantizedWeight
 from hilt.quant.sources import Source, open_source
 
@@ -62,7 +65,8 @@ KEEP_DENSE = re.compile(
     r"wte|wpe|tok_embeddings|token_embd|lm_head|output)\.weight$|(^|\.)(lm_head|embed_tokens)(\.|$)"
 )
 
-__all__ = ["quantize_checkpoint", "load_checkpoint", "read_header", "select_targets", "open_source"]
+__all__ = ["quantize_checkpoint", "plan_checkpoint", "Plan", "Written", "load_checkpoint", "read_header",
+           "select_targets", "open_source"]
 
 
 def select_targets(source: Source, only: str | None = None, ignore: str | None = None) -> list[str]:
@@ -144,6 +148,108 @@ def check_unquantized(source) -> None:
                         "quantize the model it came from")
 
 
+@dataclass
+class Plan:
+    """What a quantize run will do, checked before anything is written: the tensors to quantize in
+    the source's order, each one's format, and how many an interrupted run already finished."""
+
+    source: str
+    targets: list[str]
+    formats: dict[str, QuantConfig]
+    shapes: dict[str, tuple[int, ...]]
+    kept: int  # tensors copied as they are
+    source_bytes: int
+    resumed: int = 0  # quantized tensors DST.partial holds (resume=True)
+
+    def rows(self) -> list[dict]:
+        """Per target: name, shape, and the bits per weight its format will take."""
+        return [{"name": n, "shape": list(self.shapes[n]),
+                 "bits_per_weight": round(expected_bits_per_weight(self.shapes[n], self.formats[n]), 4)}
+                for n in self.targets]
+
+
+@dataclass
+class Written:
+    """What a quantize run wrote: the header of DST/hilt.json, the plan it followed, the shards' bytes,
+    and where this run's time went (read, quantize, error statistics, write; compensation's own split)."""
+
+    header: dict
+    plan: Plan
+    bytes: int
+    seconds: dict[str, float]
+    compensation_seconds: dict[str, float] = field(default_factory=dict)
+
+
+def _check_request(src, dst, config: QuantConfig, importance, compensate, formats, overwrite: bool,
+                   resume: bool) -> tuple[Path | None, dict | None]:
+    """The checks that need no tensor: flag combinations, an already quantized source, the destination.
+    Returns DST.partial (None without a destination) and the model folder's config (None if not one)."""
+    if importance is not None and config.method != "kmeans":
+        raise HiltError("--importance applies to --method kmeans only")
+    if importance is not None and compensate is not None:
+        raise HiltError("--importance and --compensate exclude each other: compensation weighs columns by its own calibration")
+    if formats and (importance is not None or compensate is not None):
+        raise HiltError("per-tensor formats (--budget) exclude --importance and --compensate: the formats were "
+                        "chosen by the error of plain rounding")
+    model_config = None
+    if hf_folder.is_hf_folder(src):
+        model_config = hf_folder.read_config(src)
+        if model_config.get("quantization_config"):
+            method = model_config["quantization_config"].get("quant_method", "unknown")
+            raise HiltError(f"{Path(src) / hf_folder.CONFIG}: the model is already quantized ({method}); "
+                            "quantize its unquantized folder")
+    if (Path(src) / HEADER).is_file():
+        raise HiltError(f"{src}: already a hilt quantized checkpoint; quantize the model it came from")
+    partial = None if dst is None else _check_destination(Path(dst), overwrite, resume)
+    return partial, model_config
+
+
+def _plan(source: Source, src, config: QuantConfig, only, ignore, formats, embeddings, weights, importance,
+          partial: Path | None, resume: bool) -> tuple[Plan, dict[str, QuantConfig]]:
+    """The plan, and the targets whose format is not ``config`` (--budget's, the embeddings')."""
+    check_unquantized(source)
+    targets = set(select_targets(source, only, ignore))
+    if not targets:
+        raise HiltError(f"{src}: no tensor selected for quantization (check --only/--ignore)")
+    unknown = sorted(set(formats) - targets)
+    if unknown:
+        raise HiltError(f"{src}: a format is given for '{unknown[0]}', which is not among the tensors to quantize")
+    per_tensor = dict(formats)
+    if embeddings is not None:
+        tables = embedding_tables(source, ignore)
+        if not tables:
+            raise HiltError(f"{src}: --embeddings: no embedding table or output head found")
+        per_tensor.update({n: embedding_config(embeddings, source.shape(n)) for n in tables})
+        targets |= set(tables)
+    ordered = [n for n in source.names() if n in targets]
+    shapes = {n: tuple(source.shape(n)) for n in ordered}
+    for name in ordered:
+        check_quantizable(name, shapes[name], per_tensor.get(name, config))
+    if weights and not targets & set(weights):
+        raise HiltError(f"{importance}: lists none of the tensors to quantize (made for another model?)")
+    resumed = 0
+    if resume and partial is not None and (partial / PROGRESS).exists():
+        with contextlib.suppress(OSError, ValueError, KeyError, TypeError, AttributeError):
+            state = json.loads((partial / PROGRESS).read_text())
+            resumed = sum(e["kind"] == "quantized" for e in state["tensors"].values())
+    plan = Plan(str(src), ordered, {n: per_tensor.get(n, config) for n in ordered}, shapes,
+                len(source.names()) - len(ordered), source.nbytes(), resumed)
+    return plan, per_tensor
+
+
+def plan_checkpoint(src, dst=None, config: QuantConfig | None = None, *, only: str | None = None,
+                    ignore: str | None = None, overwrite: bool = False, resume: bool = False, importance=None,
+                    formats: dict[str, QuantConfig] | None = None, embeddings: int | None = None) -> Plan:
+    """The plan :func:`quantize_checkpoint` would follow with these arguments, with every check it
+    makes before writing (the destination's too, given one); reads no tensor data."""
+    config = config or QuantConfig()
+    formats = formats or {}
+    partial, _ = _check_request(src, dst, config, importance, None, formats, overwrite, resume)
+    weights = {} if importance is None else load_importance(importance)
+    with open_source(src) as source:
+        return _plan(source, src, config, only, ignore, formats, embeddings, weights, importance, partial, resume)[0]
+
+
 def quantize_checkpoint(
     src,
     dst,
@@ -163,7 +269,7 @@ def quantize_checkpoint(
     dense_dtype: torch.dtype | None = None,
     on_tensor: Callable[[dict], None] | None = None,
     progress: bool = False,
-) -> dict:
+) -> Written:
     """Quantize the selected tensors of ``src`` into a hilt checkpoint at ``dst``.
 
     ``importance``: a safetensors file (from `hilt calibrate`) mapping tensor
@@ -183,52 +289,19 @@ def quantize_checkpoint(
     From a Hugging Face model folder (with a config.json) the output is one too: its config with a
     ``quantization_config`` (hilt.quant.hf_folder) and its tokenizer and generation files.
 
-    Returns the header written to ``dst/hilt.json``. ``on_tensor`` is called
-    with each tensor's entry (name, kind, bits_per_weight, rel_error, ...).
+    Returns what was written (:class:`Written`; its ``header`` is DST/hilt.json). ``on_tensor`` is
+    called with each tensor's entry (name, kind, bits_per_weight, rel_error, ...); ``progress``
+    shows a bar on a terminal, a line per quantized tensor on the ``hilt`` logger otherwise.
     """
     dst = Path(dst)
-    if importance is not None and config.method != "kmeans":
-        raise HiltError("--importance applies to --method kmeans only")
-    if importance is not None and compensate is not None:
-        raise HiltError("--importance and --compensate exclude each other: compensation weighs columns by its own calibration")
     formats = formats or {}
-    if formats and (importance is not None or compensate is not None):
-        raise HiltError("per-tensor formats (--budget) exclude --importance and --compensate: the formats were "
-                        "chosen by the error of plain rounding")
-    model_config = None
-    if hf_folder.is_hf_folder(src):
-        model_config = hf_folder.read_config(src)
-        if model_config.get("quantization_config"):
-            method = model_config["quantization_config"].get("quant_method", "unknown")
-            raise HiltError(f"{Path(src) / hf_folder.CONFIG}: the model is already quantized ({method}); "
-                            "quantize its unquantized folder")
-    if (Path(src) / HEADER).is_file():
-        raise HiltError(f"{src}: already a hilt quantized checkpoint; quantize the model it came from")
-    partial = _check_destination(dst, overwrite, resume)
+    partial, model_config = _check_request(src, dst, config, importance, compensate, formats, overwrite, resume)
     weights = {} if importance is None else load_importance(importance)
     source = open_source(src)
     try:
-        check_unquantized(source)
-        targets = set(select_targets(source, only, ignore))
-        if not targets:
-            raise HiltError(f"{src}: no tensor selected for quantization (check --only/--ignore)")
-        unknown = sorted(set(formats) - targets)
-        if unknown:
-            raise HiltError(f"{src}: a format is given for '{unknown[0]}', which is not among the tensors to quantize")
-        per_tensor = dict(formats)
-        if embeddings is not None:
-            tables = embedding_tables(source, ignore)
-            if not tables:
-                raise HiltError(f"{src}: --embeddings: no embedding table or output head found")
-            per_tensor.update({n: embedding_config(embeddings, source.shape(n)) for n in tables})
-            targets |= set(tables)
-        for name in source.names():
-            if name in targets:
-                check_quantizable(name, source.shape(name), per_tensor.get(name, config))
-        if weights and not targets & set(weights):
-            raise HiltError(f"{importance}: lists none of the tensors to quantize (made for another model?)")
-        compensator = None if compensate is None else compensate([n for n in source.names()
-                                                                   if n in targets and n not in per_tensor])
+        plan, per_tensor = _plan(source, src, config, only, ignore, formats, embeddings, weights, importance,
+                                 partial, resume)
+        compensator = None if compensate is None else compensate([n for n in plan.targets if n not in per_tensor])
         settings = {
             "config": asdict(config),
             "source": {"path": str(Path(src).resolve()), "format": source.format},  # found from any folder later
@@ -246,9 +319,14 @@ def quantize_checkpoint(
             state = _start_or_resume(partial, settings, resume)
         except OSError as e:
             raise HiltError(f"{dst}: cannot write there ({e.strerror})") from None
+        seconds = dict.fromkeys(("read", "quantize", "error", "write"), 0.0)
+        start = time.perf_counter()
         try:
-            _stream(source, targets, weights, codebooks or {}, compensator, config, per_tensor, dense_dtype, partial,
-                    state, shard_bytes, on_tensor, progress)
+            with Progress(len(plan.targets), "quantize", "tensor", initial=plan.resumed, echo=True,
+                          enabled=progress) as bar:
+                _stream(source, set(plan.targets), weights, codebooks or {}, compensator, config, per_tensor,
+                        dense_dtype, partial, state, shard_bytes, on_tensor, bar, seconds)
+            t0 = time.perf_counter()
             _name_shards(partial, state)
             header = {
                 "format": FORMAT_NAME,
@@ -265,8 +343,12 @@ def quantize_checkpoint(
                            {**model_config, "quantization_config": hf_folder.quantization_config(header)})
             write_json(partial / HEADER, header, sort_keys=True)
             (partial / PROGRESS).unlink()
+            size = sum((partial / s).stat().st_size for s in header["shards"])
             move_into_place(partial, dst)
-            return header
+            seconds["write"] += time.perf_counter() - t0
+            seconds["total"] = time.perf_counter() - start
+            return Written(header, plan, size, {k: round(v, 3) for k, v in seconds.items()},
+                           {} if compensator is None else {k: round(v, 3) for k, v in compensator.seconds.items()})
         except KeyboardInterrupt:
             raise  # keep DST.partial for --resume
         except BaseException as e:
@@ -293,20 +375,19 @@ def _start_or_resume(partial: Path, settings: dict, resume: bool) -> dict:
 
 
 def _stream(source, targets, importance, codebooks, compensator, config, formats, dense_dtype, partial, state,
-            shard_bytes, on_tensor, progress):
-    from tqdm import tqdm
-
+            shard_bytes, on_tensor, bar: Progress, seconds: dict):
     done = set(state["tensors"])
     todo = [n for n in source.names() if n not in done]
     buffer: dict[str, torch.Tensor] = {}
     entries: dict[str, dict] = {}
     size = 0
-    bar = tqdm(todo, desc="quantize", unit="tensor", disable=not progress, dynamic_ncols=True)
     requantized = sorted({source.stored_type(n) for n in targets if source.is_block_quantized(n)})
-    for name in bar:
-        bar.set_postfix_str(name, refresh=False)
+    for name in todo:
+        t0 = time.perf_counter()
         if name in targets:
             w = source.get(name)
+            t1 = time.perf_counter()
+            seconds["read"] += t1 - t0
             if requantized and source.is_block_quantized(name):  # once, when the first such tensor has been read
                 LOG.warning(f"{source.path}: its weights are already quantized ({', '.join(requantized)}); they are "
                             "dequantized and quantized again, so their errors add up")
@@ -322,6 +403,10 @@ def _stream(source, targets, importance, codebooks, compensator, config, formats
                 q = quantize_tensor(w, formats.get(name, config), name=name, importance=importance.get(name),
                                     codebook=codebooks.get(name))
             parts = _tensor_parts(name, q)
+            t2 = time.perf_counter()
+            seconds["quantize"] += t2 - t1
+            error = round(relative_error(w, q), 6)
+            seconds["error"] += time.perf_counter() - t2
             entry = {
                 "kind": "quantized",
                 "importance_weighted": name in importance,
@@ -333,12 +418,13 @@ def _stream(source, targets, importance, codebooks, compensator, config, formats
                 "dtype": str(q.dtype).removeprefix("torch."),
                 "stored_type": source.stored_type(name),
                 "bits_per_weight": round(q.bits_per_weight, 6),
-                "rel_error": round(relative_error(w, q), 6),
+                "rel_error": error,
                 **extra,
             }
             del w
         else:
             t = source.get_stored(name)
+            seconds["read"] += time.perf_counter() - t0
             if t.is_floating_point() and (dense_dtype is not None or source.is_block_quantized(name)):
                 t = t.to(dense_dtype or torch.bfloat16)
             parts = {name: t.contiguous()}
@@ -349,11 +435,25 @@ def _stream(source, targets, importance, codebooks, compensator, config, formats
         size += sum(p.numel() * p.element_size() for p in parts.values())
         if on_tensor is not None:
             on_tensor({"name": name, **entry})
+        if entry["kind"] == "quantized":
+            bar.done(name, _detail(entry))
         if size >= shard_bytes:
+            t0 = time.perf_counter()
             _flush(partial, state, buffer, entries)
+            seconds["write"] += time.perf_counter() - t0
             buffer, entries, size = {}, {}, 0
     if buffer:
+        t0 = time.perf_counter()
         _flush(partial, state, buffer, entries)
+        seconds["write"] += time.perf_counter() - t0
+
+
+def _detail(entry: dict) -> str:
+    detail = f"{entry['bits_per_weight']:.3f} bits/weight, rel. error {entry['rel_error']:.4f}"
+    if "output_rel_error" in entry:  # compensated: the error that counts is the layer output's
+        detail += (f", output error {entry['output_rel_error']:.4f} "
+                   f"(rounding alone {entry['output_rel_error_rounded']:.4f})")
+    return detail
 
 
 def _flush(partial: Path, state: dict, buffer: dict, entries: dict) -> None:

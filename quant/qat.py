@@ -178,7 +178,7 @@ def save_qat(model: nn.Module, dst, overwrite: bool = False) -> dict:
         src = Path(tmp) / "qat.safetensors"
         save_file(_unshared(tensors), src)
         return quantize_checkpoint(src, dst, config, only=only, overwrite=overwrite,
-                                   codebooks=codebooks if config.method == "kmeans" else None)
+                                   codebooks=codebooks if config.method == "kmeans" else None).header
 
 
 def _unshared(tensors: dict) -> dict:

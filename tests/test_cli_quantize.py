@@ -62,9 +62,8 @@ def test_quantize_inspect_and_json(tiny_ckpt, tmp_path):
     r = run_hilt("inspect", dst, "--tensors")
     assert r.returncode == 0 and "kmeans, 2 bits, block 64" in r.stdout and "lm_head.weight" in r.stdout
     shard = dst / header["shards"][0]
-    for again in (dst, shard):  # quantizing a quantized checkpoint (its folder, or its shard) is refused
-        assert_clean_failure(run_hilt("quantize", again, tmp_path / "twice", "--dry-run"),
-                             "holds quantized codes and scales", dst=tmp_path / "twice")
+    for again, why in ((dst, "already a hilt quantized checkpoint"), (shard, "holds quantized codes and scales")):
+        assert_clean_failure(run_hilt("quantize", again, tmp_path / "twice", "--dry-run"), why, dst=tmp_path / "twice")
     with pytest.raises(HiltError, match="already a hilt quantized checkpoint"):
         quantize_checkpoint(dst, tmp_path / "twice", QuantConfig("int", 4, 64))
     with open(shard, "r+b") as f:  # cut short, as a copy that stopped half-way leaves it

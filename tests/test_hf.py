@@ -56,7 +56,7 @@ def hilt_side(src, dst):
 def test_from_pretrained_runs_the_packed_weights(tmp_path, config):
     src = tiny_llama(tmp_path / "src")
     dst = tmp_path / "q"
-    header = quantize_checkpoint(src, dst, config)
+    header = quantize_checkpoint(src, dst, config).header
     cfg = json.loads((dst / "config.json").read_text())["quantization_config"]
     assert cfg["quant_method"] == "hilt" and cfg["format_version"] == header["format_version"] == 2
     assert set(cfg["modules"]) == {n.removesuffix(".weight") for n, e in header["tensors"].items()
@@ -108,7 +108,7 @@ def test_from_pretrained_runs_the_packed_weights(tmp_path, config):
 def test_sharded_output_has_an_index(tmp_path):
     src = tiny_llama(tmp_path / "src")
     dst = tmp_path / "q"
-    header = quantize_checkpoint(src, dst, QuantConfig("int", 8, 32), shard_bytes=20_000)
+    header = quantize_checkpoint(src, dst, QuantConfig("int", 8, 32), shard_bytes=20_000).header
     n = len(header["shards"])
     assert n > 1 and header["shards"][0] == f"model-00001-of-{n:05d}.safetensors"
     index = json.loads((dst / "model.safetensors.index.json").read_text())["weight_map"]
@@ -123,7 +123,7 @@ def test_version_1_checkpoints_still_read(tmp_path):
     """Version 1 named the parts after the tensor (NAME.weight.codes) and its shards model-00001.safetensors."""
     src = tiny_llama(tmp_path / "src")
     v2 = tmp_path / "v2"
-    header = quantize_checkpoint(src, v2, QuantConfig("kmeans", 3, 32))
+    header = quantize_checkpoint(src, v2, QuantConfig("kmeans", 3, 32)).header
     v1 = tmp_path / "v1"
     v1.mkdir()
     with safe_open(str(v2 / "model.safetensors"), "pt") as f:
@@ -188,7 +188,7 @@ def test_cpu_integer_kernels_only_where_exact():
 def test_quantized_embeddings_and_tied_head(tmp_path):
     src = tiny_llama(tmp_path / "src")
     dst = tmp_path / "q"
-    header = quantize_checkpoint(src, dst, QuantConfig("int", 4, 32), embeddings=8)
+    header = quantize_checkpoint(src, dst, QuantConfig("int", 4, 32), embeddings=8).header
     table = header["tensors"]["model.embed_tokens.weight"]
     assert table["kind"] == "quantized" and table["bits"] == 8 and table["block_size"] == 64  # one scale per row
     assert "lm_head.weight" not in header["tensors"]  # tied: stored once

@@ -155,7 +155,7 @@ def test_mixed_checkpoint_loads_per_tensor_formats(tmp_path):
     formats = {"model.layers.0.mlp.up_proj.weight": QuantConfig(method="int", bits=8, block_size=128),
                "model.layers.1.mlp.down_proj.weight": QuantConfig(method="kmeans", bits=2, block_size=32)}
     header = quantize_checkpoint(src, tmp_path / "q", QuantConfig(bits=4), formats=formats,
-                                 mixed={"budget": 3.0})
+                                 mixed={"budget": 3.0}).header
     assert header["mixed"]["budget"] == 3.0 and set(header["mixed"]["formats"]) == set(formats)
     e = header["tensors"]
     assert (e["model.layers.0.mlp.up_proj.weight"]["bits"], e["model.layers.0.mlp.up_proj.weight"]["method"]) == (8, "int")

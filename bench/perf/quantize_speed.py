@@ -58,7 +58,7 @@ def speed(src: Path, reference_tensors: int, log=print) -> dict:
     config = QuantConfig("kmeans", 4, 64)
     with tempfile.TemporaryDirectory() as tmp:
         start = time.perf_counter()
-        header = quantize_checkpoint(src, Path(tmp) / "q", config)
+        header = quantize_checkpoint(src, Path(tmp) / "q", config).header
         end_to_end = time.perf_counter() - start
     log(f"hilt quantize, all {header['totals']['quantized_tensors']} linear weights of SmolLM2-135M "
         f"to 4-bit k-means: {end_to_end:.1f} s")

@@ -165,7 +165,7 @@ def run(out="report", quick=False, models=None, widths=None, log=print) -> dict:
                     else:
                         header = quantize_checkpoint(src, dst, QuantConfig(method=fmt, bits=bits, block_size=GROUP),
                                                      overwrite=True,
-                                                     importance=importance if method == "kmeans-imp" else None)
+                                                     importance=importance if method == "kmeans-imp" else None).header
                         row["quantize_seconds"] = round(time.perf_counter() - start, 1)
                         row["bits_per_weight"] = header["totals"]["bits_per_weight"]
                     row["quality"] = _evaluate(model, quantized=dst, tokens=tokens, sentences=sentences)

@@ -64,7 +64,7 @@ def run(out="report", quick=False, json_path=None, tokens=None, sentences=None, 
             compensate = (lambda targets, src=src: compensator(src, config, targets=targets)) \
                 if label.startswith("gptq") else None
             header = quantize_checkpoint(src, dst, config, overwrite=True, compensate=compensate,
-                                         importance=importance[model] if label == "kmeans-imp" else None)
+                                         importance=importance[model] if label == "kmeans-imp" else None).header
             row[f"{model}_quantize_seconds"] = round(time.perf_counter() - start, 1)
             row[f"{model}_bits_per_weight"] = header["totals"]["bits_per_weight"]
             row[f"{model}_rel_error"] = header["totals"]["rel_error_mean"]

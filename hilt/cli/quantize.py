@@ -1,23 +1,16 @@
 from __future__ import annotations
 
-import contextlib
-import json
-from pathlib import Path
-
 from hilt.cli.common import (
     DENSE_DTYPES, LOG, OUTPUT, POSITIVE, POSITIVE_NUMBER, QUANT_METHODS, SEED, UsageError, command, integer,
     number, resolve_bits,
 )
 from hilt.cli.output import write_json
-from hilt.progress import Progress
 
 
 def cmd_quantize(args) -> int:
     import torch
 
-    from hilt.quant import QuantConfig, open_source, quantize_checkpoint
-    from hilt.quant.checkpoint import PROGRESS, check_unquantized, embedding_config, embedding_tables, select_targets
-    from hilt.quant.quantize import check_quantizable, expected_bits_per_weight
+    from hilt.quant import QuantConfig, plan_checkpoint, quantize_checkpoint
 
     if args.asymmetric and args.method not in ("int", "int-asym"):
         raise UsageError(f"--asymmetric applies to --method int only, not --method {args.method}")
@@ -26,84 +19,47 @@ def cmd_quantize(args) -> int:
     method = "int-asym" if args.asymmetric else args.method
     config = QuantConfig(method=method, bits=resolve_bits(args, 4), block_size=args.block_size,
                          codebook=args.codebook, solver=args.solver or "optimal", seed=args.seed)
-    plan = _budget_plan(args)
-    compensate, compensators = _compensation(args, config)
-    with open_source(args.src) as source:
-        check_unquantized(source)
-        targets = select_targets(source, args.only, args.ignore)
-        tables = {}
-        if args.embeddings is not None:
-            tables = {n: embedding_config(args.embeddings, source.shape(n)) for n in embedding_tables(source, args.ignore)}
-        targets += [n for n in tables if n not in targets]
-        source_bytes = source.nbytes()
-        if args.dry_run:
-            rows = []
-            for name in targets:
-                cfg = tables.get(name) or (plan["formats"][name] if plan else config)
-                check_quantizable(name, source.shape(name), cfg)
-                rows.append({"name": name, "shape": list(source.shape(name)),
-                             "bits_per_weight": round(expected_bits_per_weight(source.shape(name), cfg), 4)})
-                chosen = plan and next((r for r in plan["rows"] if r["name"] == name), None)
-                if chosen:
-                    rows[-1].update(format=chosen["format"], predicted=chosen["predicted"])
-            kept = len(source.names()) - len(targets)
+    budget = _budget_plan(args)
+    compensate = _compensation(args, config)
+    formats = budget and budget["formats"]
     if args.dry_run:
+        plan = plan_checkpoint(args.src, args.dst, config, only=args.only, ignore=args.ignore,
+                               overwrite=args.overwrite, resume=args.resume, importance=args.importance,
+                               formats=formats, embeddings=args.embeddings)
+        rows = plan.rows()
         for r in rows:
+            chosen = budget and next((c for c in budget["rows"] if c["name"] == r["name"]), None)
+            if chosen:
+                r.update(format=chosen["format"], predicted=chosen["predicted"])
             fmt = f"  {r['format']:<11} predicted {r['predicted']:.3g}" if "format" in r else ""
             print(f"would quantize {r['name']:<48} {str(tuple(r['shape'])):>14}  {r['bits_per_weight']:.3f} "
                   f"bits/weight{fmt}")
-        if plan:
-            print(_plan_line(plan["mixed"]))
-        print(f"{len(rows)} tensors to quantize, {kept} kept as they are; nothing written (--dry-run)")
-        write_json(args, {"dry_run": True, "tensors": rows, **({"mixed": plan["mixed"]} if plan else {})})
+        if budget:
+            print(_plan_line(budget["mixed"]))
+        print(f"{len(rows)} tensors to quantize, {plan.kept} kept as they are; nothing written (--dry-run)")
+        write_json(args, {"dry_run": True, "tensors": rows, **({"mixed": budget["mixed"]} if budget else {})})
         return 0
 
-    done_before = 0
-    if args.resume:  # what the interrupted run quantized counts toward [i/N]
-        with contextlib.suppress(OSError, ValueError, KeyError, TypeError, AttributeError):
-            state = json.loads((Path(str(args.dst) + ".partial") / PROGRESS).read_text())
-            done_before = sum(e["kind"] == "quantized" for e in state["tensors"].values())
-    records = []
-    progress = Progress(len(targets), "quantize", "tensor", initial=done_before, echo=True)
-
-    def on_tensor(entry):
-        if entry["kind"] == "quantized":
-            records.append({"name": entry["name"], "bits_per_weight": entry["bits_per_weight"],
-                            "rel_error": entry["rel_error"], "shape": entry["shape"]})
-            detail = f"{entry['bits_per_weight']:.3f} bits/weight, rel. error {entry['rel_error']:.4f}"
-            if "output_rel_error" in entry:  # compensated: the error that counts is the layer output's
-                detail += (f", output error {entry['output_rel_error']:.4f} "
-                           f"(rounding alone {entry['output_rel_error_rounded']:.4f})")
-            progress.done(entry["name"], detail)
-
-    with progress:
-        header = quantize_checkpoint(args.src, args.dst, config, only=args.only, ignore=args.ignore,
-                                     overwrite=args.overwrite, resume=args.resume, importance=args.importance,
-                                     shard_bytes=int(args.shard_size * (1 << 20)), compensate=compensate,
-                                     formats=plan and plan["formats"], mixed=plan and plan["mixed"],
-                                     embeddings=args.embeddings,
-                                     dense_dtype=args.dense_dtype and getattr(torch, args.dense_dtype),
-                                     on_tensor=on_tensor)
-    totals = header["totals"]
-    size = sum((Path(args.dst) / s).stat().st_size for s in header["shards"])
-    what = "mixed formats under the budget" if plan else f"{config.method}, {config.bits} bits, block {config.block_size}"
+    written = quantize_checkpoint(args.src, args.dst, config, only=args.only, ignore=args.ignore,
+                                  overwrite=args.overwrite, resume=args.resume, importance=args.importance,
+                                  shard_bytes=int(args.shard_size * (1 << 20)), compensate=compensate,
+                                  formats=formats, mixed=budget and budget["mixed"], embeddings=args.embeddings,
+                                  dense_dtype=args.dense_dtype and getattr(torch, args.dense_dtype), progress=True)
+    header, totals = written.header, written.header["totals"]
+    what = "mixed formats under the budget" if budget else f"{config.method}, {config.bits} bits, block {config.block_size}"
     print(f"wrote {args.dst}: {totals['quantized_tensors']} of {totals['tensors']} tensors quantized "
           f"({what}), {totals['bits_per_weight']:.3f} bits/weight on quantized tensors, "
-          f"mean rel. error {totals['rel_error_mean']:.4f}; {source_bytes / 1e6:.1f} MB -> {size / 1e6:.1f} MB")
-    if plan:
-        print(_plan_line(plan["mixed"]))
+          f"mean rel. error {totals['rel_error_mean']:.4f}; {written.plan.source_bytes / 1e6:.1f} MB -> "
+          f"{written.bytes / 1e6:.1f} MB")
+    if budget:
+        print(_plan_line(budget["mixed"]))
     if args.json:
-        # resumed runs report tensors quantized earlier from the header
-        done = {r["name"] for r in records}
-        for name, e in header["tensors"].items():
-            if e["kind"] == "quantized" and name not in done:
-                records.append({"name": name, "bits_per_weight": e["bits_per_weight"],
-                                "rel_error": e["rel_error"], "shape": e["shape"]})
+        records = [{"name": name, "bits_per_weight": e["bits_per_weight"], "rel_error": e["rel_error"],
+                    "shape": e["shape"]} for name, e in header["tensors"].items() if e["kind"] == "quantized"]
         result = {"dst": str(args.dst), "config": header["config"], "tensors": records,
-                  "totals": {**totals, "bytes": size}}
-        if compensators:
-            result["compensation"] = {**header["compensation"],
-                                      "seconds": {k: round(v, 2) for k, v in compensators[0].seconds.items()}}
+                  "totals": {**totals, "bytes": written.bytes}, "seconds": written.seconds}
+        if written.compensation_seconds:
+            result["compensation"] = {**header["compensation"], "seconds": written.compensation_seconds}
         write_json(args, result)
     return 0
 
@@ -138,8 +94,8 @@ def _plan_line(mixed: dict) -> str:
 
 
 def _compensation(args, config):
-    """The Compensator factory for --compensate (None without it) and the list it puts the one it
-    makes in; the compensation flags are refused without --compensate."""
+    """The Compensator factory for --compensate (None without it); the compensation flags are refused
+    without --compensate."""
     # the defaults live in hilt/tasks/compensate.py and CompensationConfig; None here means "not given"
     given = {"--calibration": args.calibration, "--calibration-tokens": args.calibration_tokens,
              "--calibration-sentences": args.calibration_sentences, "--act-order": args.act_order or None,
@@ -148,7 +104,7 @@ def _compensation(args, config):
     if not args.compensate:
         if given:
             raise UsageError(f"{given[0]} applies with --compensate only")
-        return None, []
+        return None
     from hilt.tasks.compensate import compensator, model_kind
     from hilt.quant.compensate import CompensationConfig, check_compensable
 
@@ -157,14 +113,12 @@ def _compensation(args, config):
     comp = CompensationConfig(act_order=args.act_order, **({"scales": args.block_scales} if args.block_scales else {}))
     options = {k: v for k, v in (("calibration", args.calibration), ("tokens", args.calibration_tokens),
                                  ("sentences", args.calibration_sentences)) if v is not None}
-    made = []
 
     def make(targets):
         LOG.info(f"compensating {len(targets)} tensors block by block: each block's calibration inputs pass "
                  "through it first (the first tensor of a block carries the block's time)")
-        made.append(compensator(args.src, config, comp, targets, **options))
-        return made[-1]
-    return make, made
+        return compensator(args.src, config, comp, targets, **options)
+    return make
 
 
 def register(sub) -> None:
