@@ -121,7 +121,8 @@ def require_causal_lm(folder, config: dict, embed_hint: str) -> None:
     """Refuse an encoder before its weights load: transformers would give it a randomly initialised
     language-model head (BERT's BertLMHeadModel), and its perplexity would mean nothing."""
     require_transformers()
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES, MODEL_FOR_MASKED_LM_MAPPING_NAMES
+    from transformers.models.auto.modeling_auto import (MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
+                                                        MODEL_FOR_MASKED_LM_MAPPING_NAMES)
 
     model_type, archs = config.get("model_type"), config.get("architectures") or []
     heads = set(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values())
