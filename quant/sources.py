@@ -218,16 +218,55 @@ def read_gguf(path):
     if not path.is_file():
         raise HiltError(f"{path}: not a GGUF file (a folder)")
     try:
+        with open(path, "rb") as fh:
+            magic = fh.read(4)
+    except OSError as e:
+        raise HiltError(f"{path}: cannot read ({e.strerror})") from None
+    if magic != b"GGUF":  # checked here: gguf's reader says only "magic invalid", or numpy's words on a tiny file
+        found = f"starts with {magic!r}" if magic else "empty"
+        raise HiltError(f"{path}: not a GGUF file ({found}, a GGUF file with b'GGUF')")
+    try:
         return _parsed_gguf(str(path.resolve()), st.st_size, st.st_mtime_ns, st.st_ino)
+    except _Truncated as e:
+        what = "its tensor table promises" if e.whole else "its header alone needs at least"
+        raise HiltError(f"{path}: truncated GGUF file ({st.st_size} bytes, {what} {e.needed}); "
+                        "copy or download it again") from None
     except Exception as e:  # gguf raises ValueError/struct errors on a bad file
         raise HiltError(f"{path}: not a readable GGUF file ({one_line(e)})") from None
+
+
+class _Truncated(Exception):
+    def __init__(self, needed: int, whole: bool):
+        super().__init__(needed)
+        self.needed, self.whole = needed, whole
 
 
 @functools.lru_cache(maxsize=2)
 def _parsed_gguf(path: str, size: int, mtime_ns: int, inode: int):
     import gguf
 
-    return gguf.GGUFReader(path)  # a read-only memory map: sharing it is safe
+    class CheckedReader(gguf.GGUFReader):
+        """gguf's reader, refusing reads past the end of the file: its own slices come back short there,
+        and numpy then fails with a message about dtypes or shapes that never says "truncated"."""
+
+        def _get(self, offset, dtype, count=1, override_order=None):
+            end = int(offset) + np.dtype(dtype).itemsize * int(count)
+            if end > len(self.data):
+                raise _Truncated(end, whole=False)
+            return super()._get(offset, dtype, count, override_order)
+
+        def _build_tensors(self, start_offs, fields):
+            # the end of the last tensor: the size the file must have, said before any tensor is cut
+            need = 0
+            for field in fields:
+                dims, raw_type, offset = field.parts[3], field.parts[4], field.parts[5]
+                block, type_size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType(int(raw_type[0]))]
+                need = max(need, int(start_offs) + int(offset[0]) + int(np.prod(dims)) * type_size // block)
+            if need > len(self.data):
+                raise _Truncated(need, whole=True)
+            return super()._build_tensors(start_offs, fields)
+
+    return CheckedReader(path)  # a read-only memory map: sharing it is safe
 
 
 def open_source(path) -> Source:
@@ -247,7 +286,7 @@ def open_source(path) -> Source:
     if magic == b"GGUF":
         return GGUFSource(path)
     if path.suffix == ".gguf":
-        raise HiltError(f"{path}: not a GGUF file (bad magic {magic!r})")
+        return GGUFSource(path)  # read_gguf names what the file holds instead
     return SafetensorsSource(path, [path])
 
 

@@ -6,6 +6,7 @@ from a Hugging Face folder loads like any other once ``hilt`` is imported (hilt.
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 from pathlib import Path
@@ -13,7 +14,7 @@ from pathlib import Path
 import torch
 
 from hilt.errors import HiltError, one_line
-from hilt.quant.hf_folder import CONFIG, is_hf_folder, read_config
+from hilt.quant.hf_folder import CONFIG, INDEX, WEIGHT_SUFFIXES, is_hf_folder, read_config
 from hilt.quant.sources import read_gguf
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
@@ -36,6 +37,16 @@ def gguf_to_hf(src, dst, dtype: torch.dtype = torch.bfloat16, overwrite: bool = 
     from hilt.models.llama import GGUFTokenizer
 
     src, dst = Path(src), Path(dst)
+    # the destination first: a conversion takes seconds to minutes, and its failure to write would
+    # otherwise surface as transformers' error about the source
+    parent = dst.parent if str(dst.parent) else Path(".")
+    if not parent.is_dir():
+        raise HiltError(f"{dst}: parent folder {parent} " + ("is a file" if parent.exists() else "does not exist"))
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise HiltError(f"{dst}: folder {parent} is not writable")
+    if dst.exists() and not (overwrite and is_hf_folder(dst)):
+        raise HiltError(f"{dst}: already exists" + ("; pass --overwrite to replace it" if not overwrite else
+                                                     " and is not a model folder; refusing to replace it"))
     reader = read_gguf(src)
     field = reader.fields.get("general.architecture")
     arch = field.contents() if field is not None else None
@@ -45,11 +56,12 @@ def gguf_to_hf(src, dst, dtype: torch.dtype = torch.bfloat16, overwrite: bool = 
     if arch not in GGUF_SUPPORTED_ARCHITECTURES:
         raise HiltError(f"{src}: architecture {arch!r} has no Hugging Face conversion here (supported: "
                         f"{', '.join(sorted(GGUF_SUPPORTED_ARCHITECTURES))})")
-    if dst.exists() and not (overwrite and is_hf_folder(dst)):
-        raise HiltError(f"{dst}: already exists" + ("; pass --overwrite to replace it" if not overwrite else
-                                                     " and is not a model folder; refusing to replace it"))
     partial = dst.with_name(dst.name + ".partial")
     shutil.rmtree(partial, ignore_errors=True)
+    try:
+        partial.mkdir()
+    except OSError as e:
+        raise HiltError(f"{dst}: cannot write the folder ({e.strerror or one_line(e)})") from None
     try:
         model = transformers.AutoModelForCausalLM.from_pretrained(
             str(src.parent), gguf_file=src.name, dtype=dtype,
@@ -67,6 +79,10 @@ def gguf_to_hf(src, dst, dtype: torch.dtype = torch.bfloat16, overwrite: bool = 
         shutil.rmtree(partial, ignore_errors=True)
         if isinstance(e, HiltError) or not isinstance(e, Exception):
             raise
+        failed = _write_error(e, partial)
+        if failed is not None:  # a full disk or a folder that turned read-only: the destination's fault
+            raise HiltError(f"{dst}: cannot write {Path(failed.filename).name} "
+                            f"({failed.strerror or one_line(failed)})") from None
         raise HiltError(f"{src}: transformers could not convert it ({one_line(e)})") from None
     if dst.exists():
         shutil.rmtree(dst)
@@ -74,14 +90,69 @@ def gguf_to_hf(src, dst, dtype: torch.dtype = torch.bfloat16, overwrite: bool = 
     return dst
 
 
-def _load(folder, auto_class: str, dtype=torch.float32):
-    """A model folder through transformers' ``auto_class``, in eval mode; errors in one line."""
+def check_folder(folder) -> dict:
+    """The config of a Hugging Face model folder, after the checks that read no weights: a folder,
+    with a config.json, and every shard its index lists present (transformers' own error names a
+    path deep in its loader)."""
     folder = Path(folder)
     if not folder.is_dir():
         raise HiltError(f"{folder}: not a model folder")
     if not is_hf_folder(folder):
         raise HiltError(f"{folder}: no {CONFIG}; a Hugging Face model folder is needed here")
     config = read_config(folder)
+    index = folder / INDEX
+    if index.is_file():
+        try:
+            shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+            raise HiltError(f"{index}: not a safetensors index (a 'weight_map' of tensor -> shard: "
+                            f"{one_line(e, 120)})") from None
+        missing = [f for f in shards if not (folder / f).is_file()]
+        if missing:
+            raise HiltError(f"{index}: shard {missing[0]} is missing ({len(missing)} of the {len(shards)} listed "
+                            "there); copy the folder again")
+    elif not any(f.suffix in WEIGHT_SUFFIXES for f in folder.iterdir()):
+        raise HiltError(f"{folder}: no weights beside {CONFIG} (no model.safetensors, no shard index); "
+                        "copy the folder again")
+    return config
+
+
+def require_causal_lm(folder, config: dict, embed_hint: str) -> None:
+    """Refuse an encoder before its weights load: transformers would give it a randomly initialised
+    language-model head (BERT's BertLMHeadModel), and its perplexity would mean nothing."""
+    require_transformers()
+    from transformers.models.auto.modeling_auto import (MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
+                                                        MODEL_FOR_MASKED_LM_MAPPING_NAMES)
+
+    model_type, archs = config.get("model_type"), config.get("architectures") or []
+    heads = set(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values())
+    if archs:
+        causal = any(a in heads or a.endswith(("ForCausalLM", "LMHeadModel")) for a in archs)
+    else:  # no architectures recorded: an encoder family unless the config says decoder
+        causal = model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES and (
+            model_type not in MODEL_FOR_MASKED_LM_MAPPING_NAMES or bool(config.get("is_decoder")))
+    if not causal:
+        what = f"model_type {model_type!r}" + (f" ({', '.join(map(str, archs))})" if archs else "")
+        raise HiltError(f"{Path(folder) / CONFIG}: {what} is an encoder, not a causal LM: it has no next-token "
+                        f"head to score perplexity with; use {embed_hint}")
+
+
+def _write_error(e: BaseException | None, partial: Path) -> OSError | None:
+    """The OSError on a file under ``partial`` that ``e`` is or was raised from, if any."""
+    seen = set()
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        if isinstance(e, OSError) and e.filename is not None and \
+                Path(e.filename).resolve().is_relative_to(partial.resolve()):
+            return e
+        e = e.__cause__ or e.__context__
+    return None
+
+
+def _load(folder, auto_class: str, dtype=torch.float32):
+    """A model folder through transformers' ``auto_class``, in eval mode; errors in one line."""
+    folder = Path(folder)
+    config = check_folder(folder)
     transformers = require_transformers()
     import hilt  # noqa: F401  (registers hilt's quantizer with transformers)
 

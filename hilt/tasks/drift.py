@@ -10,7 +10,7 @@ import torch
 from hilt.models import TRAINED
 from hilt.cim_sim import convert_to_analog, drift_to, parse_time, preset, program
 from hilt.errors import HiltError
-from hilt.progress import Progress
+from hilt.progress import LOG, Progress
 
 DEFAULT_TIMES = "1s,1h,1d,1mo,1y"
 
@@ -38,9 +38,13 @@ def drift_study(workload="cnn", checkpoint=None, preset_name="pcm", times=DEFAUL
     of loading one. All chips are programmed at once and evaluated in one batched pass per time;
     chip r is the one-chip model programmed with seed r and read with seed 10000 r + (time index).
     """
-    from hilt.tasks.cim_inputs import load_data, load_model
+    from hilt.tasks.cim_inputs import is_factory, load_data, load_model
     from hilt.cim_sim import analog_layers, evaluate
 
+    if model is None and checkpoint is None and is_factory(workload):
+        # said before any work: the factory's own weights are usually its random initialisation
+        LOG.warning(f"--model {workload} without --checkpoint: running the weights {workload.partition(':')[2]}() "
+                    "builds (untrained unless it loads them itself); give --checkpoint FILE for trained weights")
     seconds = [parse_time(t) for t in (times.split(",") if isinstance(times, str) else times)]
     if len(set(seconds)) != len(seconds):
         raise HiltError(f"--times {times if isinstance(times, str) else ','.join(map(str, times))}: "

@@ -8,11 +8,13 @@ one loads with its packed weights (hilt.quant.hf_quantizer).
 
 from __future__ import annotations
 
+import contextlib
 import time
 from pathlib import Path
 
 from hilt.errors import HiltError
 from hilt.quant import load_quantized_, read_header
+from hilt.quant.checkpoint import HEADER
 from hilt.quant.hf_folder import is_hf_folder, read_config
 
 
@@ -40,9 +42,14 @@ def perplexity_run(model="smollm2", quantized=None, text=None, tokens=2048, cont
     if path.is_dir():
         from hilt.models import hf
 
+        if quantized is None and not is_hf_folder(path):
+            _refuse_quantized_as_model(path, "ppl", "smollm2")
         if quantized is None and is_hf_folder(path) and read_config(path).get("quantization_config"):
             quantized = path  # a quantized folder given as the model: say so in the result
-        net, tokenizer = hf.load_causal_lm(quantized or path)
+        folder = Path(quantized or path)
+        config = hf.check_folder(folder)  # before transformers reads any weight
+        hf.require_causal_lm(folder, config, _embed_hint(path, quantized))
+        net, tokenizer = hf.load_causal_lm(folder)
         forward, encode = (lambda ids: net(ids).logits), (lambda t: tokenizer(t, add_special_tokens=False)["input_ids"])
     else:
         net, tokenizer = llama.load_llama(path)
@@ -69,6 +76,8 @@ def embedding_run(model="minilm", quantized=None, sentences=256) -> dict:
     from hilt.data.text import sentences as real_sentences
 
     path = _resolve(model, "minilm", bert.minilm_path)
+    if quantized is None:
+        _refuse_quantized_as_model(path, "embed", "minilm")
     batch = real_sentences(sentences)
     if quantized is not None and is_hf_folder(quantized) and _is_hf_model(path):
         from hilt.models import hf
@@ -92,6 +101,40 @@ def embedding_run(model="minilm", quantized=None, sentences=256) -> dict:
         "bits_per_weight": _bits(quantized), "sentences": len(batch),
         "cosine_similarity": bert.embedding_similarity(ref, other), "cosine_similarity_min": float(cos.min()),
     }
+
+
+def _made_from(folder: Path, packaged: str) -> str:
+    """The model a hilt checkpoint was made from, as the user would name it: the packaged model by its
+    name, a path that still exists, or MODEL."""
+    from hilt.models.bert import minilm_path
+    from hilt.models.llama import smollm2_path
+
+    try:
+        source = Path(read_header(folder)["source"]["path"])
+    except (HiltError, KeyError, TypeError):
+        return "MODEL"
+    default = {"minilm": minilm_path, "smollm2": smollm2_path}[packaged]
+    with contextlib.suppress(HiltError, OSError):
+        if source.resolve() in (default().resolve(), default().resolve().parent):
+            return packaged
+    return str(source) if source.exists() else "MODEL"
+
+
+def _refuse_quantized_as_model(path: Path, metric: str, packaged: str) -> None:
+    """A hilt checkpoint given as MODEL where the command needs the unquantized model to load it over
+    (its weights are stored as codes, so the model's tensors are not there by their names)."""
+    if path.is_dir() and (path / HEADER).is_file() and not (metric == "ppl" and is_hf_folder(path)):
+        raise HiltError(f"{path}: stored quantized by hilt ({HEADER}); give the model it was made from and this "
+                        f"folder as --quantized: hilt eval {metric} {_made_from(path, packaged)} --quantized {path}")
+
+
+def _embed_hint(path: Path, quantized) -> str:
+    """`hilt eval embed` as it would run the folder given to `hilt eval ppl`."""
+    if quantized is not None and Path(quantized) != path:
+        return f"`hilt eval embed {path} --quantized {quantized}`"
+    if (path / HEADER).is_file():
+        return f"`hilt eval embed {_made_from(path, 'minilm')} --quantized {path}`"
+    return f"`hilt eval embed {path}`"
 
 
 def _is_hf_model(path: Path) -> bool:

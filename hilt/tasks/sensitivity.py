@@ -64,10 +64,27 @@ def _llama_output(model, ids):
     return model(ids)[:, :-1]  # the last position predicts past the window
 
 
+def _text_model_kind(src: Path) -> str:
+    """'llama' for a GGUF file, 'bert' for a BERT folder (or a file in one); otherwise the real problem,
+    read before any weights: no config.json, one that is not JSON, another model_type."""
+    from hilt.quant.hf_folder import CONFIG, read_config
+
+    if src.is_file() and src.suffix == ".gguf":
+        return "llama"
+    folder = src if src.is_dir() else src.parent
+    runs = "hilt sensitivity runs mlp, cnn, a Llama GGUF file or a BERT folder"
+    if not (folder / CONFIG).is_file():
+        raise HiltError(f"{src}: no {CONFIG} beside the weights, so not a BERT folder ({runs})")
+    model_type = read_config(folder).get("model_type")
+    if model_type != "bert":
+        raise HiltError(f"{folder / CONFIG}: model_type {model_type!r}, not 'bert' ({runs})")
+    return "bert"
+
+
 def load_subject(model: str, checkpoint=None, calibration=None, tokens: int = 2048, sentences: int = 256,
                  images: int = 2048) -> Subject:
     """``model``: smollm2, minilm, mlp, cnn, a Llama GGUF file or a BERT folder."""
-    from hilt.tasks.compensate import bert_batches, llama_batches, model_kind
+    from hilt.tasks.compensate import bert_batches, llama_batches
     from hilt.quant.checkpoint import select_targets
     from hilt.quant.sources import open_source
 
@@ -96,7 +113,7 @@ def load_subject(model: str, checkpoint=None, calibration=None, tokens: int = 20
         if not src.exists():
             raise HiltError(f"{model}: no such file or folder (models: smollm2, minilm, mlp, cnn, a Llama GGUF "
                             "file or a BERT folder)")
-    kind = model_kind(src)
+    kind = _text_model_kind(src)
     with open_source(src) as source:
         targets = select_targets(source)
     if kind == "llama":

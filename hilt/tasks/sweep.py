@@ -461,7 +461,14 @@ def _resume_rows(out: Path, grid: Grid, cells: list[Cell]) -> dict[int, dict]:
     """The rows DIR/results.jsonl already holds, by cell index; refuses rows of another grid.
     A partial last line (a run killed while writing it) is dropped from the file."""
     path, recorded = out / RESULTS_JSONL, out / GRID_JSON
+    raw = path.read_bytes()
+    lines = raw.split(b"\n")
+    complete, tail = lines[:-1], lines[-1]
+    # no whole row: say so, rather than speak of finished cells that are not there
+    nothing = f"{out}: no finished cells to resume ({path} holds no whole row)" if not any(complete) else None
     if not recorded.is_file():
+        if nothing:
+            raise HiltError(f"{nothing} and {recorded} is missing; use --overwrite to start there, or another --out")
         raise HiltError(f"{recorded} is missing, so the rows in {path} cannot be matched to the grid; "
                         f"use --overwrite to start again")
     try:
@@ -470,11 +477,11 @@ def _resume_rows(out: Path, grid: Grid, cells: list[Cell]) -> dict[int, dict]:
         raise HiltError(f"{recorded}: cannot read it ({e}); use --overwrite to start again") from None
     now = json.loads(_canonical(grid.normalized()))
     if before != now:
+        if nothing:
+            raise HiltError(f"{nothing}, and it was started with another grid ({_first_difference(before, now)}); "
+                            "use --overwrite to start this grid there, or another --out")
         raise HiltError(f"{out}: the finished cells belong to another grid ({_first_difference(before, now)}); "
                         f"resume with the same grid, or use --overwrite or another --out")
-    raw = path.read_bytes()
-    lines = raw.split(b"\n")
-    complete, tail = lines[:-1], lines[-1]
     if tail:  # killed mid-write: keep the whole rows only
         write_text(path, b"".join(line + b"\n" for line in complete).decode(), fsync=True)
     by_key = {c.key: c for c in cells}
@@ -556,6 +563,8 @@ def run_sweep(grid_path, out, *, resume: bool = False, overwrite: bool = False, 
         if not resume:
             raise HiltError(f"{results} exists: continue that sweep with --resume, or replace it with --overwrite")
         done = _resume_rows(out, grid, cells)
+    if resume and not done:
+        log(f"{out}: no finished cells to resume; running all {len(cells)}")
     todo = [g for g in groups if any(c.index not in done for c in g.cells)]
     models = {name: _load_model(grid, name) for name in dict.fromkeys(g.model for g in todo)}
     data = _load_data(grid) if todo else None
