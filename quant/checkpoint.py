@@ -42,6 +42,7 @@ from hilt import __version__
 from hilt.errors import HiltError, one_line
 from hilt.progress import LOG
 from hilt.quant import hf_folder
+from hilt.quant.formats import fitted_methods
 from hilt.quant.quantize import QuantConfig, check_quantizable, quantize_tensor, relative_error
 from hilt.quant.qweight import QuantizedWeight
 from hilt.quant.sources import Source, open_source
@@ -222,8 +223,8 @@ def quantize_checkpoint(
     with each tensor's entry (name, kind, bits_per_weight, rel_error, ...).
     """
     dst = Path(dst)
-    if importance is not None and config.method != "kmeans":
-        raise HiltError("--importance applies to --method kmeans only")
+    if importance is not None and not config.format.fitted:
+        raise HiltError(f"--importance applies to --method {fitted_methods()} only")
     if importance is not None and compensate is not None:
         raise HiltError("--importance and --compensate exclude each other: compensation weighs columns by its own calibration")
     formats = formats or {}
