@@ -28,6 +28,7 @@ from hilt.progress import Progress
 
 QUICK = {"drift_chips": 2, "drift_images": 2000, "energy_images": 500}
 FULL = {"drift_chips": 5, "drift_images": 10_000, "energy_images": 2000}
+ENERGY_TRAININGS = ("standard", "dwp")  # the trained CNNs whose energy the report compares
 
 
 def _section(name: str, out: Path, sections: list, log, fn, progress: Progress):
@@ -129,7 +130,7 @@ def run(out="report", quick: bool = True, log=print, progress: bool = False) -> 
 
     def energies():
         lines = []
-        for method in ("standard", "dwp"):
+        for method in ENERGY_TRAININGS:
             checkpoint = TRAINED / f"cnn-{method}.safetensors"
             result = energy.run("cnn", checkpoint if checkpoint.exists() else None, sweep=True,
                                 test_images=plan["energy_images"], log=log)

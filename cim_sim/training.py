@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -41,7 +42,6 @@ from torch.func import functional_call
 from hilt.cim_sim.devices import PCM, RRAM
 from hilt.errors import HiltError
 
-METHODS = ("standard", "noise", "dwp")
 NOISE_MODELS = ("mismatch", "pcm", "rram")
 WEIGHTINGS = ("js", "error", "none")
 _YEAR = 31557600.0
@@ -71,20 +71,37 @@ class NoisyTraining:
         if not (self.eta >= 0 and 0 <= self.eta_min <= self.eta_max):
             raise HiltError(f"noise levels must satisfy eta >= 0 and 0 <= eta_min <= eta_max "
                             f"(got eta {self.eta}, range {self.eta_min}..{self.eta_max})")
-        if not isinstance(self.copies, int) or self.copies < 1 or (self.method == "dwp" and self.copies < 2):
-            raise HiltError(f"DWP needs at least 2 noisy copies per step, got {self.copies}")
+        fewest = METHODS[self.method].min_copies
+        if not isinstance(self.copies, int) or self.copies < fewest:
+            raise HiltError(f"--method {self.method} needs at least {fewest} noisy copies per step, got {self.copies}")
         if not 0 < self.clip_min <= 1 <= self.clip_max:
             raise HiltError(f"sample-weight clip must satisfy 0 < min <= 1 <= max, got {self.clip_min}..{self.clip_max}")
         return self
 
     def levels(self) -> list[float]:
-        """The noise level of each copy drawn per step."""
-        if self.method == "noise":
-            return [self.eta]
-        if self.method == "dwp":
-            k = self.copies
-            return [self.eta_min + (self.eta_max - self.eta_min) * i / (k - 1) for i in range(k)]
-        return []
+        """The noise level of each copy drawn per step (none: trained on the clean weights)."""
+        return METHODS[self.method].levels(self)
+
+
+@dataclass(frozen=True)
+class TrainingMethod:
+    """What a training method does per step, so that the loss and the checks read it, not the name."""
+
+    levels: Callable[[NoisyTraining], list[float]]  # the noise level of each copy drawn per step
+    weighted: bool = False  # samples weighted by the copies' disagreement (DWP)
+    min_copies: int = 1  # the fewest copies ``NoisyTraining.copies`` may say
+
+
+def _spread(cfg: NoisyTraining) -> list[float]:
+    k = cfg.copies
+    return [cfg.eta_min + (cfg.eta_max - cfg.eta_min) * i / (k - 1) for i in range(k)]
+
+
+METHODS: dict[str, TrainingMethod] = {
+    "standard": TrainingMethod(lambda cfg: []),
+    "noise": TrainingMethod(lambda cfg: [cfg.eta]),
+    "dwp": TrainingMethod(_spread, weighted=True, min_copies=2),
+}
 
 
 def analog_weights(model: nn.Module) -> list[str]:
@@ -136,18 +153,19 @@ def sample_weights(d: torch.Tensor, clip_min: float, clip_max: float) -> torch.T
 def noisy_loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor, cfg: NoisyTraining,
                gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
     """The training loss of one batch under ``cfg``; returns (loss, logits of the first copy)."""
-    if cfg.method == "standard":
+    levels = cfg.levels()
+    if not levels:
         logits = model(x)
         return F.cross_entropy(logits, y), logits
     params = dict(model.named_parameters())
     names = analog_weights(model)
     outs = []
-    for eta in cfg.levels():
+    for eta in levels:
         noisy = {n: perturb(params[n], eta, cfg.noise_model, gen) for n in names}
         outs.append(functional_call(model, noisy, (x,)))
     logits = torch.stack(outs)  # (K, B, C)
     ce = F.cross_entropy(logits.flatten(0, 1), y.repeat(len(outs)), reduction="none").view(len(outs), -1)
-    if cfg.method == "noise":
+    if not METHODS[cfg.method].weighted:
         return ce.mean(), logits[0]
     with torch.no_grad():
         a = sample_weights(disagreement(logits, y, cfg.weighting), cfg.clip_min, cfg.clip_max)

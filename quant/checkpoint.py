@@ -43,6 +43,7 @@ from hilt.atomic import move_into_place, save_safetensors, write_json
 from hilt.errors import HiltError, one_line
 from hilt.progress import LOG, Progress
 from hilt.quant import hf_folder
+from hilt.quant.formats import fitted_methods
 from hilt.quant.quantize import (
     QuantConfig, check_quantizable, expected_bits_per_weight, quantize_tensor, relative_error,
 )
@@ -184,8 +185,8 @@ def _check_request(src, dst, config: QuantConfig, importance, compensate, format
                    resume: bool) -> tuple[Path | None, dict | None]:
     """The checks that need no tensor: flag combinations, an already quantized source, the destination.
     Returns DST.partial (None without a destination) and the model folder's config (None if not one)."""
-    if importance is not None and config.method != "kmeans":
-        raise HiltError("--importance applies to --method kmeans only")
+    if importance is not None and not config.format.fitted:
+        raise HiltError(f"--importance applies to --method {fitted_methods()} only")
     if importance is not None and compensate is not None:
         raise HiltError("--importance and --compensate exclude each other: compensation weighs columns by its own calibration")
     if formats and (importance is not None or compensate is not None):

@@ -124,7 +124,7 @@ def compensated_quantize(
     B = config.block_size
 
     # k-means: one codebook for the layer, fitted with each column's importance diag(H)
-    importance = H.diagonal().float().clamp_min(0) if config.method == "kmeans" else None
+    importance = H.diagonal().float().clamp_min(0) if config.format.fitted else None
     rounded = quantize_tensor(w, config, name=name, importance=importance)
     levels = rounded.codebook.float()  # sorted, in its stored precision: the error is that of what is saved
     mids = ((levels[1:] + levels[:-1]) / 2).contiguous()
@@ -135,7 +135,7 @@ def compensated_quantize(
     n_blocks = k // B
     scales = torch.empty(n, n_blocks, dtype=torch.bfloat16)
     offsets = torch.zeros(n, n_blocks, dtype=torch.bfloat16)
-    asym = config.method == "int-asym"
+    asym = config.format.offsets
     have = [False] * n_blocks
     if comp.scales == "before":
         scales, o0 = block_scales(w, config)

@@ -28,6 +28,7 @@ from hilt.atomic import replacing
 from hilt.errors import HiltError
 from hilt.kernels.packing import unpack_codes
 from hilt.quant.checkpoint import load_checkpoint, read_header
+from hilt.quant.formats import FORMATS, get_format
 from hilt.quant.qweight import QuantizedWeight
 from hilt.quant.sources import read_gguf
 
@@ -38,14 +39,14 @@ def gguf_type(q: QuantizedWeight, name: str):
     """The GGUF block type that holds ``q`` exactly, or a one-line refusal naming the tensor."""
     import gguf
 
-    T = gguf.GGMLQuantizationType
-    if q.method == "kmeans" or q.method == "binary":
-        raise HiltError(f"'{name}' is {q.method}: GGUF has no block type with a learned or sign codebook; "
-                        "export integer formats (--method int, 4 or 8 bits), or use `hilt export onnx`")
-    kind = {("int", 4): T.Q4_0, ("int", 8): T.Q8_0, ("int-asym", 4): T.Q4_1}.get((q.method, q.bits))
-    if kind is None:
-        raise HiltError(f"'{name}' is {q.method} {q.bits}-bit: GGUF holds symmetric 4- and 8-bit and asymmetric "
-                        "4-bit integers exactly (Q4_0, Q8_0, Q4_1)")
+    fmt = get_format(q.method)
+    held = ", ".join(f"{f.name} {b}-bit ({t})" for f in FORMATS.values() for b, t in f.gguf.items())
+    if not fmt.gguf:
+        raise HiltError(f"'{name}' is {q.method}: GGUF has no block type with {fmt.levels_are}; "
+                        f"export a format it holds ({held}), or use `hilt export onnx`")
+    if q.bits not in fmt.gguf:
+        raise HiltError(f"'{name}' is {q.method} {q.bits}-bit: GGUF holds exactly {held}")
+    kind = getattr(gguf.GGMLQuantizationType, fmt.gguf[q.bits])
     if q.block_size % GGUF_BLOCK:
         raise HiltError(f"'{name}' has blocks of {q.block_size}: GGUF blocks are {GGUF_BLOCK} weights, so hilt's "
                         f"block size must be a multiple of {GGUF_BLOCK}")

@@ -72,7 +72,7 @@ class _Packed(nn.Module):
     def _int_pack(self, x: torch.Tensor, w: PackedWeight):
         """The CPU integer kernels' copy of the weight (kernels.int_cpu), for bfloat16 inputs to symmetric
         int4 and row-wise int8 weights; None where no such kernel applies."""
-        if x.is_cuda or x.dtype != torch.bfloat16 or self.method != "int" or self.bits not in (4, 8):
+        if x.is_cuda or x.dtype != torch.bfloat16 or self.bits not in (4, 8):  # int_cpu.supports reads the levels
             return None
         return self._kept("_cpu_pack", [w.codes, w.scales, w.codebook],
                           lambda: int_cpu.prepack(w) if int_cpu.supports(w) else None)

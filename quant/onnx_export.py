@@ -89,10 +89,11 @@ MATMULNBITS_BITS = (2, 4, 8)  # what ONNX Runtime's CPU kernel takes
 
 
 def matmulnbits_fits(q: QuantizedWeight) -> bool:
-    """Whether MatMulNBits computes ``q`` exactly: symmetric integers of 2, 4 or 8 bits (the default zero
-    point 2^(bits-1) is then hilt's), blocks of a power of two from 16 on."""
+    """Whether MatMulNBits computes ``q`` exactly: levels -2^(b-1) .. 2^(b-1)-1 (the default zero point
+    2^(bits-1) is then hilt's) with no offsets, 2, 4 or 8 bits, blocks of a power of two from 16 on. The
+    stored parts decide, whatever the method that made them."""
     b, block = q.bits, q.block_size
-    return (q.method == "int" and q.offsets is None and q.codebook.ndim == 1 and b in MATMULNBITS_BITS
+    return (q.offsets is None and q.codebook.ndim == 1 and b in MATMULNBITS_BITS
             and block >= 16 and block & (block - 1) == 0
             and torch.equal(q.codebook.float(), torch.arange(-(1 << (b - 1)), 1 << (b - 1)).float()))
 

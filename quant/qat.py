@@ -80,7 +80,7 @@ class FakeQuantLinear(nn.Module):
     @torch.no_grad()
     def fit_codebook(self) -> None:
         """Fit the k-means levels to the current weights in block units (a no-op for fixed grids)."""
-        if self.config.method != "kmeans":
+        if not self.config.format.fitted:
             return
         _, _, u = normalise_blocks(self.weight.detach().float(), self.config)
         levels = kmeans.kmeans_optimal(u.flatten(), 1 << self.config.bits).centroids
@@ -178,7 +178,7 @@ def save_qat(model: nn.Module, dst, overwrite: bool = False) -> dict:
         src = Path(tmp) / "qat.safetensors"
         save_file(_unshared(tensors), src)
         return quantize_checkpoint(src, dst, config, only=only, overwrite=overwrite,
-                                   codebooks=codebooks if config.method == "kmeans" else None).header
+                                   codebooks=codebooks if config.format.fitted else None).header
 
 
 def _unshared(tensors: dict) -> dict:

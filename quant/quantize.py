@@ -1,16 +1,7 @@
 """Quantize one weight tensor into a QuantizedWeight.
 
-Formats (docs/references.md §1), all on blocks of ``block_size`` along the input
-dimension with one bf16 scale per block:
-
-* ``kmeans``: 2**bits centroids over the block-normalised weights, one
-  codebook per layer (published) or per block. Scale = absmax of the block
-  above 2 bits, absmean at 1-2 bits. ``bits=1`` is the published 1-bit format.
-* ``int``: symmetric absmax grid, levels -2**(b-1) .. 2**(b-1)-1 times
-  absmax / (2**(b-1) - 1) (the published baseline). Needs bits >= 2.
-* ``int-asym``: min/max grid, levels 0 .. 2**b-1 times (max-min)/(2**b-1),
-  plus a per-block offset (the block minimum).
-* ``binary``: sign x absmean, the 1-bit baseline (codebook [-1, +1]).
+The formats (k-means, symmetric and asymmetric integers, binary) are described in
+hilt.quant.formats: their levels, scale rules and bit widths. This module applies them.
 
 Stored scales, offsets and codebooks are rounded to their storage dtypes
 *before* codes are chosen, so the error measured is the error of what is saved.
@@ -26,14 +17,15 @@ import torch
 from hilt.errors import HiltError
 from hilt.kernels import dequantize_lut, pack_codes, packed_row_bytes
 from hilt.quant import kmeans
-from hilt.quant.qweight import METHODS, QuantizedWeight
+from hilt.quant.formats import MAX_BITS, MIN_BITS, Format, fitted_methods, get_format
+from hilt.quant.qweight import QuantizedWeight
 
 _ROWS_BYTES = 1 << 24  # rows processed together when coding: bounds temporary memory
 
 
 @dataclass(frozen=True)
 class QuantConfig:
-    method: str = "kmeans"  # kmeans | int | int-asym | binary
+    method: str = "kmeans"  # a name of hilt.quant.formats.FORMATS
     bits: int = 4
     block_size: int = 64
     codebook: str = "layer"  # kmeans only: one codebook per "layer" or per "block"
@@ -42,22 +34,21 @@ class QuantConfig:
 
     def __post_init__(self):
         """A QuantConfig that exists is valid: a bad setting raises HiltError naming it."""
-        if self.method not in METHODS:
-            raise HiltError(f"unknown method {self.method!r}; choose one of {', '.join(METHODS)}")
-        if not 1 <= self.bits <= 8:
-            raise HiltError(f"--bits must be between 1 and 8, got {self.bits}")
-        if self.method == "int" and self.bits < 2:
-            raise HiltError("symmetric int needs at least 2 bits; use --method binary or kmeans for 1 bit")
-        if self.method == "binary" and self.bits != 1:
-            raise HiltError(f"--method binary is 1 bit, got --bits {self.bits}")
+        fmt = get_format(self.method)
+        if not MIN_BITS <= self.bits <= MAX_BITS:
+            raise HiltError(f"--bits must be between {MIN_BITS} and {MAX_BITS}, got {self.bits}")
         if self.block_size < 1:
             raise HiltError(f"--block-size must be positive, got {self.block_size}")
         if self.codebook not in ("layer", "block"):
             raise HiltError(f"--codebook must be layer or block, got {self.codebook!r}")
-        if self.codebook == "block" and self.method != "kmeans":
-            raise HiltError("--codebook block applies to --method kmeans only")
+        fmt.validate(self.bits, self.codebook)
         if self.solver not in ("optimal", "lloyd"):
             raise HiltError(f"unknown k-means solver {self.solver!r}; choose optimal or lloyd")
+
+    @property
+    def format(self) -> Format:
+        """The entry of hilt.quant.formats that says what ``method`` stores."""
+        return get_format(self.method)
 
 
 def check_quantizable(name: str, shape, config: QuantConfig) -> None:
@@ -75,27 +66,13 @@ def block_scales(w: torch.Tensor, config: QuantConfig):
     """(scales, offsets) per block of the 2-D ``w``, rounded to bf16 storage."""
     n, k = w.shape
     blocks = w.float().view(n, k // config.block_size, config.block_size)
-    if config.method == "int-asym":
-        lo, hi = blocks.amin(-1), blocks.amax(-1)
-        return ((hi - lo) / ((1 << config.bits) - 1)).to(torch.bfloat16), lo.to(torch.bfloat16)
-    if config.method == "int":
-        s = blocks.abs().amax(-1) / ((1 << (config.bits - 1)) - 1)
-    elif config.method == "binary" or config.bits <= 2:
-        s = blocks.abs().mean(-1)  # absmax would flush most low-bit values to zero
-    else:
-        s = blocks.abs().amax(-1)
-    return s.to(torch.bfloat16), None
+    s, offsets = config.format.block_scales(blocks, config.bits)
+    return s.to(torch.bfloat16), None if offsets is None else offsets.to(torch.bfloat16)
 
 
 def fixed_codebook(config: QuantConfig) -> torch.Tensor | None:
-    if config.method == "int":
-        half = 1 << (config.bits - 1)
-        return torch.arange(-half, half, dtype=torch.float64)
-    if config.method == "int-asym":
-        return torch.arange(1 << config.bits, dtype=torch.float64)
-    if config.method == "binary":
-        return torch.tensor([-1.0, 1.0], dtype=torch.float64)
-    return None
+    """The fixed levels of ``config``'s format (float64), None where k-means fits them."""
+    return config.format.levels(config.bits)
 
 
 def _normalised(w: torch.Tensor, scales, offsets, block_size) -> torch.Tensor:
@@ -145,8 +122,8 @@ def quantize_tensor(
     if not torch.isfinite(w).all():
         raise HiltError(f"tensor '{name}' contains NaN or Inf values")
     if importance is not None:
-        if config.method != "kmeans":
-            raise HiltError("importance weights apply to --method kmeans only")
+        if not config.format.fitted:
+            raise HiltError(f"importance weights apply to --method {fitted_methods()} only")
         importance = importance.float()
         if not torch.isfinite(importance).all() or bool((importance < 0).any()):
             raise HiltError(f"importance for '{name}' must be finite and non-negative")
@@ -162,7 +139,7 @@ def quantize_tensor(
     levels = 1 << config.bits
 
     if codebook is not None:
-        if config.method != "kmeans" or config.codebook != "layer" or tuple(codebook.shape) != (levels,):
+        if not config.format.fitted or config.codebook != "layer" or tuple(codebook.shape) != (levels,):
             raise HiltError(f"a given codebook for '{name}' must be one k-means codebook of {levels} levels "
                             f"(got shape {tuple(codebook.shape)} for {config.method}/{config.codebook})")
         if not torch.isfinite(codebook).all():
@@ -232,9 +209,5 @@ def expected_bits_per_weight(shape, config: QuantConfig) -> float:
     """Bits per weight a tensor of ``shape`` will take, without quantizing it (for --dry-run)."""
     n, k = shape
     blocks = n * (k // config.block_size)
-    levels = 1 << config.bits
-    bits = n * packed_row_bytes(k, config.bits) * 8 + blocks * 16  # codes (row padded) + bf16 scales
-    if config.method == "int-asym":
-        bits += blocks * 16  # bf16 offsets
-    bits += 16 * levels * (blocks if config.codebook == "block" and config.method == "kmeans" else 1)
-    return bits / (n * k)
+    codes = n * packed_row_bytes(k, config.bits) * 8  # rows padded to whole bytes
+    return (codes + config.format.overhead_bits(blocks, config.bits, config.codebook)) / (n * k)

@@ -17,8 +17,7 @@ import torch
 from hilt.errors import HiltError
 from hilt.kernels.lut_matmul import PackedWeight, dequantize_lut
 from hilt.kernels.packing import packed_row_bytes
-
-METHODS = ("kmeans", "int", "int-asym", "binary")
+from hilt.quant.formats import METHODS, get_format  # noqa: F401  (METHODS: the names, as before)
 
 
 @dataclass
@@ -31,12 +30,11 @@ class QuantizedWeight:
     dtype: torch.dtype  # dtype of the original weight, restored by dequantize()
     bits: int
     block_size: int
-    method: str  # one of METHODS
+    method: str  # a name of hilt.quant.formats.FORMATS
 
     def __post_init__(self):
         self.shape = tuple(int(s) for s in self.shape)
-        if self.method not in METHODS:
-            raise HiltError(f"unknown quantization method {self.method!r}; one of {', '.join(METHODS)}")
+        get_format(self.method)  # an unknown method is refused here
         rows = self.packed.out_features  # making the PackedWeight checks the parts against in_features
         if rows != self.shape[0]:
             raise HiltError(f"codes have {rows} rows, the weight's shape is {self.shape}")
@@ -54,7 +52,7 @@ class QuantizedWeight:
             torch.empty(n, packed_row_bytes(k, bits), dtype=torch.uint8, device=device),
             torch.empty(book_shape, dtype=torch.float16, device=device),
             torch.empty(n, blocks, dtype=torch.bfloat16, device=device),
-            torch.empty(n, blocks, dtype=torch.bfloat16, device=device) if method == "int-asym" else None,
+            torch.empty(n, blocks, dtype=torch.bfloat16, device=device) if get_format(method).offsets else None,
             shape, dtype, bits, block_size, method,
         )
 

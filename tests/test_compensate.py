@@ -62,7 +62,7 @@ def test_compensation_beats_rounding_on_correlated_inputs(method, bits, scales, 
     # symmetric 2-bit int has a single positive level: little room to move error onto
     margin = 0.97 if (method, bits) == ("int", 2) else 0.9
     assert stats["output_rel_error"] < margin * stats["output_rel_error_rounded"]
-    assert q.method == method and q.bits == bits and q.shape == (48, 128)
+    assert (q.method, q.bits, q.shape) == (method, bits, (48, 128))
     assert torch.isfinite(q.dequantize()).all()
     # the stats describe the weight that was returned
     base = output_error(w, torch.zeros_like(w), H)

@@ -54,7 +54,7 @@ def test_what_gguf_cannot_hold_is_refused(tmp_path):
     src = tmp_path / "src.gguf"
     _source(src)
     for config, msg in ((QuantConfig("kmeans", 4, 64), "no block type with a learned"),
-                        (QuantConfig("int", 3, 64), "symmetric 4- and 8-bit"),
+                        (QuantConfig("int", 3, 64), "GGUF holds exactly int 4-bit"),
                         (QuantConfig("int", 4, 16), "multiple of 32")):
         q = tmp_path / f"q{config.bits}{config.method}{config.block_size}"
         quantize_checkpoint(src, q, config)

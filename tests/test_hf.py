@@ -99,7 +99,7 @@ def test_from_pretrained_runs_the_packed_weights(tmp_path, config):
         if isinstance(value, torch.Tensor):
             assert torch.equal(other, value), name
         else:
-            assert other.method == value.method and other.shape == value.shape
+            assert (other.method, other.shape) == (value.method, value.shape)
             assert torch.equal(other.dequantize(), value.dequantize()), name
     with torch.inference_mode():
         assert torch.equal(load_hf(tmp_path / "again")(ids).logits, theirs)

@@ -15,6 +15,7 @@ from hilt.errors import HiltError
 from hilt.kernels import lut_cpu
 from hilt.kernels.lut_matmul import error_ratio, lut_matmul, lut_matmul_reference
 from hilt.quant import QuantConfig, QuantLinear, quantize_tensor
+from hilt.quant.formats import method_for_bits
 
 pytestmark = pytest.mark.skipif(not lut_cpu.available(), reason="no C compiler builds the CPU kernel here")
 
@@ -25,8 +26,7 @@ FORMATS = ["kmeans-layer", "kmeans-block", "int", "int-asym"]
 
 def _weights(n, k, fmt, bits, block, seed):
     method, scope = (fmt.split("-") + ["layer"])[:2] if fmt.startswith("kmeans") else (fmt, "layer")
-    if method == "int" and bits == 1:
-        method = "binary"
+    method = method_for_bits(method, bits)  # int at 1 bit is binary
     w = torch.randn(n, k, generator=torch.Generator().manual_seed(seed)) * 0.05
     return quantize_tensor(w, QuantConfig(method, bits, block, codebook=scope))
 
@@ -175,11 +175,11 @@ def test_no_compiler_means_no_kernel(tmp_path, monkeypatch):
     assert not list(tmp_path.rglob("*.so"))
 
 
-@pytest.mark.parametrize("method", ["kmeans", "binary"])
-def test_quant_linear_keeps_no_second_copy(method):
+@pytest.mark.parametrize("method,bits", [("kmeans", 4), ("binary", 1)])
+def test_quant_linear_keeps_no_second_copy(method, bits):
     """k-means and binary layers run the kernel on the stored buffers (int4/int8 with bfloat16 inputs keep
     PyTorch's packed copy, which is faster: kernels.lut_matmul)."""
-    q = _weights(64, 256, method, 1 if method == "binary" else 4, 64, 2)
+    q = _weights(64, 256, method, bits, 64, 2)
     layer = QuantLinear(q)
     before = {k: v.data_ptr() for k, v in layer.state_dict().items()}
     x = torch.randn(1, 256).to(torch.bfloat16)

@@ -12,6 +12,7 @@ from hilt.errors import HiltError
 from hilt.kernels.lut_matmul import choose_path, error_ratio, lut_matmul, lut_matmul_reference
 from hilt.kernels.lut_matmul_triton import GEMM_CONFIGS, SPLIT_K_CONFIGS, lut_matmul_triton, split_k_fits
 from hilt.quant import QuantConfig, quantize_tensor
+from hilt.quant.formats import method_for_bits
 
 def _weights(n, k, method, bits, block, scope, seed):
     """A quantized weight (``.packed``: the kernel's argument)."""
@@ -42,8 +43,7 @@ def _check_against_reference(q, x, path, split_k=None):
 )
 def test_kernel_matches_reference(m, n, blocks, block, bits, fmt, dtype, path, seed):
     method, scope = (fmt.split("-") + ["layer"])[:2] if fmt.startswith("kmeans") else (fmt, "layer")
-    if method == "int" and bits == 1:
-        method = "binary"
+    method = method_for_bits(method, bits)  # int at 1 bit is binary
     q = _weights(n, blocks * block, method, bits, block, scope, seed)
     x = torch.randn(m, blocks * block, generator=torch.Generator().manual_seed(seed + 1)).to(dtype)
     _check_against_reference(q, x, path)

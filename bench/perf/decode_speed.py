@@ -151,7 +151,7 @@ def gemv_table(shapes=None, repeats: int = 10, log=print) -> list[dict]:
             t = cycled(p.nbytes, mk, lambda c: lut_matmul(x, c))
             rows.append({"shape": f"{k}x{n}", "format": f"hilt {label} (lut_cpu, {lut_cpu.layout(p)[0]} lanes)",
                          "bytes": p.nbytes, "us": t * 1e6, "gb_per_s": p.nbytes / t / 1e9})
-            if config.method == "int" and int_cpu.supports(p):
+            if int_cpu.supports(p):  # symmetric integer levels the int4/int8 kernels take
                 t = cycled(p.nbytes, lambda: (p, int_cpu.prepack(p)), lambda c: int_cpu.int_matmul(x, c[0], c[1]))
                 rows.append({"shape": f"{k}x{n}", "format": "int4 (torch _weight_int4pack_mm_for_cpu)",
                              "bytes": p.nbytes, "us": t * 1e6, "gb_per_s": p.nbytes / t / 1e9})

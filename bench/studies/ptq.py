@@ -27,6 +27,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -36,7 +37,26 @@ from hilt.tasks import evaluate
 from hilt.quant import QuantConfig, open_source, quantize_checkpoint
 from hilt.quant.checkpoint import select_targets
 
-METHODS = ("int", "hqq", "kmeans", "kmeans-imp", "gptq-int", "gptq-kmeans")
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """How a row of the study quantizes: a hilt format (None: HQQ's own quantizer), with calibrated
+    importance weights, with error compensation (`hilt quantize --compensate`, GPTQ-style)."""
+
+    format: str | None
+    importance: bool = False
+    compensate: bool = False
+
+
+METHODS = {
+    "int": Recipe("int"),
+    "hqq": Recipe(None),
+    "kmeans": Recipe("kmeans"),
+    "kmeans-imp": Recipe("kmeans", importance=True),
+    "gptq-int": Recipe("int", compensate=True),
+    "gptq-kmeans": Recipe("kmeans", compensate=True),
+}
 GROUP = 64
 
 
@@ -123,7 +143,7 @@ def run(out="report", quick=False, models=None, widths=None, log=print) -> dict:
     widths = widths or ((3,) if quick else WIDTHS)
     tokens, sentences = 2048, (32 if quick else 256)
     calib = {"smollm2": ["--calibration-tokens", "4096"], "minilm": ["--calibration-sentences", "32" if quick else "256"]}
-    methods = [m for m in METHODS if m != "hqq" or hqq_available()]
+    methods = [m for m, recipe in METHODS.items() if recipe.format is not None or hqq_available()]
     if "hqq" not in methods:
         log("hqq is not installed (DISABLE_CUDA=1 pip install --no-deps hqq termcolor einops): its rows are left out")
     rows = []
@@ -150,13 +170,14 @@ def run(out="report", quick=False, models=None, widths=None, log=print) -> dict:
                 row = {"model": model, "method": method, "bits": bits}
                 dst = out / f"ptq-{model}-{method}{bits}"
                 start = time.perf_counter()
-                if method == "hqq":
+                recipe = METHODS[method]
+                if recipe.format is None:
                     tensors, row["bits_per_weight"] = hqq_weights(src, bits)
                     row["quantize_seconds"] = round(time.perf_counter() - start, 1)
                     row["quality"] = _evaluate(model, tensors=tensors, tokens=tokens, sentences=sentences)
                 else:
-                    fmt = "int" if method.endswith("int") else "kmeans"
-                    if method.startswith("gptq"):
+                    fmt = recipe.format
+                    if recipe.compensate:
                         r = _child_quantize(src, dst, fmt, bits, ["--compensate", *calib[model]])
                         row.update(quantize_seconds=r["wall_seconds"], peak_rss_mb=r["peak_rss_mb"],
                                    seconds_split=r["compensation"]["seconds"],
@@ -165,7 +186,7 @@ def run(out="report", quick=False, models=None, widths=None, log=print) -> dict:
                     else:
                         header = quantize_checkpoint(src, dst, QuantConfig(method=fmt, bits=bits, block_size=GROUP),
                                                      overwrite=True,
-                                                     importance=importance if method == "kmeans-imp" else None).header
+                                                     importance=importance if recipe.importance else None).header
                         row["quantize_seconds"] = round(time.perf_counter() - start, 1)
                         row["bits_per_weight"] = header["totals"]["bits_per_weight"]
                     row["quality"] = _evaluate(model, quantized=dst, tokens=tokens, sentences=sentences)

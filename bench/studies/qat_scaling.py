@@ -35,12 +35,15 @@ from hilt.quant.qat import (
     qat_param_groups,
     qat_step_,
 )
+from hilt.quant.formats import method_for_bits
 from hilt.quant.quantize import expected_bits_per_weight
 
 FULL = {"widths": (64, 96, 128), "steps": 600, "batch": 32, "block": 64, "layers": 4, "heads": 4, "seeds": (0, 1, 2)}
 QUICK = {"widths": (64, 128), "steps": 300, "batch": 32, "block": 64, "layers": 2, "heads": 4, "seeds": (0,)}
 BITS = (1, 2, 4)
 METHODS = ("kmeans", "int")
+SERIES = ("16-bit", *METHODS)  # the plot's and the table's lines: the 16-bit baseline first
+RIVAL = {"kmeans": "int", "int": "kmeans"}  # the table marks the lower of the two in bold
 BLOCK_SIZE = 32
 # Peak learning rate per width: each width's best 16-bit rate of those tried (docs/results/qat.md): 3e-3
 # undertrains every width, 9e-3 beats 6e-3 at widths 64 and 96 (the highest tried at 96) and is
@@ -51,9 +54,12 @@ WARMUP_FRACTION, REFITS = 0.2, 4  # full-precision warm-up share of the steps; k
 
 
 def config_for(method: str, bits: int) -> QuantConfig:
-    if method == "int" and bits == 1:
-        return QuantConfig(method="binary", bits=1, block_size=BLOCK_SIZE)
-    return QuantConfig(method=method, bits=bits, block_size=BLOCK_SIZE)
+    """int at 1 bit is binary (hilt.quant.formats)."""
+    return QuantConfig(method=method_for_bits(method, bits), bits=bits, block_size=BLOCK_SIZE)
+
+
+def _label(method: str, bits: int) -> str:
+    return method if bits == 16 else f"{method} {bits}-bit"
 
 
 def weight_memory_bits(model, config: QuantConfig | None) -> tuple[float, float, int]:
@@ -221,8 +227,7 @@ def study(quick: bool = False, seeds=None, lr: float | None = None, learn_codebo
     for budget in sorted({r["memory_kib"] for r in rows}):
         fitting = [r for r in rows if r["memory_kib"] <= budget + 1e-9]
         best = min(fitting, key=lambda r: r["val_loss"])
-        label = "16-bit" if best["method"] == "16-bit" else f"{best['method']} {best['bits']}-bit"
-        budgets.append({"memory_kib": budget, "winner": f"width {best['width']} {label}",
+        budgets.append({"memory_kib": budget, "winner": f"width {best['width']} {_label(best['method'], best['bits'])}",
                         "val_loss": best["val_loss"]})
     for b in budgets:
         log(f"  within {b['memory_kib']:7.0f} KiB: best {b['winner']} (loss {b['val_loss']:.4f})")
@@ -239,7 +244,7 @@ def plot(result: dict, path) -> None:
 
     fig, ax = plt.subplots(figsize=(7.5, 4.8))
     styles = {"16-bit": ("k", "o"), "kmeans": ("tab:blue", "s"), "int": ("tab:red", "^")}
-    for method in ("16-bit", *METHODS):
+    for method in SERIES:
         for bits in sorted({r["bits"] for r in result["rows"] if r["method"] == method}):
             pts = sorted((r["memory_kib"], r["val_loss"], r["val_loss_std"]) for r in result["rows"]
                          if r["method"] == method and r["bits"] == bits)
@@ -247,7 +252,7 @@ def plot(result: dict, path) -> None:
             dash = {1: ":", 2: "--", 4: "-.", 16: "-"}[bits]
             memory, loss, spread = zip(*pts, strict=True)
             ax.errorbar(memory, loss, yerr=spread, color=color, marker=marker, ls=dash, lw=1.3, capsize=2,
-                        label="16-bit" if method == "16-bit" else f"{method} {bits}-bit")
+                        label=_label(method, bits))
     ax.set_xscale("log")
     ax.set_xlabel("weight memory (KiB, true bits per weight)")
     seeds = len(result["seeds"])
@@ -271,11 +276,11 @@ def render(result: dict) -> str:
              "|---|---|" + "---|" * len(widths)]
     for method, bits in formats:
         rows = {r["width"]: r for r in result["rows"] if r["method"] == method and r["bits"] == bits}
-        name = "16-bit" if method == "16-bit" else f"{method} {bits}-bit"
+        name = _label(method, bits)
         cells = []
         for w in widths:
             r = rows[w]
-            other = "int" if method == "kmeans" else "kmeans" if method == "int" else None
+            other = RIVAL.get(method)
             rival = _row(result["rows"], w, other, bits) if other else None
             best = rival is not None and r["val_loss"] < rival["val_loss"]
             spread = f" ± {r['val_loss_std']:.3f}" if len(r["val_losses"]) > 1 else ""

@@ -115,7 +115,7 @@ class Names:
         return len(self._load())
 
 
-QUANT_METHODS = Names("hilt.quant.qweight", "METHODS")
+QUANT_METHODS = Names("hilt.quant.formats", "METHODS")
 CIM_PRESETS = Names("hilt.cim_sim.analog", "PRESETS")
 DRIFT_COMPENSATION = Names("hilt.cim_sim.model", "GDC_MODES")
 ENERGY_CHIPS = Names("hilt.cim_sim.energy", "CHIPS")
@@ -190,9 +190,13 @@ def group(sub, name: str, help_text: str, dest: str):
 
 
 def resolve_bits(args, default: int) -> int:
-    """--bits may be left out: --method binary is 1 bit, the others take ``default``."""
-    if args.method == "binary":
-        if args.bits not in (None, 1):
-            raise UsageError(f"--method binary is 1 bit, but --bits {args.bits} was given (leave --bits out)")
-        return 1
+    """--bits may be left out: a format of one width (binary: 1 bit) takes it, the others ``default``."""
+    from hilt.quant.formats import get_format
+
+    fixed = get_format(args.method).fixed_bits
+    if fixed is not None:
+        if args.bits not in (None, fixed):
+            raise UsageError(f"--method {args.method} is {fixed} bit, but --bits {args.bits} was given "
+                             "(leave --bits out)")
+        return fixed
     return default if args.bits is None else args.bits
