@@ -169,9 +169,22 @@ def test_a_model_without_eligible_layers_is_refused():
         prepare_qat_(torch.nn.Sequential(torch.nn.Linear(10, 4)), QuantConfig(block_size=64))
 
 
-def test_smollm2_qat_resumes_to_the_same_checkpoint_as_an_uninterrupted_run(smollm2_gguf, tmp_path, monkeypatch):
-    from hilt.tasks import qat_finetune
+def test_qat_resumes_to_the_same_checkpoint_as_an_uninterrupted_run(smollm2_gguf, tmp_path, monkeypatch):
+    from hilt.models import llama
     from hilt.quant import load_checkpoint
+    from hilt.tasks import qat_finetune
+
+    # SmolLM2's tokenizer and text, a 4-block Llama of width 64 (seeded): resume is about the
+    # state on disk and the batches drawn, which the model's size does not change
+    tokenizer = llama.GGUFTokenizer.from_gguf(smollm2_gguf, llama.read_gguf(smollm2_gguf))
+
+    def small_llama():
+        torch.manual_seed(0)
+        cfg = llama.LlamaConfig(vocab_size=tokenizer.vocab_size, dim=64, n_layers=4, n_heads=4, n_kv_heads=2,
+                                ffn_dim=128)
+        return llama.Llama(cfg).eval(), tokenizer
+
+    monkeypatch.setattr(llama, "load_llama", small_llama)
 
     small = {"bits": 2, "steps": 2, "batch": 1, "context": 16, "save_every": 1, "lr": 1e-4, "progress": False,
              "only": r"blk\.[01]\.attn_q", "log": lambda *_: None}
