@@ -1,8 +1,7 @@
-"""Certificates (cim_sim/certify.py): exactness at the last layer, the first-order formula, soundness of
+"""Certificates (cim_sim/cert_*.py, quant/cert_quant.py): exactness at the last layer, the first-order formula, soundness of
 the all-layers bound under random and adversarial perturbations, the CIM bound against the device
 model and the simulator, errors, the study and the command line."""
 
-import importlib
 import math
 import re
 from pathlib import Path
@@ -15,7 +14,10 @@ from torch import nn
 from helpers import read_json, run_hilt
 from hilt.errors import HiltError
 
-C = importlib.import_module("hilt.cim_sim.certify")  # the module (hilt.cim_sim.certify is the function)
+import hilt.cim_sim.cert_bounds as B
+import hilt.cim_sim.cert_chain as CH
+import hilt.cim_sim.cert_chip as CHIP
+import hilt.quant.cert_quant as Q
 
 
 class TinyMLP(nn.Module):
@@ -66,7 +68,7 @@ def _inputs(shape, n=64, seed=1):
 def test_last_layer_formula_is_the_brute_force_minimum():
     model = TinyMLP()
     x = _inputs((6,), 6)
-    a = C.analyze(model, x)
+    a = B.analyze(model, x)
     with torch.no_grad():
         h = F.relu(model.fc2(F.relu(model.fc1(x))))
         z = model(x)
@@ -100,7 +102,7 @@ def test_flip_norms_match_autograd(make, shape):
     """The batched pair gradients (im2col for convolutions) against plain autograd on the model's weights."""
     model = make()
     x = _inputs(shape, 4)
-    a = C.analyze(model, x)
+    a = B.analyze(model, x)
     layers = [m for m in model.modules() if isinstance(m, (nn.Linear, nn.Conv1d, nn.Conv2d))]
     for n in range(len(x)):
         z = model(x[n : n + 1])[0]
@@ -121,8 +123,8 @@ def test_first_order_matches_a_finite_step_along_the_minimal_direction():
     s * m to first order: the error is second order in s."""
     model = TinyMLP(act="gelu")
     x = _inputs((6,), 8)
-    a = C.analyze(model, x)
-    net = C.Network(model, x)
+    a = B.analyze(model, x)
+    net = CH.Network(model, x)
     g, m = net.margin_gradient(x, 1, a.flip_class[:, 1])
     step = -(m / g.flatten(1).square().sum(1)).view(-1, 1, 1) * g
     assert torch.allclose(step.flatten(1).norm(dim=1), a.flip[:, 1], rtol=1e-4)
@@ -154,8 +156,8 @@ def test_all_layers_bound_holds_for_random_and_adversarial_perturbations(make, s
     for random perturbations of the allowed norms and for a PGD attack that maximises ||Dz||."""
     model = make()
     x = _inputs(shape, 32)
-    a = C.analyze(model, x)
-    net = C.Network(model, x)
+    a = B.analyze(model, x)
+    net = CH.Network(model, x)
     base = {layer.name: net.steps[i].module.weight.detach() for layer, i in zip(net.layers, net.affine)}
     z0 = net.run(x)
     gen = torch.Generator().manual_seed(0)
@@ -187,8 +189,8 @@ def test_exact_certificate_is_sound_and_tight():
     direction); 0.1% above it along the worst direction, every input flips."""
     model = TinyMLP()
     x = _inputs((6,), 64)
-    a = C.analyze(model, x)
-    net = C.Network(model, x)
+    a = B.analyze(model, x)
+    net = CH.Network(model, x)
     g, m = net.margin_gradient(x, 2, a.flip_class[:, 2])
     unit = g / g.flatten(1).norm(dim=1).view(-1, 1, 1)
     w = model.fc3.weight.detach()
@@ -214,11 +216,11 @@ def test_operator_norm_bounds():
         fn = F.conv1d if isinstance(conv, nn.Conv1d) else F.conv2d
         matrix = fn(basis, conv.weight.double(), None, conv.stride, conv.padding, conv.dilation).reshape(n, -1)
         exact = float(torch.linalg.matrix_norm(matrix.detach(), ord=2))
-        upper, power = C.operator_norm_bound(conv, shape), C.operator_norm_power(conv, shape, iterations=100)
+        upper, power = CH.operator_norm_bound(conv, shape), CH.operator_norm_power(conv, shape, iterations=100)
         assert power <= exact * (1 + 1e-4) and exact <= upper and upper < 2 * exact  # loosest: dilated, unpadded
-    assert C._pool_lipschitz(C._Step("maxpool", "p", params=C._pool_params("max", 2, None, (2,))), (1, 4, 4)) == 1
-    assert C._pool_lipschitz(C._Step("maxpool", "p", params=C._pool_params("max", 2, None, (3, 1, 1))), (1, 5, 5)) == 3
-    assert C._pool_lipschitz(C._Step("avgpool", "p", params=C._pool_params("avg", 2, None, (2,))), (1, 4, 4)) == \
+    assert CH._pool_lipschitz(CH._Step("maxpool", "p", params=CH._pool_params("max", 2, None, (2,))), (1, 4, 4)) == 1
+    assert CH._pool_lipschitz(CH._Step("maxpool", "p", params=CH._pool_params("max", 2, None, (3, 1, 1))), (1, 5, 5)) == 3
+    assert CH._pool_lipschitz(CH._Step("avgpool", "p", params=CH._pool_params("avg", 2, None, (2,))), (1, 4, 4)) == \
         pytest.approx(0.5)
 
 
@@ -232,12 +234,12 @@ def test_quantization_cells(method, bits):
     model = TinyMLP()
     model.fc1 = nn.Linear(6, 64)
     model.fc2 = nn.Linear(64, 7)
-    layers = C.quantize_layers(model, QuantConfig(method, bits, 32))
+    layers = Q.quantize_layers(model, QuantConfig(method, bits, 32))
     for name, q in layers.items():
         assert ((q.lower <= q.weight) & (q.weight <= q.upper)).all()
         assert q.error <= q.cell_bound + 1e-6
         assert q.block_size == {"fc1": 6, "fc2": 32, "fc3": 7}[name]  # the largest divisor <= 32
-    p = C.quantization_perturbation(model, QuantConfig(method, bits, 32), worst_case=True)
+    p = Q.quantization_perturbation(model, QuantConfig(method, bits, 32), worst_case=True)
     assert p.eps == {name: q.cell_bound for name, q in layers.items()}
 
 
@@ -247,7 +249,7 @@ def test_device_moments_match_sampling():
     for dev in (PCM(), RRAM()):
         g_target = torch.tensor([0.0, 0.5, 6.0, 25.0], dtype=torch.float64)
         for t in (0.0, 3.15e7):
-            mom = C.device_moments(dev, g_target, t, stuck_rate=0.02)
+            mom = CHIP.device_moments(dev, g_target, t, stuck_rate=0.02)
             gen = torch.Generator().manual_seed(0)
             many = g_target.repeat(100_000, 1)
             g_prog = dev.program(many, gen)
@@ -273,7 +275,7 @@ def test_cim_bound_holds_on_simulated_chips():
     # weights of this model (raw weights, as "pcm" holds them, leave the factor noisy)
     analog = convert_to_analog(model, preset("pcm-scaled"))
     for t in (1.0, 3.15e7):
-        p = C.cim_perturbation(model, "pcm-scaled", t, delta=0.05)
+        p = CHIP.cim_perturbation(model, "pcm-scaled", t, delta=0.05)
         squares = {name: [] for name in p.eps}
         for chip in range(12):
             program(analog, seed=chip)
@@ -285,7 +287,7 @@ def test_cim_bound_holds_on_simulated_chips():
         for name in ("fc1", "fc2"):  # the predicted mean squared error against the chips' (layers large enough
             s = squares[name]       # for 12 chips to measure it; the drift compensation is taken as its mean)
             assert sum(s) / len(s) == pytest.approx(p.detail["layers"][name]["expected_sq_error"], rel=0.1)
-    ideal = C.cim_perturbation(model, "ideal", 10.0)
+    ideal = CHIP.cim_perturbation(model, "ideal", 10.0)
     assert set(ideal.eps.values()) == {0.0}
 
 
@@ -315,7 +317,7 @@ def test_unsupported_models_are_named(model, needle):
     x = torch.randn(2, 2, 4) if isinstance(model[0] if isinstance(model, nn.Sequential) else None, nn.Conv1d) \
         else torch.randn(2, 4)
     with pytest.raises(HiltError) as e:
-        C.certify(model, x)
+        B.certify(model, x)
     assert needle in str(e.value) and "\n" not in str(e.value)
 
 
@@ -329,22 +331,22 @@ def test_functional_sigmoid_and_unknown_layer_name():
             return self.fc2(torch.sigmoid(self.fc1(x)))
 
     with pytest.raises(HiltError, match="activation sigmoid is not supported"):
-        C.certify(Fn(), torch.randn(3, 4))
+        B.certify(Fn(), torch.randn(3, 4))
     with pytest.raises(HiltError, match="names fc9, not weight layers"):
-        C.certify(TinyMLP(), torch.randn(3, 6), {"fc9": 0.1})
+        B.certify(TinyMLP(), torch.randn(3, 6), {"fc9": 0.1})
 
 
 def test_cli_names_an_unsupported_model(monkeypatch, capsys):
     """Through the command line: one line on stderr, exit 1."""
     from hilt import cli
-    from hilt.bench.studies import certify as study
+    from hilt.tasks import certify as task
 
-    monkeypatch.setattr(study, "_model", lambda workload, checkpoint=None: (
+    monkeypatch.setattr(task, "workload_model", lambda workload, checkpoint=None: (
         nn.Sequential(nn.Flatten(), nn.Linear(784, 8), nn.Sigmoid(), nn.Linear(8, 10)), Path("bad.safetensors")))
     assert cli.main(["certify", "mlp", "--test-images", "20"]) == 1
     err = capsys.readouterr().err.strip()
     assert err == "hilt: error: layer '2': activation Sigmoid is not supported (certificates handle ReLU and GELU)"
-    monkeypatch.setattr(study, "_model", lambda workload, checkpoint=None: (
+    monkeypatch.setattr(task, "workload_model", lambda workload, checkpoint=None: (
         nn.Sequential(nn.Flatten(), nn.Linear(784, 1)), Path("bad.safetensors")))
     assert cli.main(["certify", "mlp", "--test-images", "20"]) == 1
     err = capsys.readouterr().err.strip()
@@ -366,7 +368,7 @@ def test_quick_study_runs():
     for r in w["quantization"]:  # the worst case in the cells certifies no more than the actual error
         assert all(0 <= v <= 1 for v in r["certified"].values())
     for a, b in zip(w["quantization"][0::2], w["quantization"][1::2]):
-        assert all(b["certified"][k] <= a["certified"][k] for k in C.KINDS)
+        assert all(b["certified"][k] <= a["certified"][k] for k in B.KINDS)
     assert w["soundness"]["certified_inputs"]["exact"] > 0 and w["soundness"]["certified_inputs"]["lipschitz"] > 0
     assert w["chips"]["chips_exceeding_bound"] == 0
     assert w["line_search"][-1]["median"] == pytest.approx(1.0, abs=1e-3)  # exact at the last layer

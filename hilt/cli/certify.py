@@ -8,7 +8,7 @@ from hilt.cli.output import write_json
 
 
 def cmd_certify(args) -> int:
-    from hilt.bench.studies import certify
+    from hilt.tasks import certify
 
     if args.method is None and (args.bits is not None or args.worst_case):
         raise UsageError("--bits and --worst-case describe a quantization format: give --method too")
