@@ -390,3 +390,25 @@ def test_cli_certify_cnn(tmp_path):
     r = run_hilt("certify", "cnn", "--method", "int", "--chip", "pcm")
     assert r.returncode == 2 and r.stderr.strip() == \
         "hilt certify: error: give a quantization format (--method) or a CIM chip (--chip), not both"
+
+
+@pytest.mark.parametrize("argv,needle", [
+    (["--delta", "0.05"], "--delta is the probability a chip's bound may fail: give --chip too"),
+    (["--gdc", "none"], "--gdc is a chip's drift compensation: give --chip too"),
+    (["--time", "1d"], "--time is the age of a chip: give --chip too"),
+    (["--chip", "pcm", "--time", "1x"], "--time: cannot read time '1x'"),
+    (["--chip", "pcm", "--delta", "2"], "--delta must be between 0 and 1"),
+])
+def test_cli_refuses_chip_flags_before_any_work(monkeypatch, capsys, argv, needle):
+    """Flags that only mean something with --chip are refused without it, one line naming the flag,
+    before the model or the images load."""
+    from hilt import cli
+    from hilt.tasks import certify as task
+
+    def loaded(*a, **k):
+        raise AssertionError("the model was loaded")
+
+    monkeypatch.setattr(task, "workload_model", loaded)
+    assert cli.main(["certify", "mlp", *argv]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and needle in err
