@@ -116,6 +116,7 @@ def device_moments(dev, g_target: torch.Tensor, t: float, stuck_rate: float = 0.
     return _combine(dev, _noise_integrals(dev, g_target, t, nodes), _drift_moments(dev, g_target, t), t, stuck_rate)
 
 
+ALPHA_SDS = 4.0  # half-width of the compensation factors covered, in standard deviations of the probe's read-outs
 _GRID = 4097  # target conductances at which the device moments are tabulated (every 1/4096 of g_max)
 
 
@@ -147,16 +148,20 @@ def _abs_mean(mean: torch.Tensor, var: torch.Tensor) -> torch.Tensor:
             + mean * (1 - 2 * torch.special.ndtr(-mean / sd)))
 
 
-def _probe_abs(config, probe: torch.Tensor, mean_w: torch.Tensor, var_w: torch.Tensor, unit: float) -> torch.Tensor:
-    """Mean-field E|y| (rows, out) of the drift-compensation probe through arrays holding weights of
-    mean ``mean_w`` and variance ``var_w``: Gaussian y, plus the variance of output noise, ADC and DAC
-    rounding per array (noise management scales each array's slice of the input by its abs-max).
-    ``unit``: the weight the arrays hold as 1 (AnalogMixin.w_unit)."""
+def _probe_read(config, probe: torch.Tensor, mean_w: torch.Tensor, var_w: torch.Tensor, unit: float) -> tuple:
+    """The drift-compensation probe through arrays holding weights of mean ``mean_w`` and variance
+    ``var_w`` (out, in), per output column: the mean-field mean of R_o = mean over rows of |y_ro|
+    (Gaussian y, plus the variance of output noise, ADC and DAC rounding per array; noise management
+    scales each array's slice of the input by its abs-max), and an Efron-Stein bound on Var R_o: the
+    weights are independent and |y| is 1-Lipschitz, so resampling W_ok moves R_o by at most
+    a_k |dW_ok| with a_k = mean_r |p_rk| (E dW^2 = 2 Var W), and a row's noise moves it by |dn| / rows.
+    ``unit``: the weight the arrays hold as 1 (AnalogMixin.w_unit). -> (mean (out,), var bound (out,))."""
     from hilt.cim_sim.analog import AnalogMixin, array_bounds
 
     in_step, out_step = AnalogMixin._steps(types.SimpleNamespace(config=config))
     mean = probe @ mean_w.T
     var = (probe * probe) @ var_w.T
+    extra_all = torch.zeros_like(mean)
     for k0, k1 in array_bounds(probe.shape[1], config.tile_size):
         xs = probe[:, k0:k1].abs().amax(1, keepdim=True)  # (rows, 1)
         extra = (config.out_noise * unit * xs) ** 2
@@ -165,8 +170,11 @@ def _probe_abs(config, probe: torch.Tensor, mean_w: torch.Tensor, var_w: torch.T
         if config.dac_bits is not None:
             second = (mean_w[:, k0:k1] ** 2 + var_w[:, k0:k1]).sum(1)
             extra = extra + (xs * in_step) ** 2 / 12 * second[None, :]
-        var = var + extra
-    return _abs_mean(mean, var)
+        extra_all = extra_all + extra
+    rows = probe.shape[0]
+    a = probe.abs().mean(0)
+    spread = var_w @ (a * a) + extra_all.sum(0) / rows**2
+    return _abs_mean(mean, var + extra_all).mean(0), spread
 
 
 def _cantelli(mean: float, var: float, delta: float) -> float:
@@ -225,32 +233,63 @@ def cim_perturbations(model: nn.Module, config="pcm", times=(0.0,), delta: float
             return _pair_moments(pos, neg, 1 / scale)
 
         probe = ref = None
+        ref_var = 0.0
         if gdc != "none":
             probe = _probe(types.SimpleNamespace(w_digital=w.float()), torch.Generator().manual_seed(seed)).double()
-            if gdc == "exact":
+            if gdc == "exact":  # the ideal read-out: no randomness
                 ref = (probe @ w.T).abs().mean(0)
             else:
                 e0 = moments_at(0.0)
-                ref = _probe_abs(config, probe, e0[1], (e0[2] - e0[1] ** 2).clamp_min(0), unit).mean(0)
+                ref, ref_var = _probe_read(config, probe, e0[1], (e0[2] - e0[1] ** 2).clamp_min(0), unit)
         for t, (eps, detail) in zip(times, out):
             ew = moments_at(t)
-            alpha = torch.ones(w.shape[0], 1, dtype=torch.float64)
+            lo = hi = centre = torch.ones(w.shape[0], 1, dtype=torch.float64)
             if gdc != "none":
-                now = _probe_abs(config, probe, ew[1], (ew[2] - ew[1] ** 2).clamp_min(0), unit).mean(0)
-                alpha = (ref / now.clamp_min(1e-300))[:, None] if gdc == "column" else \
-                    torch.full_like(alpha, float(ref.sum() / now.sum().clamp_min(1e-300)))
-            # Delta = alpha W - w: its second and fourth moments from E[W^k]
-            d2 = alpha**2 * ew[2] - 2 * alpha * w * ew[1] + w * w
-            d4 = sum(math.comb(4, j) * alpha**j * ew[j] * (-w) ** (4 - j) for j in range(5))
-            mean_s, var_s = float(d2.sum()), float((d4 - d2 * d2).clamp_min(0).sum())
-            bound = math.sqrt(_cantelli(mean_s, var_s, share))
+                now, now_var = _probe_read(config, probe, ew[1], (ew[2] - ew[1] ** 2).clamp_min(0), unit)
+                r, n, vr, vn = (ref, now, ref_var, now_var) if gdc == "column" else \
+                    (ref.sum(), now.sum(), ref_var.sum() if torch.is_tensor(ref_var) else 0.0, now_var.sum())
+                # the interval of factors the bound covers: the mean-field factor widened by ALPHA_SDS
+                # Efron-Stein standard deviations of both read-outs (per column: more, for the largest of
+                # many). A design choice, not a probability: the chip computes its own factor and is
+                # covered when the factor lies inside (the detail reports the interval).
+                k = ALPHA_SDS + (math.sqrt(2 * math.log(w.shape[0])) if gdc == "column" else 0.0)
+                n_lo = n - k * torch.as_tensor(vn).sqrt()
+                if bool((n_lo <= 0).any()):
+                    raise HiltError(f"layer '{lname}': the drift-compensation probe reads too little at {t:g} s "
+                                    "to bound the compensation factor; certify it with gdc='none'")
+                r_sd = torch.as_tensor(vr, dtype=torch.float64).sqrt()
+                centre = (r / n).reshape(-1, 1).expand(w.shape[0], 1)
+                lo = ((r - k * r_sd).clamp_min(0) / (n + k * torch.as_tensor(vn).sqrt())).reshape(-1, 1).expand(w.shape[0], 1)
+                hi = ((r + k * r_sd) / n_lo).reshape(-1, 1).expand(w.shape[0], 1)
+
+            def error_moments(alpha):
+                """Mean and variance of S = ||alpha W - w||_F^2 for fixed factors alpha (out, 1)."""
+                d2 = alpha**2 * ew[2] - 2 * alpha * w * ew[1] + w * w
+                d4 = sum(math.comb(4, j) * alpha**j * ew[j] * (-w) ** (4 - j) for j in range(5))
+                return float(d2.sum()), float((d4 - d2 * d2).clamp_min(0).sum())
+
+            mean_s, var_s = error_moments(centre)
+            if gdc == "none":
+                bound = math.sqrt(_cantelli(mean_s, var_s, share))
+            elif gdc != "column":
+                # one factor per layer: S is a convex quadratic in it, so its largest value over [lo, hi]
+                # is at an end; each end bounded with half the share
+                bound = math.sqrt(max(_cantelli(*error_moments(end), share / 2) for end in (lo, hi)))
+            else:
+                # per column: ||alpha W - w|| <= ||c W - w|| + ||(alpha - c) W||, (alpha - c)_o at most r_o
+                half = torch.maximum(hi - centre, centre - lo)
+                sq = half**2 * ew[2]
+                spread = math.sqrt(_cantelli(float(sq.sum()), float((half**4 * (ew[4] - ew[2] ** 2)).clamp_min(0).sum()),
+                                             share / 2))
+                bound = math.sqrt(_cantelli(mean_s, var_s, share / 2)) + spread
             noise = 0.0
-            if config.w_noise:  # per-read weight noise N(0, w_noise^2 unit |W|), times alpha
+            if config.w_noise:  # per-read weight noise N(0, w_noise^2 unit |W|), times alpha (at most hi)
                 c = config.w_noise**2 * unit
-                noise = math.sqrt(_cantelli(float((alpha**2 * c * ew[2].sqrt()).sum()),  # E|W| <= sqrt(E W^2)
-                                            float((3 * alpha**4 * c * c * ew[2]).sum()), share))  # Var <= E N^4
+                noise = math.sqrt(_cantelli(float((hi**2 * c * ew[2].sqrt()).sum()),  # E|W| <= sqrt(E W^2)
+                                            float((3 * hi**4 * c * c * ew[2]).sum()), share))  # Var <= E N^4
             eps[lname] = bound + noise
             detail["layers"][lname] = {"expected_sq_error": mean_s, "sd_sq_error": math.sqrt(var_s), "bound": bound,
-                                       "read_noise_bound": noise, "alpha": float(alpha.mean()),
+                                       "read_noise_bound": noise, "alpha": float(centre.mean()),
+                                       "alpha_interval": [float(lo.min()), float(hi.max())],
                                        "relative_bound": eps[lname] / max(float(w.norm()), 1e-30)}
     return [Perturbation(eps, "chip", 1 - delta, detail) for eps, detail in out]
