@@ -468,3 +468,137 @@ def _draw_chips(analog, bounds, times, chips, violations):
                 err = (held - layer.w_digital.double()).flatten(1).norm(dim=1)
                 bad |= (err > bound.eps[name]) | (layer.gdc_scale.amin(1) < lo) | (layer.gdc_scale.amax(1) > hi)
             violations[t] += int(bad.sum())
+
+
+# ----------------------------------------------------------------------------- tight cases: every constant pinned
+
+
+def _unit(v):
+    return v / v.norm()
+
+
+class AlignedChain(nn.Module):
+    """Linear - ReLU - Linear - ReLU - Linear built so that the all-layers recursion is an equality: the
+    input x drives fc1 along u1 > 0, fc2's top singular pair is (u1 -> u2 > 0), fc3's is (u2 -> q) with
+    q = (e_1 - e_0) / sqrt(2), the rest of each matrix orthogonal to those directions and smaller."""
+
+    def __init__(self, x):
+        super().__init__()
+        gen = torch.Generator().manual_seed(3)
+        a0 = _unit(x)
+        u1, u2 = _unit(torch.rand(6, generator=gen) + 0.5), _unit(torch.rand(4, generator=gen) + 0.5)
+        self.q = torch.tensor([-1.0, 1.0, 0.0]) / math.sqrt(2)
+
+        def rest(left, right, rows, cols, size):  # a block that leaves `right` and `left` alone
+            m = torch.randn(rows, cols, generator=gen)
+            m = (torch.eye(rows) - torch.outer(left, left)) @ m @ (torch.eye(cols) - torch.outer(right, right))
+            return m * (size / torch.linalg.matrix_norm(m, ord=2))
+
+        self.fc1, self.fc2, self.fc3 = nn.Linear(5, 6), nn.Linear(6, 4), nn.Linear(4, 3)
+        self.s = (1.5, 2.0, 1.7)
+        with torch.no_grad():
+            self.fc1.weight.copy_(self.s[0] * torch.outer(u1, a0) + rest(u1, a0, 6, 5, 0.5))
+            self.fc2.weight.copy_(self.s[1] * torch.outer(u2, u1) + rest(u2, u1, 4, 6, 0.6))
+            self.fc3.weight.copy_(self.s[2] * torch.outer(self.q, u2) + rest(self.q, u2, 3, 4, 0.5))
+            self.fc1.bias.zero_()
+            self.fc2.bias.zero_()
+            self.fc3.bias.copy_(torch.tensor([30.0, 0.0, -30.0]))  # class 0 predicted, class 1 next
+        self.directions = {"fc1": torch.outer(u1, a0), "fc2": torch.outer(u2, u1), "fc3": torch.outer(self.q, u2)}
+
+    def forward(self, x):
+        return self.fc3(F.relu(self.fc2(F.relu(self.fc1(x)))))
+
+
+def _aligned_run(model, x, eps):
+    """Scores with every layer moved by eps_l along its aligned unit direction (Frobenius norm eps_l)."""
+    with torch.no_grad():
+        w = {name: getattr(model, name).weight + e * model.directions[name] for name, e in zip(("fc1", "fc2", "fc3"), eps)}
+        h = F.relu(F.linear(x, w["fc1"], model.fc1.bias))
+        h = F.relu(F.linear(h, w["fc2"], model.fc2.bias))
+        return F.linear(h, w["fc3"], model.fc3.bias)
+
+
+def test_all_layers_bound_is_attained():
+    """The sound recursion sqrt(2) e_L, e_l = Lambda_l d + eps_l (nu_l + d), is reached exactly when every
+    layer's perturbation is aligned: a changed constant (the sqrt(2), an operator norm, a product of
+    errors dropped) moves the bound off the achieved |Dz_1 - Dz_0|."""
+    x = torch.tensor([[0.3, -1.2, 0.8, 0.5, 1.0]], dtype=torch.float32)
+    model = AlignedChain(x[0])
+    a = B.analyze(model, x)
+    assert int(a.predictions[0]) == 0
+    z0 = model(x).detach()
+    for eps in ((0.4, 0.0, 0.0), (0.0, 0.3, 0.0), (0.0, 0.0, 0.7), (0.4, 0.3, 0.7), (2.0, 1.5, 1.0)):
+        z = _aligned_run(model, x, eps)
+        achieved = float((z - z0)[0, 1] - (z - z0)[0, 0])
+        bound = float(a.output_bound(torch.tensor(eps, dtype=torch.float64))[0])
+        assert achieved == pytest.approx(bound, rel=1e-5) and achieved <= bound * (1 + 1e-6), eps
+    # the certified scale and the single-layer radii are the flip points along the aligned directions
+    margin = float(a.margins[0])
+    eps = torch.tensor([0.4, 0.3, 0.7], dtype=torch.float64)
+    t = float(a.lipschitz_scale(eps)[0])
+    for factor, flips in ((1 - 1e-4, False), (1 + 1e-4, True)):
+        assert bool(_aligned_run(model, x, (t * factor * eps).tolist()).argmax(1)[0] != 0) == flips
+    radii = a.lipschitz_radii()[0]
+    for l in range(3):
+        for factor, flips in ((1 - 1e-4, False), (1 + 1e-4, True)):
+            e = [0.0, 0.0, 0.0]
+            e[l] = float(radii[l]) * factor
+            assert bool(_aligned_run(model, x, e).argmax(1)[0] != 0) == flips, (l, factor)
+    assert float(radii[2]) == pytest.approx(float(a.flip[0, 2]), rel=1e-6)  # exact at the last layer
+    assert margin > 0
+
+
+class ConstantConv(nn.Module):
+    """conv (1x1) - ReLU - conv (3 taps, no padding) - ReLU - flatten - linear, on a constant input: every
+    interior element is in 3 patches, so the patch term sqrt(R) d is reached up to the border, (n-2)/n."""
+
+    def __init__(self, n):
+        super().__init__()
+        self.c1, self.c2 = nn.Conv1d(1, 1, 1, bias=False), nn.Conv1d(1, 1, 3, bias=False)
+        self.fc = nn.Linear(n - 2, 3)
+        self.q = torch.tensor([-1.0, 1.0, 0.0]) / math.sqrt(2)
+        self.v = torch.ones(n - 2) / math.sqrt(n - 2)
+        with torch.no_grad():
+            self.c1.weight.fill_(1.0)
+            self.c2.weight.fill_(1 / math.sqrt(3))
+            self.fc.weight.copy_(1.3 * torch.outer(self.q, self.v))
+            self.fc.bias.copy_(torch.tensor([100.0, 0.0, -100.0]))
+        self.directions = {"c1": torch.ones(1, 1, 1), "c2": torch.ones(1, 1, 3) / math.sqrt(3),
+                           "fc": torch.outer(self.q, self.v)}
+
+    def forward(self, x):
+        return self.fc(F.relu(self.c2(F.relu(self.c1(x)))).flatten(1))
+
+
+def test_all_layers_bound_is_nearly_attained_through_a_convolution():
+    n = 800
+    model = ConstantConv(n)
+    x = torch.ones(1, 1, n)
+    a = B.analyze(model, x)
+    assert [layer.multiplicity for layer in a.layers] == [1, 3, 1]
+    eps = (0.5, 0.5, 0.3)
+    with torch.no_grad():
+        z0 = model(x)
+        for (name, d), e in zip(model.directions.items(), eps):
+            getattr(model, name).weight += e * d
+        z = model(x)
+    achieved = float((z - z0)[0, 1] - (z - z0)[0, 0])
+    bound = float(a.output_bound(torch.tensor(eps, dtype=torch.float64))[0])
+    assert achieved <= bound <= achieved * (1 + 2 / n)
+
+
+def test_cantelli_bound_is_attained():
+    """The two-point law with P(S = b) = delta at b = the bound has the given mean and variance: no smaller
+    value holds with probability 1 - delta for every law of that mean and variance."""
+    for mean, var, delta in ((3.0, 2.0, 0.01), (10.0, 0.5, 0.2), (1.0, 1e-4, 1e-3)):
+        b = CHIP._cantelli(mean, var, delta)
+        low = (mean - delta * b) / (1 - delta)
+        assert delta * b + (1 - delta) * low == pytest.approx(mean, rel=1e-12)
+        assert delta * (b - mean) ** 2 + (1 - delta) * (low - mean) ** 2 == pytest.approx(var, rel=1e-9)
+
+
+def test_gelu_constant_is_the_largest_slope():
+    t = torch.linspace(-6, 6, 200_001, dtype=torch.float64, requires_grad=True)
+    for approx in ("none", "tanh"):
+        (g,) = torch.autograd.grad(F.gelu(t, approximate=approx).sum(), t)
+        assert float(g.abs().max()) <= CH.GELU_LIPSCHITZ < float(g.abs().max()) * 1.002
