@@ -602,3 +602,39 @@ def test_gelu_constant_is_the_largest_slope():
     for approx in ("none", "tanh"):
         (g,) = torch.autograd.grad(F.gelu(t, approximate=approx).sum(), t)
         assert float(g.abs().max()) <= CH.GELU_LIPSCHITZ < float(g.abs().max()) * 1.002
+
+
+class SpikePool(nn.Module):
+    """conv (1x1) - 3x3 max pool (stride 1, padding 1) - flatten - linear, on a single spike: the spike is
+    the maximum of the 9 windows that contain it, so the pool's constant sqrt(9) = 3 is reached."""
+
+    def __init__(self):
+        super().__init__()
+        self.c1 = nn.Conv2d(1, 1, 1, bias=False)
+        self.fc = nn.Linear(25, 3)
+        self.q = torch.tensor([-1.0, 1.0, 0.0]) / math.sqrt(2)
+        v = torch.zeros(5, 5)
+        v[1:4, 1:4] = 1 / 3
+        with torch.no_grad():
+            self.c1.weight.fill_(1.0)
+            self.fc.weight.copy_(0.8 * torch.outer(self.q, v.flatten()))
+            self.fc.bias.copy_(torch.tensor([50.0, 0.0, -50.0]))
+
+    def forward(self, x):
+        return self.fc(F.max_pool2d(self.c1(x), 3, stride=1, padding=1).flatten(1))
+
+
+def test_all_layers_bound_is_attained_through_an_overlapping_pool():
+    model = SpikePool()
+    x = torch.zeros(1, 1, 5, 5)
+    x[0, 0, 2, 2] = 1.0
+    a = B.analyze(model, x)
+    assert a.layers[0].lipschitz_after == pytest.approx(3.0)
+    eps = 0.25
+    with torch.no_grad():
+        z0 = model(x)
+        model.c1.weight += eps
+        z = model(x)
+    achieved = float((z - z0)[0, 1] - (z - z0)[0, 0])
+    bound = float(a.output_bound(torch.tensor([eps, 0.0], dtype=torch.float64))[0])
+    assert achieved == pytest.approx(bound, rel=1e-5) and achieved <= bound * (1 + 1e-6)
