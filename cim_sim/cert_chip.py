@@ -1,6 +1,7 @@
 """The perturbation a CIM chip makes, for the certificates: a bound on ||Delta W_l||_F of every layer
 at time t after programming that holds for all layers at once with probability >= 1 - delta under
-the device model of cim_sim.devices (the derivation and its assumptions: docs/certify.md, item 4).
+the device model of cim_sim.devices, for every drift-compensation factor in a reported interval
+(the derivation and its one approximation: docs/certify.md, item 4).
 """
 
 from __future__ import annotations
@@ -187,7 +188,8 @@ def cim_perturbation(model: nn.Module, config="pcm", t_seconds: float = 0.0, del
                      gdc: str = "global", seed: int = 0, nodes: int = 32) -> Perturbation:
     """Per-layer bounds on ||Delta W||_F of ``model`` on a chip (an AnalogConfig or a preset name) read
     ``t_seconds`` after programming, holding for all layers at once with probability >= 1 - delta over
-    the chip (docs/certify.md, item 4). Layers the simulator keeps digital get no bound (exact).
+    the chip for every drift-compensation factor inside the interval each layer's detail reports
+    (``alpha_interval``; docs/certify.md, item 4). Layers the simulator keeps digital get no bound.
     ``seed``: the programming seed whose drift-compensation probe is used (cim_sim.model)."""
     return cim_perturbations(model, config, [t_seconds], delta, gdc, seed, nodes)[0]
 

@@ -408,7 +408,10 @@ def chip_soundness(model, net, x, plan, preset_name: str, seed: int = 0, log=pri
             worst[l] = max(worst[l], err / float(cert.eps[l]))
             squares[l] += err * err / plan["chips"]
             alphas[l] += float(analog_by_name[name].gdc_scale.mean()) / plan["chips"]
-            if err > float(cert.eps[l]):
+            lo, hi = p.detail["layers"][name]["alpha_interval"]
+            scale = analog_by_name[name].gdc_scale
+            # outside the factors the bound covers counts as exceeding it
+            if err > float(cert.eps[l]) or float(scale.min()) < lo or float(scale.max()) > hi:
                 over[l] += 1
                 exceeded = True
         chips_over += exceeded
@@ -442,6 +445,47 @@ def chip_soundness(model, net, x, plan, preset_name: str, seed: int = 0, log=pri
         f"(of {result['certified_inputs']['exact']} certified), Lipschitz {flips['lipschitz']} "
         f"(of {result['certified_inputs']['lipschitz']})")
     return result
+
+
+def chip_bound_check(workloads=WORKLOADS, preset_name: str = "pcm", times: str = "1s,1d,1y", chips: int = 1000,
+                     delta: float = 0.01, batch: int = 100, log=print) -> list:
+    """The chip bound against ``chips`` chips per workload drawn by the simulator's batched pass, every
+    layer: per workload and time, the chips on which some layer's weight error exceeds its bound or its
+    compensation factor falls outside the interval the bound covers, and the largest error / bound."""
+    from hilt.cim_sim import analog_layers, convert_to_analog, drift_to, parse_time, preset, program
+
+    rows = []
+    labels = times.split(",")
+    for workload in workloads:
+        model, _ = workload_model(workload, None)
+        bounds = cim_perturbations(model, preset_name, [parse_time(t) for t in labels], delta)
+        analog = convert_to_analog(model, preset(preset_name))
+        stats = {t: {"violations": 0, "outside_interval": 0, "worst": {}} for t in labels}
+        for start in range(0, chips, batch):
+            seeds = list(range(start, min(chips, start + batch)))
+            program(analog, seeds=seeds)
+            for t, bound in zip(labels, bounds):
+                drift_to(analog, parse_time(t), seeds=[100_000 + s for s in seeds])
+                bad = torch.zeros(len(seeds), dtype=torch.bool)
+                outside = torch.zeros(len(seeds), dtype=torch.bool)
+                for name, layer in analog_layers(analog):
+                    lo, hi = bound.detail["layers"][name]["alpha_interval"]
+                    held = (layer.w_eff * layer.gdc_scale[..., None]).double()
+                    ratio = (held - layer.w_digital.double()).flatten(1).norm(dim=1) / bound.eps[name]
+                    out = (layer.gdc_scale.amin(1) < lo) | (layer.gdc_scale.amax(1) > hi)
+                    bad |= (ratio > 1) | out
+                    outside |= out
+                    worst = stats[t]["worst"]
+                    worst[name] = max(worst.get(name, 0.0), float(ratio.max()))
+                stats[t]["violations"] += int(bad.sum())
+                stats[t]["outside_interval"] += int(outside.sum())
+        for t, bound in zip(labels, bounds):
+            rows.append({"workload": workload, "preset": preset_name, "time": t, "chips": chips, "delta": delta,
+                         **stats[t], "relative_bound": {n: d["relative_bound"] for n, d in bound.detail["layers"].items()}})
+            r = rows[-1]
+            log(f"{workload} {preset_name} {t}: {r['violations']} of {chips} chips violate (factor outside: "
+                f"{r['outside_interval']}); largest error / bound {max(r['worst'].values()):.3f}")
+    return rows
 
 
 # ----------------------------------------------------------------------------- the study
@@ -636,3 +680,11 @@ def plot(result: dict, path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=90)
     plt.close(fig)
+
+
+if __name__ == "__main__":  # python -m hilt.bench.studies.certify: the chip bound on 1,000 chips per workload
+    import json
+    import sys
+
+    torch.set_num_threads(1)  # a chip's small products run faster on one thread than on busy several
+    print(json.dumps(chip_bound_check(chips=int(sys.argv[1]) if len(sys.argv) > 1 else 1000), indent=1))

@@ -59,7 +59,8 @@ def register(sub) -> None:
     ce.add_argument("--worst-case", action="store_true", help="with --method: the largest error inside the format's "
                     "rounding cells instead of the actual one")
     ce.add_argument("--chip", choices=CIM_PRESETS, help="a CIM preset: a bound on ||dW||_F at --time that holds with "
-                    "probability 1 - --delta under the device model")
+                    "probability 1 - --delta under the device model, for drift-compensation factors in the "
+                    "interval the JSON reports")
     ce.add_argument("--time", help="with --chip: time after programming (default 1y)")
     ce.add_argument("--delta", type=POSITIVE_NUMBER, help="with --chip: the probability the bound may "
                     "fail (default 0.01)")
