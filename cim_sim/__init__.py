@@ -9,20 +9,16 @@
     from hilt.cim_sim import certify, cim_perturbation        # weight-perturbation certificates
     certify(model, (images, labels), cim_perturbation(model, "pcm", 86400)).fractions()
 
-(``hilt.cim_sim.certify`` is the function; its module is imported as ``from hilt.cim_sim.certify import ...``.)
+Certificates in modules by concern: cert_chain (the model as a chain), cert_bounds (the bounds),
+cert_chip (a chip's perturbation); a format's is quant.cert_quant. The derivation: docs/certify.md.
 """
 
 from hilt.cim_sim.analog import PRESETS, AnalogConfig, AnalogConv1d, AnalogConv2d, AnalogLinear, preset
-from hilt.cim_sim.certify import (
-    Certificates,
-    Perturbation,
-    analyze,
-    certify,
-    cim_perturbation,
-    quantization_perturbation,
-)
+from hilt.cim_sim.cert_bounds import Certificates, analyze, certify
+from hilt.cim_sim.cert_chip import cim_perturbation
 from hilt.cim_sim.devices import PCM, RRAM, mismatch, stuck_at
 from hilt.cim_sim.model import analog_layers, convert_to_analog, drift_to, evaluate, parse_time, program
+from hilt.quant.cert_quant import Perturbation, quantization_perturbation
 
 __all__ = [
     "PRESETS", "AnalogConfig", "AnalogConv1d", "AnalogConv2d", "AnalogLinear", "preset", "PCM", "RRAM", "mismatch", "stuck_at",

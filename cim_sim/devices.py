@@ -117,7 +117,7 @@ class PCM:
 
     def drift_law(self, g_target: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, float]:
         """(mu, sd, factor): the drift exponent is nu = factor |mu(g_T) + sd(g_T) N(0,1)|
-        (drift_exponent draws it; cim_sim.certify takes its moments in closed form)."""
+        (drift_exponent draws it; cim_sim.cert_chip takes its moments in closed form)."""
         x = (g_target.abs() / self.g_max).clamp_min(1e-7)
         mu = (-0.0155 * torch.log(x) + 0.0244).clamp(0.049, 0.1)
         sd = (-0.0125 * torch.log(x) - 0.0059).clamp(0.008, 0.045)

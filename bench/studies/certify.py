@@ -1,7 +1,8 @@
-"""`hilt certify` and `hilt bench certify`: minimal-norm weight-perturbation certificates for the
-Fashion-MNIST workloads, against hilt's quantization formats and against CIM chips over time.
+"""`hilt bench certify`: minimal-norm weight-perturbation certificates for the Fashion-MNIST
+workloads, against hilt's quantization formats and against CIM chips over time.
 
-The maths is in cim_sim/certify.py. The study, per workload (the MLP and the CNN):
+The maths is in docs/certify.md (code: cim_sim/cert_*.py, quant/cert_quant.py); `hilt certify` runs
+from hilt/tasks/certify.py. The study, per workload (the MLP and the CNN):
 
 1. the flip norms of every test input (exact at the last layer, first order before it) and the
    sound all-layers (Lipschitz) bound, and how the two compare on the same inputs;
@@ -21,16 +22,18 @@ The maths is in cim_sim/certify.py. The study, per workload (the MLP and the CNN
 
 from __future__ import annotations
 
-import importlib
 import math
 import time
 
 import torch
 
-from hilt.errors import HiltError
+from hilt.cim_sim.cert_bounds import KINDS, analyze
+from hilt.cim_sim.cert_chain import Network
+from hilt.cim_sim.cert_chip import cim_perturbation, cim_perturbations
 from hilt.progress import Progress
-
-C = importlib.import_module("hilt.cim_sim.certify")  # the module (hilt.cim_sim.certify is the function)
+from hilt.quant.cert_quant import QuantizedLayer, quantization_perturbation, quantize_layers
+from hilt.tasks.certify import fashion_test_set
+from hilt.tasks.drift import workload_model
 
 WORKLOADS = ("mlp", "cnn")
 DEFAULT_TIMES = "1s,1h,1d,1mo,1y"
@@ -51,26 +54,13 @@ KIND_LABELS = {"exact": "exact (last layer)", "first_order": "first order (each 
                "lipschitz": "Lipschitz (all layers, sound)"}
 
 
-def _model(workload: str, checkpoint=None):
-    from hilt.tasks.drift import workload_model
-
-    return workload_model(workload, checkpoint)
-
-
-def _test_data(n: int):
-    from hilt.data.fashion_mnist import load_fashion_mnist
-
-    images, labels = load_fashion_mnist("test")
-    return images[:n], labels[:n]
-
-
-def _accuracy(net: C.Network, x: torch.Tensor, labels: torch.Tensor, weights: dict | None = None) -> float:
+def _accuracy(net: Network, x: torch.Tensor, labels: torch.Tensor, weights: dict | None = None) -> float:
     with torch.no_grad():
         pred = torch.cat([net.run(x[i : i + 1000], weights).argmax(1) for i in range(0, len(x), 1000)])
     return float((pred == labels).double().mean())
 
 
-def _weights(net: C.Network, flat: dict) -> dict:
+def _weights(net: Network, flat: dict) -> dict:
     """Layer name -> weights shaped as the layers hold them, from 2-D (out, inputs) ones."""
     shapes = {layer.name: layer.weight_shape for layer in net.layers}
     return {name: w.reshape(shapes[name]).to(torch.float32) for name, w in flat.items()}
@@ -87,10 +77,10 @@ def quantization_rows(model, net, analysis, x, labels, plan, log=print) -> tuple
     for method in plan["methods"]:
         for bits in plan["bits"]:
             config = QuantConfig(method, bits, plan["block_size"])
-            layers = C.quantize_layers(model, config)
+            layers = quantize_layers(model, config)
             accuracy = _accuracy(net, x, labels, _weights(net, {n: q.quantized for n, q in layers.items()}))
             for worst in (False, True):
-                p = C.quantization_perturbation(model, config, worst, quantized=layers)
+                p = quantization_perturbation(model, config, worst, quantized=layers)
                 cert = analysis.certify(p)
                 rows.append({"method": method, "bits": bits, "error": "cells" if worst else "actual",
                              "certified": cert.fractions(), "accuracy": accuracy,
@@ -155,7 +145,7 @@ def cim_rows(model, net, analysis, x, labels, plan, log=print) -> list:
     xa, la = x[: plan["accuracy_images"]], labels[: plan["accuracy_images"]]
     for name in plan["presets"]:
         analog = convert_to_analog(model, preset(name))
-        bounds = C.cim_perturbations(model, name, [parse_time(label) for label in times], plan["delta"])
+        bounds = cim_perturbations(model, name, [parse_time(label) for label in times], plan["delta"])
         for label, p in zip(times, bounds):
             t = parse_time(label)
             cert = analysis.certify(p)
@@ -203,7 +193,7 @@ def compare_bounds(net, analysis) -> dict:
 # ----------------------------------------------------------------------------- Monte-Carlo soundness
 
 
-def _draw(kind: str, ql: C.QuantizedLayer, eps: float, gen: torch.Generator) -> torch.Tensor:
+def _draw(kind: str, ql: QuantizedLayer, eps: float, gen: torch.Generator) -> torch.Tensor:
     """A perturbation within the layer's rounding cells (norm <= its cell bound): the error of a weight
     drawn uniformly in its cell, a random corner of the cells, or a uniform point of the sphere."""
     if kind == "cell":
@@ -267,8 +257,8 @@ def quantization_soundness(model, net, x, plan, seed=0, log=print, progress=Fals
     (the cells of a finer grid: int8 cells are far beyond what the sound bound certifies)."""
     from hilt.quant import QuantConfig
 
-    analysis = C.analyze(model, x, network=net)
-    layers = C.quantize_layers(model, QuantConfig("int", 8, plan["block_size"]))
+    analysis = analyze(model, x, network=net)
+    layers = quantize_layers(model, QuantConfig("int", 8, plan["block_size"]))
     cells = [layers[name] for name in net.names]
     eps = torch.tensor([q.cell_bound for q in cells], dtype=torch.float64)
     cert = analysis.certify(dict(zip(net.names, eps.tolist())))
@@ -391,8 +381,8 @@ def chip_soundness(model, net, x, plan, preset_name: str, seed: int = 0, log=pri
     from hilt.cim_sim import analog_layers, convert_to_analog, drift_to, parse_time, preset, program
 
     t = parse_time(plan["mc_time"])
-    analysis = C.analyze(model, x, network=net)
-    p = C.cim_perturbation(model, preset_name, t, plan["delta"])
+    analysis = analyze(model, x, network=net)
+    p = cim_perturbation(model, preset_name, t, plan["delta"])
     cert = analysis.certify(p)
     last = len(net.layers) - 1
     pred = analysis.predictions
@@ -418,7 +408,10 @@ def chip_soundness(model, net, x, plan, preset_name: str, seed: int = 0, log=pri
             worst[l] = max(worst[l], err / float(cert.eps[l]))
             squares[l] += err * err / plan["chips"]
             alphas[l] += float(analog_by_name[name].gdc_scale.mean()) / plan["chips"]
-            if err > float(cert.eps[l]):
+            lo, hi = p.detail["layers"][name]["alpha_interval"]
+            scale = analog_by_name[name].gdc_scale
+            # outside the factors the bound covers counts as exceeding it
+            if err > float(cert.eps[l]) or float(scale.min()) < lo or float(scale.max()) > hi:
                 over[l] += 1
                 exceeded = True
         chips_over += exceeded
@@ -454,6 +447,47 @@ def chip_soundness(model, net, x, plan, preset_name: str, seed: int = 0, log=pri
     return result
 
 
+def chip_bound_check(workloads=WORKLOADS, preset_name: str = "pcm", times: str = "1s,1d,1y", chips: int = 1000,
+                     delta: float = 0.01, batch: int = 100, log=print) -> list:
+    """The chip bound against ``chips`` chips per workload drawn by the simulator's batched pass, every
+    layer: per workload and time, the chips on which some layer's weight error exceeds its bound or its
+    compensation factor falls outside the interval the bound covers, and the largest error / bound."""
+    from hilt.cim_sim import analog_layers, convert_to_analog, drift_to, parse_time, preset, program
+
+    rows = []
+    labels = times.split(",")
+    for workload in workloads:
+        model, _ = workload_model(workload, None)
+        bounds = cim_perturbations(model, preset_name, [parse_time(t) for t in labels], delta)
+        analog = convert_to_analog(model, preset(preset_name))
+        stats = {t: {"violations": 0, "outside_interval": 0, "worst": {}} for t in labels}
+        for start in range(0, chips, batch):
+            seeds = list(range(start, min(chips, start + batch)))
+            program(analog, seeds=seeds)
+            for t, bound in zip(labels, bounds):
+                drift_to(analog, parse_time(t), seeds=[100_000 + s for s in seeds])
+                bad = torch.zeros(len(seeds), dtype=torch.bool)
+                outside = torch.zeros(len(seeds), dtype=torch.bool)
+                for name, layer in analog_layers(analog):
+                    lo, hi = bound.detail["layers"][name]["alpha_interval"]
+                    held = (layer.w_eff * layer.gdc_scale[..., None]).double()
+                    ratio = (held - layer.w_digital.double()).flatten(1).norm(dim=1) / bound.eps[name]
+                    out = (layer.gdc_scale.amin(1) < lo) | (layer.gdc_scale.amax(1) > hi)
+                    bad |= (ratio > 1) | out
+                    outside |= out
+                    worst = stats[t]["worst"]
+                    worst[name] = max(worst.get(name, 0.0), float(ratio.max()))
+                stats[t]["violations"] += int(bad.sum())
+                stats[t]["outside_interval"] += int(outside.sum())
+        for t, bound in zip(labels, bounds):
+            rows.append({"workload": workload, "preset": preset_name, "time": t, "chips": chips, "delta": delta,
+                         **stats[t], "relative_bound": {n: d["relative_bound"] for n, d in bound.detail["layers"].items()}})
+            r = rows[-1]
+            log(f"{workload} {preset_name} {t}: {r['violations']} of {chips} chips violate (factor outside: "
+                f"{r['outside_interval']}); largest error / bound {max(r['worst'].values()):.3f}")
+    return rows
+
+
 # ----------------------------------------------------------------------------- the study
 
 
@@ -466,12 +500,12 @@ def study(quick: bool = False, workloads=WORKLOADS, log=print, progress: bool = 
               "workloads": {}}
     started = time.perf_counter()
     for workload in workloads:
-        model, path = _model(workload)
-        x, labels = _test_data(plan["images"])
+        model, path = workload_model(workload, None)
+        x, labels = fashion_test_set(plan["images"])
         log(f"{workload}: {len(x)} test images")
-        net = C.Network(model, x)
+        net = Network(model, x)
         start = time.perf_counter()
-        analysis = C.analyze(model, (x, labels), network=net)
+        analysis = analyze(model, (x, labels), network=net)
         seconds = time.perf_counter() - start
         w = {"checkpoint": path.name, "images": len(x), "analysis_seconds": seconds,
              "accuracy": float((analysis.predictions == labels).double().mean()),
@@ -492,7 +526,7 @@ def study(quick: bool = False, workloads=WORKLOADS, log=print, progress: bool = 
         mc_x = x[: plan["mc_images"]]
         w["soundness"] = quantization_soundness(model, net, mc_x, plan, seed, log, progress)
         w["chips"] = chip_soundness(model, net, mc_x, plan, plan["presets"][0], seed, log, progress)
-        w["line_search"] = line_search(net, mc_x, C.analyze(model, mc_x, network=net), plan["line_inputs"])
+        w["line_search"] = line_search(net, mc_x, analyze(model, mc_x, network=net), plan["line_inputs"])
         log("  first order along its own direction (real flip scale, median / share below 1): "
             + ", ".join(f"{r['layer']} {r['median']:.3f} / {r['below_1']:.2f}" for r in w["line_search"]))
         result["workloads"][workload] = w
@@ -516,62 +550,6 @@ def _finite(value):
     return value
 
 
-# ----------------------------------------------------------------------------- `hilt certify`
-
-
-def certify_run(workload: str = "cnn", checkpoint=None, method: str | None = None, bits: int | None = None,
-                block_size: int = 64, worst_case: bool = False, chip: str | None = None, time_text: str = "1y",
-                delta: float = 0.01, gdc: str = "global", images: int = 10_000,
-                progress: bool = False) -> tuple[dict, C.Certificates]:
-    """Certificates of one workload on its test images against one setting: a quantization format
-    (``method``, ``bits``), a chip at a time (``chip``, ``time_text``, ``delta``), or nothing (flip
-    norms only). Returns the summary (JSON-ready) and the certificates themselves. ``seconds``:
-    the bound and the analysis, after the model and the images are loaded."""
-    from hilt.cim_sim import parse_time
-    from hilt.quant import QuantConfig
-
-    if method is not None and chip is not None:
-        raise HiltError("give a quantization format (--method/--bits) or a chip (--chip/--time), not both")
-    model, path = _model(workload, checkpoint)
-    x, labels = _test_data(images)
-    start = time.perf_counter()
-    if method is not None:
-        perturbation = C.quantization_perturbation(model, QuantConfig(method, bits, block_size), worst_case)
-        setting = f"{method} {bits}-bit ({'worst case in the rounding cells' if worst_case else 'actual error'})"
-    elif chip is not None:
-        perturbation = C.cim_perturbation(model, chip, parse_time(time_text), delta, gdc)
-        setting = f"{chip} at {time_text}, probability >= {1 - delta:g}, {gdc} drift compensation"
-    else:
-        perturbation, setting = None, "no perturbation (flip norms only)"
-    net = C.Network(model, x)
-    batches = math.ceil(len(x) / net.batch_size())
-    with Progress(batches, f"certify {workload}", "batch", enabled=progress) as bar:
-        analysis = C.analyze(model, (x, labels), network=net, progress=lambda done, total: bar.done(f"{done}/{total} images"))
-    cert = analysis.certify(perturbation)
-    seconds = time.perf_counter() - start
-    return {"workload": workload, "checkpoint": path.name, "setting": setting, **cert.summary(), "seconds": seconds}, cert
-
-
-def render_run(result: dict) -> str:
-    """The table `hilt certify` prints."""
-    lines = [f"{result['workload']} ({result['checkpoint']}), {result['inputs']} test images, accuracy "
-             f"{result.get('accuracy', float('nan')):.4f}; against {result['setting']}",
-             f"{'layer':<8} {'kind':<7} {'weights':>8} {'||dW|| <=':>10} {'rel.':>7} {'flip p01':>9} {'flip med':>9} "
-             f"{'certified':>9} {'sound r med':>11}"]
-    for r in result["layers"]:
-        n = math.prod(r["weight_shape"])
-        num = lambda v, width: f"{'inf':>{width}}" if v is None else f"{v:>{width}.4g}"  # noqa: E731
-        lines.append(f"{r['name']:<8} {r['kind']:<7} {n:>8} {r['eps']:>10.4g} {r['eps_over_weight_norm']:>7.4f} "
-                     f"{num(r['flip_norm_p01'], 9)} {num(r['flip_norm_median'], 9)} {r['certified']:>9.4f} "
-                     f"{num(r['lipschitz_radius_median'], 11)}{'' if r['exact'] else '  (first order)'}")
-    c = result["certified"]
-    lines.append(f"certified: exact (last layer alone) {c['exact']:.4f}, first order (each layer alone) "
-                 f"{c['first_order']:.4f}, Lipschitz (all layers at once, sound) {c['lipschitz']:.4f}"
-                 + (f"; holds with probability >= {result['probability']:g}" if result["probability"] < 1 else "")
-                 + f"  [{result['seconds']:.1f} s]")
-    return "\n".join(lines)
-
-
 # ----------------------------------------------------------------------------- tables and plots
 
 
@@ -587,7 +565,7 @@ def render(result: dict) -> str:
         rows = w["quantization"]
         for a, b in zip(rows[0::2], rows[1::2]):
             lines.append(f"| {a['method']} {a['bits']}-bit | {a['accuracy']:.4f} | "
-                         + " | ".join(f"{a['certified'][k]:.3f} ({b['certified'][k]:.3f})" for k in C.KINDS) + " |")
+                         + " | ".join(f"{a['certified'][k]:.3f} ({b['certified'][k]:.3f})" for k in KINDS) + " |")
         lines += ["", "Against CIM chips (bound with probability >= "
                   f"{1 - result['plan']['delta']:g}; accuracy measured on {result['plan']['accuracy_chips']} simulated "
                   "chip(s), full analog forward / the chip's weights in digital arithmetic):", "",
@@ -595,7 +573,7 @@ def render(result: dict) -> str:
                   "|---|---|---|---|---|---|---|---|"]
         for r in w["cim"]:
             lines.append(f"| {r['preset']} | {r['time']} | {', '.join(f'{v:.3f}' for v in r['relative_bound'])} | "
-                         + " | ".join(f"{r['certified'][k]:.3f}" for k in C.KINDS)
+                         + " | ".join(f"{r['certified'][k]:.3f}" for k in KINDS)
                          + f" | {r['accuracy']:.4f} | {r['accuracy_weights_only']:.4f} |")
         lines += ["", "Compression threshold per layer (coarsest bits whose actual error stays under the flip norm of "
                   "99% of the inputs; sound: under the single-layer Lipschitz radius; '-': none of the bit widths):", "",
@@ -658,7 +636,7 @@ def plot(result: dict, path) -> None:
     for ax, wl in zip(axes[0], names):
         rows = result["workloads"][wl]["quantization"]
         for method, style in (("int", "-"), ("kmeans", "--")):
-            for kind in C.KINDS:
+            for kind in KINDS:
                 pts = [(r["bits"], r["certified"][kind]) for r in rows if r["method"] == method and r["error"] == "actual"]
                 if pts:
                     ax.plot(*zip(*pts), style, marker="o", color=colors[kind], label=f"{KIND_LABELS[kind]}, {method}")
@@ -704,28 +682,9 @@ def plot(result: dict, path) -> None:
     plt.close(fig)
 
 
-def plot_run(result: dict, cert: C.Certificates, path) -> None:
-    """`hilt certify --plot`: every layer's flip norms over the inputs (log scale) and the setting's bounds."""
-    import matplotlib
+if __name__ == "__main__":  # python -m hilt.bench.studies.certify: the chip bound on 1,000 chips per workload
+    import json
+    import sys
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    a = cert.analysis
-    fig, ax = plt.subplots(figsize=(7, 4.2))
-    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
-    for l, info in enumerate(a.layers):
-        v = a.flip[:, l].double()
-        v = v[torch.isfinite(v) & (v > 0)]
-        color = colors[l % len(colors)]
-        kind = "exact" if a.exact[l] else "first order"
-        ax.hist(v.log10().numpy(), bins=60, histtype="step", color=color, label=f"{info.name} ({kind})")
-        if float(cert.eps[l]) > 0:
-            ax.axvline(math.log10(float(cert.eps[l])), color=color, ls="--", lw=1)
-    ax.set_xlabel("log10 of the smallest flipping ||dW||_F (dashed: the bound per layer)")
-    ax.set_ylabel("test inputs")
-    ax.set_title(f"{result['workload'].upper()}: {result['setting']}", fontsize=9)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    torch.set_num_threads(1)  # a chip's small products run faster on one thread than on busy several
+    print(json.dumps(chip_bound_check(chips=int(sys.argv[1]) if len(sys.argv) > 1 else 1000), indent=1))

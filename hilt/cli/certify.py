@@ -8,19 +8,32 @@ from hilt.cli.output import write_json
 
 
 def cmd_certify(args) -> int:
-    from hilt.bench.studies import certify
+    from hilt.tasks import certify
 
     if args.method is None and (args.bits is not None or args.worst_case):
         raise UsageError("--bits and --worst-case describe a quantization format: give --method too")
     if args.chip is None and args.time is not None:
         raise UsageError("--time is the age of a chip: give --chip too")
+    if args.chip is None and args.delta is not None:
+        raise UsageError("--delta is the probability a chip's bound may fail: give --chip too")
+    if args.chip is None and args.gdc is not None:
+        raise UsageError("--gdc is a chip's drift compensation: give --chip too")
     if args.method is not None and args.chip is not None:
         raise UsageError("give a quantization format (--method) or a CIM chip (--chip), not both")
-    if not 0 < args.delta < 1:
-        raise UsageError(f"--delta must be between 0 and 1, got {args.delta}")
+    delta = 0.01 if args.delta is None else args.delta
+    if not 0 < delta < 1:
+        raise UsageError(f"--delta must be between 0 and 1, got {delta}")
     bits = resolve_bits(args, 4) if args.method is not None else None
+    if args.time is not None:
+        from hilt.cim_sim import parse_time
+        from hilt.errors import HiltError
+
+        try:  # a bad --time is refused before the model and the images load
+            parse_time(args.time)
+        except HiltError as e:
+            raise UsageError(f"--time: {e}") from None
     result, cert = certify.certify_run(args.workload, args.checkpoint, args.method, bits, args.block_size,
-                                       args.worst_case, args.chip, args.time or "1y", args.delta, args.gdc,
+                                       args.worst_case, args.chip, args.time or "1y", delta, args.gdc or "global",
                                        args.test_images, progress=True)
     print(certify.render_run(result))
     write_json(args, result)
@@ -46,11 +59,12 @@ def register(sub) -> None:
     ce.add_argument("--worst-case", action="store_true", help="with --method: the largest error inside the format's "
                     "rounding cells instead of the actual one")
     ce.add_argument("--chip", choices=CIM_PRESETS, help="a CIM preset: a bound on ||dW||_F at --time that holds with "
-                    "probability 1 - --delta under the device model")
+                    "probability 1 - --delta under the device model, for drift-compensation factors in the "
+                    "interval the JSON reports")
     ce.add_argument("--time", help="with --chip: time after programming (default 1y)")
-    ce.add_argument("--delta", type=POSITIVE_NUMBER, default=0.01, help="with --chip: the probability the bound may "
+    ce.add_argument("--delta", type=POSITIVE_NUMBER, help="with --chip: the probability the bound may "
                     "fail (default 0.01)")
-    ce.add_argument("--gdc", default="global", choices=DRIFT_COMPENSATION, help="with --chip: drift compensation "
+    ce.add_argument("--gdc", choices=DRIFT_COMPENSATION, help="with --chip: drift compensation "
                     "(default global)")
     ce.add_argument("--test-images", "--n", dest="test_images", type=POSITIVE, default=10_000,
                     help="test images (default all 10000)")
