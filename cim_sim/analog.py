@@ -284,7 +284,7 @@ class AnalogMixin:
 
     # -- the analog matrix-vector product ---------------------------------------------------
 
-    def _mvm(self, x: torch.Tensor, column_scale: torch.Tensor | None = None, bias=None) -> torch.Tensor:
+    def mvm(self, x: torch.Tensor, column_scale: torch.Tensor | None = None, bias=None) -> torch.Tensor:
         """x (rows, in) shared by the chips, or (chips, rows, in) -> (chips, rows, out) through DAC,
         tiled arrays, noise, ADC; then times ``column_scale`` (drift compensation) plus ``bias``,
         in the digital periphery.
@@ -298,12 +298,12 @@ class AnalogMixin:
         else:
             y = None
             tile_scale = getattr(self, "tile_scale", None)  # per-array drift compensation (gdc="aihwkit")
-            for i, array in enumerate(self._tiles()):  # a loop over arrays (a handful), not over devices
+            for i, array in enumerate(self.tiles()):  # a loop over arrays (a handful), not over devices
                 part, x_scale = self._tile_mvm(x[..., array.k0 : array.k1], array)
                 if tile_scale is not None:
                     x_scale = x_scale * tile_scale[:, i].view(-1, 1, 1)
                 y = part.mul_(x_scale) if y is None else y.addcmul_(part, x_scale)
-        factor = 1.0 if self.is_ideal else self.w_unit * self._steps()[1]  # ADC steps -> weights x inputs
+        factor = 1.0 if self.is_ideal else self.w_unit * self.converter_steps()[1]  # ADC steps -> weights x inputs
         if column_scale is not None:
             factor = column_scale.view(self.chips, 1, -1) * factor
         if bias is None:
@@ -315,7 +315,7 @@ class AnalogMixin:
         output in steps (chips, rows, out), input scale). ``fused``: the compiled passes (else the
         same functions run eagerly: for small one-off inputs that would only add compiled shapes)."""
         c = self.config
-        in_step, out_step = self._steps()
+        in_step, out_step = self.converter_steps()
         as_int8 = self.integer_product
         if c.dac_bits is not None:
             # one shape family (3-D, contiguous) for the compiled pass, so that it compiles once
@@ -370,7 +370,7 @@ class AnalogMixin:
         multiply, clip or round (this is most of the simulator's cost).
         """
         c = self.config
-        in_step, out_step = self._steps()
+        in_step, out_step = self.converter_steps()
         to_steps = in_step / (out_step * self.w_unit)  # weights x DAC steps -> ADC steps
         gens = [self.gens[k] for k in chip_ids]
         n_chips, rows, n_out = len(chip_ids), xq.shape[-2], array.scale.shape[-1]
@@ -415,7 +415,7 @@ class AnalogMixin:
         out, peak = stage(part, column_scale, keys, noise_scale, levels, bool(c.out_noise), c.adc_bits is not None)
         return out.contiguous(), peak  # chip-major rows, also when the planes were read side by side
 
-    def _steps(self) -> tuple[float, float]:
+    def converter_steps(self) -> tuple[float, float]:
         """(DAC step, ADC step) in normalised units (1 where a converter is off)."""
         c = self.config
         return (2 * c.inp_bound / (2**c.dac_bits - 2) if c.dac_bits is not None else 1.0,
@@ -434,7 +434,7 @@ class AnalogMixin:
         return c.dac_bits is not None and c.dac_bits <= 8 and not (c.w_noise or c.ir_drop) \
             and self.w_eff.device.type == "cpu"
 
-    def _tiles(self) -> list[HeldArray]:
+    def tiles(self) -> list[HeldArray]:
         """What each array holds on every chip (see :class:`HeldArray`), rebuilt when a read replaces
         the weights."""
         key = (id(self.w_eff), self.w_eff._version)  # set_weights also resets it; the version counts in-place writes
@@ -448,9 +448,9 @@ class AnalogMixin:
         """aihwkit's drift-compensation read-out of every array on every chip: the identity (one
         input at a time) through the array's full forward (output noise, ADC), mean |y| over the
         array's whole output, in weight units -> (chips, arrays)."""
-        out_step = self._steps()[1]
+        out_step = self.converter_steps()[1]
         reads = []
-        for array in self._tiles():
+        for array in self.tiles():
             part, _ = self._tile_mvm(torch.eye(array.k1 - array.k0), array, fused=False)  # a one-hot row's abs-max is 1
             reads.append((part.abs().mean((1, 2)) * (self.w_unit * out_step)).clamp_min(1e-4))
         return torch.stack(reads, 1)
@@ -485,7 +485,7 @@ class AnalogLinear(AnalogMixin, nn.Module):
             return self._repeat_for_chips(y, x)
         per_chip = self.chip_rows(x)
         flat = x.reshape(self.chips, -1, self.in_features) if per_chip else x.reshape(-1, self.in_features)
-        y = self._mvm(flat.float(), self.gdc_scale, self.bias)
+        y = self.mvm(flat.float(), self.gdc_scale, self.bias)
         lead = x.shape[:-1] if per_chip or self.chips == 1 else (self.chips * x.shape[0], *x.shape[1:-1])
         return y.reshape(*lead, self.out_features).to(x.dtype)
 
@@ -515,7 +515,7 @@ class _AnalogConv(AnalogMixin, nn.Module):
         per_chip = self.chip_rows(x)
         n = x.shape[0] * (1 if per_chip else self.chips)  # output batch
         cols, out_size = self._patches(x.float())
-        y = self._mvm(cols.view(self.chips, -1, cols.shape[1]) if per_chip else cols, self.gdc_scale, self.bias)
+        y = self.mvm(cols.view(self.chips, -1, cols.shape[1]) if per_chip else cols, self.gdc_scale, self.bias)
         positions = math.prod(out_size)
         return y.view(n, positions, self.out_channels).transpose(1, 2).reshape(n, self.out_channels, *out_size).to(x.dtype)
 

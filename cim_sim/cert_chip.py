@@ -159,7 +159,7 @@ def _probe_read(config, probe: torch.Tensor, mean_w: torch.Tensor, var_w: torch.
     ``unit``: the weight the arrays hold as 1 (AnalogMixin.w_unit). -> (mean (out,), var bound (out,))."""
     from hilt.cim_sim.analog import AnalogMixin, array_bounds
 
-    in_step, out_step = AnalogMixin._steps(types.SimpleNamespace(config=config))
+    in_step, out_step = AnalogMixin.converter_steps(types.SimpleNamespace(config=config))
     mean = probe @ mean_w.T
     var = (probe * probe) @ var_w.T
     extra_all = torch.zeros_like(mean)
@@ -198,7 +198,7 @@ def cim_perturbations(model: nn.Module, config="pcm", times=(0.0,), delta: float
                       seed: int = 0, nodes: int = 32) -> list:
     """:func:`cim_perturbation` at each of ``times`` (seconds), sharing the work that does not depend on time."""
     from hilt.cim_sim.analog import AnalogConfig, preset
-    from hilt.cim_sim.model import GDC_MODES, _probe
+    from hilt.cim_sim.model import GDC_MODES, gdc_probe_input
 
     name = config if isinstance(config, str) else None
     config = preset(config) if isinstance(config, str) else config
@@ -237,7 +237,7 @@ def cim_perturbations(model: nn.Module, config="pcm", times=(0.0,), delta: float
         probe = ref = None
         ref_var = 0.0
         if gdc != "none":
-            probe = _probe(types.SimpleNamespace(w_digital=w.float()), torch.Generator().manual_seed(seed)).double()
+            probe = gdc_probe_input(types.SimpleNamespace(w_digital=w.float()), torch.Generator().manual_seed(seed)).double()
             if gdc == "exact":  # the ideal read-out: no randomness
                 ref = (probe @ w.T).abs().mean(0)
             else:

@@ -31,7 +31,7 @@ class FrozenArrays(nn.Module):
         super().__init__()
         c = layer.config
         self.ideal = layer.is_ideal
-        self.in_step, out_step = layer._steps()
+        self.in_step, out_step = layer.converter_steps()
         self.dac, self.adc = c.dac_bits is not None, c.adc_bits is not None
         self.inp_levels = c.inp_bound / self.in_step
         self.out_levels = c.out_bound / out_step
@@ -42,7 +42,7 @@ class FrozenArrays(nn.Module):
             self.register_buffer("weight", layer.w_eff.clone())
         else:
             to_steps = self.in_step / (out_step * layer.w_unit)  # weights -> ADC steps per DAC step, as the arrays scale
-            for i, array in enumerate(layer._tiles()):  # chip 0, the only one; the weights the arrays hold
+            for i, array in enumerate(layer.tiles()):  # chip 0, the only one; the weights the arrays hold
                 self.bounds.append((array.k0, array.k1))
                 self.register_buffer(f"w{i}", array.w[0] * to_steps)
                 if self.ir_drop:

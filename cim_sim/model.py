@@ -92,7 +92,7 @@ def convert_to_analog(model: nn.Module, config: AnalogConfig | str, inplace: boo
     return model
 
 
-def _probe(layer: AnalogMixin, gen: torch.Generator) -> torch.Tensor:
+def gdc_probe_input(layer: AnalogMixin, gen: torch.Generator) -> torch.Tensor:
     """A fixed random input batch for drift compensation: 32 rows, uniform in [-1, 1] on about
     64 inputs per row, zero elsewhere. Sparse so that the arrays' outputs stay inside the ADC
     range: a dense probe on a wide layer saturates the ADC and costs bound-management retries."""
@@ -153,9 +153,9 @@ def program(model: nn.Module, seed: int = 0, seeds=None) -> nn.Module:
     _read(model, 0.0, gens)
     for _, layer in analog_layers(model):
         layer.gdc_scale = torch.ones(layer.w_digital.shape[0]) if chips == 1 else torch.ones(chips, layer.w_digital.shape[0])
-        probes = [_probe(layer, torch.Generator().manual_seed(s)) for s in seeds]
+        probes = [gdc_probe_input(layer, torch.Generator().manual_seed(s)) for s in seeds]
         layer.gdc_probe = probes[0] if chips == 1 else torch.stack(probes)
-        layer.gdc_ref_noisy = layer._mvm(layer.gdc_probe).abs().mean(-2)  # (chips, out)
+        layer.gdc_ref_noisy = layer.mvm(layer.gdc_probe).abs().mean(-2)  # (chips, out)
         layer.gdc_ref_ideal = (layer.gdc_probe @ layer.w_digital.T).abs().mean(-2).view(chips, -1)
     return model
 
@@ -211,7 +211,7 @@ def drift_to(model: nn.Module, t_seconds: float, seed: int = 1, gdc: str = "glob
         scale = torch.ones(chips, layer.w_digital.shape[0])
         layer.tile_scale = layer.array_ref / layer.array_readout() if gdc == "aihwkit" else None
         if gdc not in ("none", "aihwkit"):
-            now = layer._mvm(layer.gdc_probe).abs().mean(-2)  # (chips, out)
+            now = layer.mvm(layer.gdc_probe).abs().mean(-2)  # (chips, out)
             if gdc == "column":
                 scale = layer.gdc_ref_noisy / now.clamp_min(1e-12)
             else:

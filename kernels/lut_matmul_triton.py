@@ -138,7 +138,7 @@ def _row_by_bytes(x_row, codes_ptr, table_ptr, scales_ptr, offsets_ptr, offs_n, 
 # blocks of 64 in SmolLM2 and Llama-7B) and would compile a kernel variant for each; m_bucket
 # only keys the tuning.
 @triton.jit(do_not_specialize=["n_blocks", "m_bucket"])
-def _lut_matmul_kernel(
+def lut_matmul_kernel(
     x_ptr, codes_ptr, book_ptr, table_ptr, scales_ptr, offsets_ptr, bias_ptr, out_ptr,
     M, N, K, row_bytes, n_blocks, SPLIT, m_bucket,
     stride_xm, stride_om, stride_os,
@@ -257,9 +257,9 @@ _TUNING_KEY = ["m_bucket", "N", "K", "SPLIT", "BITS", "BLOCK", "PER_BLOCK_BOOK",
 # (kernels.triton_util), so a second run does not re-tune.
 TUNED_KERNELS = {
     "gemv": autotune(SPLIT_K_CONFIGS, _TUNING_KEY, prune_configs_by={"early_config_prune": _prune_split_k})(
-        _lut_matmul_kernel),
+        lut_matmul_kernel),
     "gemm": autotune(GEMM_CONFIGS, _TUNING_KEY, prune_configs_by={"early_config_prune": _prune_code_reads})(
-        _lut_matmul_kernel),
+        lut_matmul_kernel),
 }
 
 
@@ -270,7 +270,7 @@ def split_count(n: int, k: int) -> int:
 
 
 def kernel_args(x2, w: PackedWeight, bias, target, path, split_k, table=None, emulate=False):
-    """(positional arguments, constexpr flags) of ``_lut_matmul_kernel`` for a 2-D x and the
+    """(positional arguments, constexpr flags) of ``lut_matmul_kernel`` for a 2-D x and the
     output or partial-sum buffer ``target``, less the tile configuration. Builds the byte table
     when the one-row path uses it and ``table`` is None."""
     m, n, k = x2.shape[0], w.out_features, x2.shape[1]
@@ -354,7 +354,7 @@ def lut_matmul_triton(x, w: PackedWeight, bias=None, path=None, split_k=None, co
         if config is None:
             TUNED_KERNELS[path][grid](*args, **flags)
         else:
-            _lut_matmul_kernel[grid](*args, **flags, **config.all_kwargs())
+            lut_matmul_kernel[grid](*args, **flags, **config.all_kwargs())
     if split_k > 1:
         out.copy_(partial.sum(0))  # fixed order: deterministic
     return out.reshape(*lead, n)

@@ -260,7 +260,7 @@ def test_integer_product_computes_what_the_float_product_does(dac_bits, monkeypa
             outs.append(analog(x))
         assert len(calls) > 3 if integer else not calls  # three arrays, then the retries of saturated rows
     assert torch.isfinite(outs[0]).all()
-    step = analog[0]._steps()[1] * float(x.abs().max())  # one ADC step, in output units, at the largest input scale
+    step = analog[0].converter_steps()[1] * float(x.abs().max())  # one ADC step, in output units, at the largest input scale
     assert float((outs[0] - outs[1]).abs().max()) <= step
     assert int((outs[0] != outs[1]).sum()) <= 2
 

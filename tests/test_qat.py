@@ -1,4 +1,5 @@
-"""QAT (quant/qat_scaling.py): straight-through gradients, codebook refits, export that equals training."""
+"""QAT (quant/qat.py; its study, bench/studies/qat_scaling.py): straight-through gradients, codebook refits,
+export that equals training."""
 
 import pytest
 import torch

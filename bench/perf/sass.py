@@ -127,7 +127,7 @@ def compile_case(path: str, m: int, bits: int, config, block_size: int = 64, sha
     import torch
 
     from hilt.kernels.lut_matmul import PackedWeight
-    from hilt.kernels.lut_matmul_triton import _lut_matmul_kernel, kernel_args
+    from hilt.kernels.lut_matmul_triton import lut_matmul_kernel, kernel_args
     from hilt.kernels.packing import packed_row_bytes
 
     n, k = shape
@@ -137,7 +137,7 @@ def compile_case(path: str, m: int, bits: int, config, block_size: int = 64, sha
     w = PackedWeight(codes, torch.zeros(1 << bits, dtype=torch.float16), scales, None, bits, block_size, k)
     out = torch.empty(m, n, dtype=torch.bfloat16)
     args, flags = kernel_args(x, w, None, out, path, 1)
-    row = compile_launch(_lut_matmul_kernel, args, {**flags, **config.kwargs}, config.num_warps, config.num_stages)
+    row = compile_launch(lut_matmul_kernel, args, {**flags, **config.kwargs}, config.num_warps, config.num_stages)
     kw = config.kwargs
     weights = kw["BLOCK_N"] * kw["BLOCK_K"] / (32 * config.num_warps)  # per thread per loop iteration
     loop = row["loop_instructions"]

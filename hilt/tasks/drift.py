@@ -41,10 +41,6 @@ def drift_study(workload="cnn", checkpoint=None, preset_name="pcm", times=DEFAUL
     from hilt.tasks.cim_inputs import is_factory, load_data, load_model
     from hilt.cim_sim import analog_layers, evaluate
 
-    if model is None and checkpoint is None and is_factory(workload):
-        # said before any work: the factory's own weights are usually its random initialisation
-        LOG.warning(f"--model {workload} without --checkpoint: running the weights {workload.partition(':')[2]}() "
-                    "builds (untrained unless it loads them itself); give --checkpoint FILE for trained weights")
     seconds = [parse_time(t) for t in (times.split(",") if isinstance(times, str) else times)]
     if len(set(seconds)) != len(seconds):
         raise HiltError(f"--times {times if isinstance(times, str) else ','.join(map(str, times))}: "
@@ -56,6 +52,12 @@ def drift_study(workload="cnn", checkpoint=None, preset_name="pcm", times=DEFAUL
     if model is None:
         model, info = load_model(workload, checkpoint)
         path = info["checkpoint"] and Path(info["checkpoint"])
+        if checkpoint is None and is_factory(workload):
+            # said once the model is built (a model that cannot be built is the one error), before any
+            # programming: the factory's own weights are usually its random initialisation
+            LOG.warning(f"--model {workload} without --checkpoint: running the weights "
+                        f"{workload.partition(':')[2]}() builds (untrained unless it loads them itself); "
+                        "give --checkpoint FILE for trained weights")
     images, labels = load_data(data, limit=test_images)
     try:
         digital = float(evaluate(model, (images, labels))[0])
