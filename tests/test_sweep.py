@@ -107,7 +107,7 @@ def test_rows_files_progress_and_plots(reference):
 
 def test_a_cell_is_its_chips_programmed_and_read_alone(reference):
     """One cell recomputed one chip at a time through the plain API, with the documented seeds."""
-    from hilt.tasks import sweep
+    from hilt.tasks import grid
     from hilt.tasks.cim_inputs import load_data, load_model
     from hilt.cim_sim import convert_to_analog, drift_to, evaluate, preset, program
 
@@ -119,8 +119,8 @@ def test_a_cell_is_its_chips_programmed_and_read_alone(reference):
 
     analog = convert_to_analog(model, dataclasses.replace(preset("rram"), adc_bits=8))
     for k in range(2):
-        program(analog, seed=sweep.derive(row["seed"], "program", k))
-        drift_to(analog, 86400, seed=sweep.derive(row["seed"], "read", 86400.0, k), gdc="global")
+        program(analog, seed=grid.derive(row["seed"], "program", k))
+        drift_to(analog, 86400, seed=grid.derive(row["seed"], "read", 86400.0, k), gdc="global")
         assert round(float(evaluate(analog, data)[0]), 6) == row["accuracies"][k]
 
 
@@ -283,12 +283,15 @@ def test_data_file_beside_the_grid(tmp_path, capsys):
 
 def test_the_example_grid_reads():
     from hilt import tasks
-    from hilt.tasks.sweep import _load_model, cells_of, parse_grid
+    from hilt.tasks.cim_inputs import load_model
+    from hilt.tasks.grid import cells_of, parse_grid
 
     grid = parse_grid(Path(tasks.__file__).parent / "grids" / "example.toml")
     cells, groups = cells_of(grid)
-    assert (len(cells), len(groups)) == (80, 8) and grid.models["cnn-dwp"]["spec"] == "cnn"
-    assert sum(p.numel() for p in _load_model(grid, "cnn-dwp").parameters()) > 100_000
+    entry = grid.models["cnn-dwp"]
+    assert (len(cells), len(groups)) == (80, 8) and entry["spec"] == "cnn"
+    model, _ = load_model(entry["spec"], grid.path.parent / entry["checkpoint"])  # paths: from the grid's folder
+    assert sum(p.numel() for p in model.parameters()) > 100_000
 
 
 def test_a_failing_cell_is_named(tmp_path, capsys, monkeypatch):
