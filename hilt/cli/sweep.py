@@ -29,7 +29,7 @@ def register(sub) -> None:
                  "  hilt sweep hilt/tasks/grids/example.toml --out sweep/ --resume        # after an interruption\n"
                  "  RAY_ADDRESS=auto hilt sweep hilt/tasks/grids/example.toml --out sweep/  # on a running Ray cluster",
                  [OUTPUT])
-    sw.add_argument("grid", metavar="GRID.toml", help="the grid (format: docs/results/cim.md, Sweeps)")
+    sw.add_argument("grid", metavar="GRID.toml", help="the grid (format: docs/sweep.md)")
     sw.add_argument("--out", required=True, metavar="DIR", help="output folder")
     sw.add_argument("--resume", action="store_true", help="continue an interrupted sweep: keep DIR's rows, run the "
                     "cells that are missing")
