@@ -130,7 +130,7 @@ def test_ray_run_is_byte_identical(reference, tmp_path):
 
     ray.init(num_cpus=2, include_dashboard=False, logging_level="ERROR")
     try:
-        run_sweep(reference["grid"], tmp_path / "ray", use_ray=True, workers=2, plots=False, log=lambda _: None)
+        run_sweep(reference["grid"], tmp_path / "ray", use_ray=True, workers=2, plots=False)
     finally:
         ray.shutdown()
     assert files(tmp_path / "ray") == reference["files"]
@@ -150,19 +150,19 @@ def test_interrupted_then_resumed_is_byte_identical(reference, tmp_path):
             raise KeyboardInterrupt
 
     with pytest.raises(KeyboardInterrupt):
-        run_sweep(reference["grid"], out, plots=False, log=lambda _: None, on_row=stop_after_seven)
+        run_sweep(reference["grid"], out, plots=False, on_row=stop_after_seven)
     assert len((out / "results.jsonl").read_text().splitlines()) == 7
     assert len((out / "results.csv").read_text().splitlines()) == 8
     with open(out / "results.jsonl", "ab") as f:  # killed while writing the eighth row
         f.write(b'{"model": "mlp", "preset": "pc')
     with pytest.raises(HiltError, match="exists: continue that sweep with --resume"):
-        run_sweep(reference["grid"], out, plots=False, log=lambda _: None)
+        run_sweep(reference["grid"], out, plots=False)
     done = []
-    run_sweep(reference["grid"], out, resume=True, plots=False, log=lambda _: None, on_row=done.append)
+    run_sweep(reference["grid"], out, resume=True, plots=False, on_row=done.append)
     assert len(done) == 11
     assert files(out) == reference["files"]
     # resuming a finished sweep computes nothing and changes nothing
-    run_sweep(reference["grid"], out, resume=True, plots=False, log=lambda _: None, on_row=done.append)
+    run_sweep(reference["grid"], out, resume=True, plots=False, on_row=done.append)
     assert len(done) == 11 and files(out) == reference["files"]
 
 
@@ -182,7 +182,7 @@ def test_resume_refuses_another_grid(reference, tmp_path):
 def test_rows_do_not_depend_on_order_or_on_the_other_cells(reference, tmp_path):
     from hilt.tasks.sweep import run_sweep
 
-    quiet = {"plots": False, "log": lambda _: None}
+    quiet = {"plots": False}
     # the keys in another order: the same grid (resuming the reference's rows computes nothing)
     shuffled = tmp_path / "shuffled"
     shuffled.mkdir()
@@ -268,7 +268,7 @@ def test_data_file_beside_the_grid(tmp_path, capsys):
     np.savez(tmp_path / "data" / "flat.npz", inputs=np.zeros((4, 7), np.float32), labels=np.zeros(4, np.int64))
     text = 'data = "data/{}"\nchips = 1\n[axes]\nmodel = "mlp"\ntime = ["1h"]\npreset = "ideal"\n'
     grid = write_grid(tmp_path, text.format("few.npz"))
-    rows = run_sweep(grid, tmp_path / "out", plots=False, log=lambda _: None)["rows"]
+    rows = run_sweep(grid, tmp_path / "out", plots=False)["rows"]
     # the ideal preset is the digital model
     assert len(rows) == 1 and rows[0]["accuracies"] == [rows[0]["digital"]] and rows[0]["digital"] > 0.7
     np.savez(tmp_path / "data" / "few.npz", inputs=x.numpy(), labels=y.flip(0).numpy())  # other data, same name

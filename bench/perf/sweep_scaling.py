@@ -53,7 +53,7 @@ def run(workers=(1, 2), quick: bool = False, log=print) -> dict:
             if n is not None:
                 ray.init(num_cpus=os.cpu_count(), include_dashboard=False, logging_level=logging.ERROR)
             try:
-                options = {"use_ray": n is not None, "workers": n, "plots": False, "log": lambda _: None}
+                options = {"use_ray": n is not None, "workers": n, "plots": False}
                 start = time.perf_counter()
                 run_sweep(warm, Path(tmp) / f"warm-up-{n}", **options)
                 warm_up = time.perf_counter() - start

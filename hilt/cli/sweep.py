@@ -3,7 +3,7 @@ from __future__ import annotations
 import argparse
 import os
 
-from hilt.cli.common import LOG, OUTPUT, POSITIVE, UsageError, command
+from hilt.cli.common import OUTPUT, POSITIVE, UsageError, command
 from hilt.cli.output import write_json
 
 
@@ -16,7 +16,7 @@ def cmd_sweep(args) -> int:
     if args.workers is not None and not use_ray:
         raise UsageError("--workers sets how many Ray tasks run at once: give --ray too (or set RAY_ADDRESS)")
     result = sweep.run_sweep(args.grid, args.out, resume=args.resume, overwrite=args.overwrite, use_ray=use_ray,
-                             workers=args.workers, plots=args.plots, progress=True, log=LOG.info)
+                             workers=args.workers, plots=args.plots, progress=True)
     write_json(args, result)
     return 0
 

@@ -23,7 +23,7 @@ import torch
 from hilt.atomic import Appender, write_text
 from hilt.cim_sim import convert_to_analog, drift_to, evaluate, program
 from hilt.errors import HiltError
-from hilt.progress import Progress
+from hilt.progress import LOG, Progress
 from hilt.tasks.grid import GROUP_AXES, Cell, Grid, canonical, cells_of, parse_grid, program_seeds, read_seeds, show
 
 RESULTS_JSONL, RESULTS_CSV, GRID_JSON, TIMING_JSON = "results.jsonl", "results.csv", "grid.json", "timing.json"
@@ -199,8 +199,7 @@ def _load_data(grid: Grid):
 
 
 def run_sweep(grid_path, out, *, resume: bool = False, overwrite: bool = False, use_ray: bool = False,
-              workers: int | None = None, plots: bool = True, progress: bool = False, log=print,
-              on_row=None) -> dict:
+              workers: int | None = None, plots: bool = True, progress: bool = False, on_row=None) -> dict:
     """Run (or continue) a sweep; returns a summary with every row in grid order.
 
     Nothing is written before the grid, its models and its data have been read. ``on_row(row)``
@@ -225,7 +224,7 @@ def run_sweep(grid_path, out, *, resume: bool = False, overwrite: bool = False, 
             raise HiltError(f"{results} exists: continue that sweep with --resume, or replace it with --overwrite")
         done = _resume_rows(out, grid, cells)
     if resume and not done:
-        log(f"{out}: no finished cells to resume; running all {len(cells)}")
+        LOG.info(f"{out}: no finished cells to resume; running all {len(cells)}")
     todo = [g for g in groups if any(c.index not in done for c in g.cells)]
     models = {name: _load_model(grid, name) for name in dict.fromkeys(g.model for g in todo)}
     data = _load_data(grid) if todo else None
@@ -249,7 +248,7 @@ def run_sweep(grid_path, out, *, resume: bool = False, overwrite: bool = False, 
             png.unlink()
     else:  # the csv follows the kept rows (the run that wrote them may have died between the two files)
         write_text(out / RESULTS_CSV, "".join(_csv_line(r, i == 0) for i, r in enumerate(done.values())), fsync=True)
-    log(f"{grid.path}: {len(cells)} cells in {len(groups)} groups (model x configuration x chips)"
+    LOG.info(f"{grid.path}: {len(cells)} cells in {len(groups)} groups (model x configuration x chips)"
         + (f"; {len(done)} already in {results}" if done else "") + f"; {len(data[1]) if data else 0} samples")
 
     rows = dict(done)
@@ -276,7 +275,7 @@ def run_sweep(grid_path, out, *, resume: bool = False, overwrite: bool = False, 
              for g in todo]
     try:
         if use_ray and tasks:
-            placement = _run_ray(tasks, models, data, workers, finished, log)
+            placement = _run_ray(tasks, models, data, workers, finished)
         else:
             placement = None
             for g, task in tasks:
@@ -305,7 +304,7 @@ def run_sweep(grid_path, out, *, resume: bool = False, overwrite: bool = False, 
                          for g, task in tasks]}
     write_text(out / TIMING_JSON, json.dumps(timing, indent=1) + "\n", fsync=True)
     drawn = plot_sweep(grid, ordered, out) if plots else []
-    log(f"wrote {results}, {out / RESULTS_CSV}" + (f" and {len(drawn)} plots" if drawn else ""))
+    LOG.info(f"wrote {results}, {out / RESULTS_CSV}" + (f" and {len(drawn)} plots" if drawn else ""))
     return {"grid": str(grid.path), "out": str(out), "cells": len(cells), "computed": len(cells) - len(done),
             "resumed": len(done), "wall_seconds": timing["wall_seconds"], "plots": [str(p) for p in drawn],
             "rows": ordered}
@@ -319,7 +318,7 @@ def import_ray():
     return ray
 
 
-def _run_ray(tasks, models, data, workers, finished, log) -> dict:
+def _run_ray(tasks, models, data, workers, finished) -> dict:
     """One Ray task per group on the cluster at RAY_ADDRESS, the one this process already joined,
     or a local instance on every CPU; rows come back cell by cell (the tasks are generators)."""
     ray = import_ray()
@@ -339,7 +338,7 @@ def _run_ray(tasks, models, data, workers, finished, log) -> dict:
         cpus = int(ray.cluster_resources().get("CPU", 1))
         slots = min(workers or cpus, cpus)
         per_task = max(1, cpus // slots)
-        log(f"Ray: {cpus} CPUs, {per_task} per task ({slots} tasks at a time), {len(tasks)} tasks")
+        LOG.info(f"Ray: {cpus} CPUs, {per_task} per task ({slots} tasks at a time), {len(tasks)} tasks")
         remote = ray.remote(run_group).options(num_cpus=per_task)
         data_ref = ray.put(data)
         model_refs = {name: ray.put(m) for name, m in models.items()}
