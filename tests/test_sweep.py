@@ -107,7 +107,7 @@ def test_rows_files_progress_and_plots(reference):
 
 def test_a_cell_is_its_chips_programmed_and_read_alone(reference):
     """One cell recomputed one chip at a time through the plain API, with the documented seeds."""
-    from hilt.tasks import sweep
+    from hilt.tasks import grid
     from hilt.tasks.cim_inputs import load_data, load_model
     from hilt.cim_sim import convert_to_analog, drift_to, evaluate, preset, program
 
@@ -119,8 +119,8 @@ def test_a_cell_is_its_chips_programmed_and_read_alone(reference):
 
     analog = convert_to_analog(model, dataclasses.replace(preset("rram"), adc_bits=8))
     for k in range(2):
-        program(analog, seed=sweep.derive(row["seed"], "program", k))
-        drift_to(analog, 86400, seed=sweep.derive(row["seed"], "read", 86400.0, k), gdc="global")
+        program(analog, seed=grid.derive(row["seed"], "program", k))
+        drift_to(analog, 86400, seed=grid.derive(row["seed"], "read", 86400.0, k), gdc="global")
         assert round(float(evaluate(analog, data)[0]), 6) == row["accuracies"][k]
 
 
@@ -130,7 +130,7 @@ def test_ray_run_is_byte_identical(reference, tmp_path):
 
     ray.init(num_cpus=2, include_dashboard=False, logging_level="ERROR")
     try:
-        run_sweep(reference["grid"], tmp_path / "ray", use_ray=True, workers=2, plots=False, log=lambda _: None)
+        run_sweep(reference["grid"], tmp_path / "ray", use_ray=True, workers=2, plots=False)
     finally:
         ray.shutdown()
     assert files(tmp_path / "ray") == reference["files"]
@@ -150,19 +150,19 @@ def test_interrupted_then_resumed_is_byte_identical(reference, tmp_path):
             raise KeyboardInterrupt
 
     with pytest.raises(KeyboardInterrupt):
-        run_sweep(reference["grid"], out, plots=False, log=lambda _: None, on_row=stop_after_seven)
+        run_sweep(reference["grid"], out, plots=False, on_row=stop_after_seven)
     assert len((out / "results.jsonl").read_text().splitlines()) == 7
     assert len((out / "results.csv").read_text().splitlines()) == 8
     with open(out / "results.jsonl", "ab") as f:  # killed while writing the eighth row
         f.write(b'{"model": "mlp", "preset": "pc')
     with pytest.raises(HiltError, match="exists: continue that sweep with --resume"):
-        run_sweep(reference["grid"], out, plots=False, log=lambda _: None)
+        run_sweep(reference["grid"], out, plots=False)
     done = []
-    run_sweep(reference["grid"], out, resume=True, plots=False, log=lambda _: None, on_row=done.append)
+    run_sweep(reference["grid"], out, resume=True, plots=False, on_row=done.append)
     assert len(done) == 11
     assert files(out) == reference["files"]
     # resuming a finished sweep computes nothing and changes nothing
-    run_sweep(reference["grid"], out, resume=True, plots=False, log=lambda _: None, on_row=done.append)
+    run_sweep(reference["grid"], out, resume=True, plots=False, on_row=done.append)
     assert len(done) == 11 and files(out) == reference["files"]
 
 
@@ -182,7 +182,7 @@ def test_resume_refuses_another_grid(reference, tmp_path):
 def test_rows_do_not_depend_on_order_or_on_the_other_cells(reference, tmp_path):
     from hilt.tasks.sweep import run_sweep
 
-    quiet = {"plots": False, "log": lambda _: None}
+    quiet = {"plots": False}
     # the keys in another order: the same grid (resuming the reference's rows computes nothing)
     shuffled = tmp_path / "shuffled"
     shuffled.mkdir()
@@ -268,7 +268,7 @@ def test_data_file_beside_the_grid(tmp_path, capsys):
     np.savez(tmp_path / "data" / "flat.npz", inputs=np.zeros((4, 7), np.float32), labels=np.zeros(4, np.int64))
     text = 'data = "data/{}"\nchips = 1\n[axes]\nmodel = "mlp"\ntime = ["1h"]\npreset = "ideal"\n'
     grid = write_grid(tmp_path, text.format("few.npz"))
-    rows = run_sweep(grid, tmp_path / "out", plots=False, log=lambda _: None)["rows"]
+    rows = run_sweep(grid, tmp_path / "out", plots=False)["rows"]
     # the ideal preset is the digital model
     assert len(rows) == 1 and rows[0]["accuracies"] == [rows[0]["digital"]] and rows[0]["digital"] > 0.7
     np.savez(tmp_path / "data" / "few.npz", inputs=x.numpy(), labels=y.flip(0).numpy())  # other data, same name
@@ -283,12 +283,15 @@ def test_data_file_beside_the_grid(tmp_path, capsys):
 
 def test_the_example_grid_reads():
     from hilt import tasks
-    from hilt.tasks.sweep import _load_model, cells_of, parse_grid
+    from hilt.tasks.cim_inputs import load_model
+    from hilt.tasks.grid import cells_of, parse_grid
 
     grid = parse_grid(Path(tasks.__file__).parent / "grids" / "example.toml")
     cells, groups = cells_of(grid)
-    assert (len(cells), len(groups)) == (80, 8) and grid.models["cnn-dwp"]["spec"] == "cnn"
-    assert sum(p.numel() for p in _load_model(grid, "cnn-dwp").parameters()) > 100_000
+    entry = grid.models["cnn-dwp"]
+    assert (len(cells), len(groups)) == (80, 8) and entry["spec"] == "cnn"
+    model, _ = load_model(entry["spec"], grid.path.parent / entry["checkpoint"])  # paths: from the grid's folder
+    assert sum(p.numel() for p in model.parameters()) > 100_000
 
 
 def test_a_failing_cell_is_named(tmp_path, capsys, monkeypatch):

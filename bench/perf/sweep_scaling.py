@@ -34,9 +34,10 @@ QUICK = {"chips": 2, "images": 200}
 
 
 def run(workers=(1, 2), quick: bool = False, log=print) -> dict:
-    from hilt.tasks.sweep import RESULTS_CSV, RESULTS_JSONL, _import_ray, cells_of, parse_grid, run_sweep
+    from hilt.tasks.grid import cells_of, parse_grid
+    from hilt.tasks.sweep import RESULTS_CSV, RESULTS_JSONL, import_ray, run_sweep
 
-    ray = _import_ray()
+    ray = import_ray()
     if ray.is_initialized():
         raise HiltError("hilt bench sweep-ray starts its own local Ray instances: run it outside a Ray job")
     budget = QUICK if quick else FULL
@@ -52,7 +53,7 @@ def run(workers=(1, 2), quick: bool = False, log=print) -> dict:
             if n is not None:
                 ray.init(num_cpus=os.cpu_count(), include_dashboard=False, logging_level=logging.ERROR)
             try:
-                options = {"use_ray": n is not None, "workers": n, "plots": False, "log": lambda _: None}
+                options = {"use_ray": n is not None, "workers": n, "plots": False}
                 start = time.perf_counter()
                 run_sweep(warm, Path(tmp) / f"warm-up-{n}", **options)
                 warm_up = time.perf_counter() - start

@@ -3,7 +3,7 @@ from __future__ import annotations
 import argparse
 import os
 
-from hilt.cli.common import LOG, OUTPUT, POSITIVE, UsageError, command
+from hilt.cli.common import OUTPUT, POSITIVE, UsageError, command
 from hilt.cli.output import write_json
 
 
@@ -16,7 +16,7 @@ def cmd_sweep(args) -> int:
     if args.workers is not None and not use_ray:
         raise UsageError("--workers sets how many Ray tasks run at once: give --ray too (or set RAY_ADDRESS)")
     result = sweep.run_sweep(args.grid, args.out, resume=args.resume, overwrite=args.overwrite, use_ray=use_ray,
-                             workers=args.workers, plots=args.plots, progress=True, log=LOG.info)
+                             workers=args.workers, plots=args.plots, progress=True)
     write_json(args, result)
     return 0
 
@@ -29,7 +29,7 @@ def register(sub) -> None:
                  "  hilt sweep hilt/tasks/grids/example.toml --out sweep/ --resume        # after an interruption\n"
                  "  RAY_ADDRESS=auto hilt sweep hilt/tasks/grids/example.toml --out sweep/  # on a running Ray cluster",
                  [OUTPUT])
-    sw.add_argument("grid", metavar="GRID.toml", help="the grid (format: docs/results/cim.md, Sweeps)")
+    sw.add_argument("grid", metavar="GRID.toml", help="the grid (format: docs/sweep.md)")
     sw.add_argument("--out", required=True, metavar="DIR", help="output folder")
     sw.add_argument("--resume", action="store_true", help="continue an interrupted sweep: keep DIR's rows, run the "
                     "cells that are missing")
