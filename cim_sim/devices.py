@@ -21,7 +21,7 @@ import torch
 # Mean exact, variance 1 - 2e-5, tails cut at 4.33 sigma (a probability of 1.5e-5), far inside the
 # noise models' own uncertainty; torch's CPU sampler spends half its time on Box-Muller instead.
 _QUANTILES = torch.special.ndtri((torch.arange(65536, dtype=torch.float64) + 0.5) / 65536)
-_TABLES = {torch.float64: _QUANTILES, torch.float32: _QUANTILES.float()}
+NORMAL_TABLES = {torch.float64: _QUANTILES, torch.float32: _QUANTILES.float()}
 
 
 def gaussian_(out: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
@@ -30,7 +30,7 @@ def gaussian_(out: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
     n = out.numel()
     bits = torch.empty((n + 3) // 4, dtype=torch.int64).random_(-(2**63), 2**63 - 1, generator=gen)
     index = bits.view(torch.uint16)[:n].to(torch.int32)
-    return torch.index_select(_TABLES[out.dtype], 0, index, out=out.view(-1)).view(out.shape)
+    return torch.index_select(NORMAL_TABLES[out.dtype], 0, index, out=out.view(-1)).view(out.shape)
 
 
 # The read noise of a drift step is drawn afresh for every device, and is most of the step. There
@@ -55,7 +55,7 @@ def hashed_normal(n: int, keys: torch.Tensor) -> torch.Tensor:
         x = _hash32(_hash32(i.view(1, n) ^ keys[:, :1]) ^ keys[:, 1:])
     else:
         x = _hash32(_hash32(i ^ keys[0]) ^ keys[1])
-    return _TABLES[torch.float32][(x >> 16) & 0xFFFF]
+    return NORMAL_TABLES[torch.float32][(x >> 16) & 0xFFFF]
 
 
 def _drifted_read(g_prog, nu, q, log_t, sigma, keys):

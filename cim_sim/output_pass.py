@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from hilt.cim_sim.devices import _TABLES
+from hilt.cim_sim.devices import NORMAL_TABLES
 from hilt.kernels import cbuild
 
 SOURCE = Path(__file__).with_name("output_pass.c")
@@ -70,7 +70,7 @@ def output_pass(part, column_scale, keys, noise_scale, levels, noise: bool, adc:
     keys = keys.to(torch.int32).contiguous()
     out = torch.empty(chips, rows, n, dtype=torch.float32)
     peak = torch.empty(chips, rows, dtype=torch.float32) if adc else None
-    table = _TABLES[torch.float32]
+    table = NORMAL_TABLES[torch.float32]
     lib.hilt_output_pass(part.data_ptr() if integer else None, None if integer else part.data_ptr(),
                          part.stride(0), part.stride(1), None if scale is None else scale.data_ptr(),
                          keys.data_ptr(), table.data_ptr(), float(noise_scale), float(levels), int(noise), int(adc),

@@ -544,7 +544,7 @@ def _header_from_model_config(dst: Path) -> dict | None:
     """The header of a folder that transformers' ``save_pretrained`` wrote from a model loaded from a
     hilt folder (its config.json's quantization_config, no hilt.json), rebuilt from that config and
     the shards: what the tensors are, not how they were made. None for any other folder."""
-    from hilt.quant.sources import _SAFETENSORS_DTYPES
+    from hilt.quant.sources import SAFETENSORS_DTYPES
 
     if not hf_folder.is_hf_folder(dst):
         return None
@@ -563,7 +563,7 @@ def _header_from_model_config(dst: Path) -> dict | None:
         for shard in shards:
             with safe_open(str(dst / shard), framework="pt") as f:
                 slices = {k: f.get_slice(k) for k in f.keys()}
-            info = {k: (list(sl.get_shape()), _SAFETENSORS_DTYPES[sl.get_dtype()]) for k, sl in slices.items()}
+            info = {k: (list(sl.get_shape()), SAFETENSORS_DTYPES[sl.get_dtype()]) for k, sl in slices.items()}
             parts = set()
             for module, fmt in modules.items():
                 if f"{module}.codes" not in info:

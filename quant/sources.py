@@ -74,7 +74,7 @@ class Source(ABC):
         self.close()
 
 
-_SAFETENSORS_DTYPES = {
+SAFETENSORS_DTYPES = {
     "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
     "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2, "I64": torch.int64, "I32": torch.int32,
     "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool,
@@ -107,7 +107,7 @@ class SafetensorsSource(Source):
             for name in sorted(k for k in header if k != "__metadata__"):
                 if name in self._where:
                     raise HiltError(f"{f}: tensor '{name}' also appears in another shard")
-                if header[name]["dtype"] not in _SAFETENSORS_DTYPES:
+                if header[name]["dtype"] not in SAFETENSORS_DTYPES:
                     raise HiltError(f"{f}: tensor '{name}' has dtype {header[name]['dtype']}, which hilt cannot read")
                 self._where[name] = (f, header[name], data_start)
 
@@ -124,12 +124,12 @@ class SafetensorsSource(Source):
         return self._where[name][1]["dtype"]
 
     def is_floating(self, name):
-        return _SAFETENSORS_DTYPES[self.stored_type(name)].is_floating_point
+        return SAFETENSORS_DTYPES[self.stored_type(name)].is_floating_point
 
     def get_stored(self, name):
         f, info, data_start = self._where[name]
         start, end = info["data_offsets"]
-        dtype = _SAFETENSORS_DTYPES[info["dtype"]]
+        dtype = SAFETENSORS_DTYPES[info["dtype"]]
         if end == start:
             return torch.empty(info["shape"], dtype=dtype)
         buf = bytearray(end - start)
