@@ -199,6 +199,13 @@ def _check_request(src, dst, config: QuantConfig, importance, compensate, format
             method = model_config["quantization_config"].get("quant_method", "unknown")
             raise HiltError(f"{Path(src) / hf_folder.CONFIG}: the model is already quantized ({method}); "
                             "quantize its unquantized folder")
+        unknown = hf_folder.unknown_model_type(model_config)
+        if unknown:
+            LOG.warning(f"{Path(src) / hf_folder.CONFIG}: {unknown}; the quantized folder will not load with "
+                        "from_pretrained (hilt's own loaders still read it)")
+    elif Path(src).is_dir():
+        LOG.warning(f"{src}: no config.json beside the weights, so the output is a hilt checkpoint that "
+                    "from_pretrained cannot load (hilt's own loaders read it)")
     if (Path(src) / HEADER).is_file():
         raise HiltError(f"{src}: already a hilt quantized checkpoint; quantize the model it came from")
     partial = None if dst is None else _check_destination(Path(dst), overwrite, resume)

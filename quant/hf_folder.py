@@ -24,7 +24,7 @@ INDEX = "model.safetensors.index.json"
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".pkl", ".gguf", ".onnx", ".h5", ".msgpack",
                    ".ot", ".tflite", ".mlmodel")
 
-__all__ = ["is_hf_folder", "read_config", "shard_names", "write_index", "quantization_config", "copy_companions",
+__all__ = ["is_hf_folder", "read_config", "unknown_model_type", "shard_names", "write_index", "quantization_config", "copy_companions",
            "module_formats"]
 
 
@@ -32,6 +32,19 @@ def is_hf_folder(path) -> bool:
     """A folder with a config.json: a Hugging Face model folder (its weights may be anything)."""
     path = Path(path)
     return path.is_dir() and (path / CONFIG).is_file()
+
+
+def unknown_model_type(config: dict) -> str | None:
+    """Why transformers would not build this config (no model_type, or one it does not know), or None;
+    None too without transformers, which cannot be asked."""
+    model_type = config.get("model_type")
+    if not model_type:
+        return "no model_type"
+    try:
+        from transformers import CONFIG_MAPPING
+    except ImportError:
+        return None
+    return None if model_type in CONFIG_MAPPING else f"model_type {model_type!r} is not one transformers knows"
 
 
 def read_config(folder) -> dict:

@@ -366,6 +366,51 @@ def drift_factory_with_checkpoint_clean(tmp, mp):
     return Probe(["drift", "--model", spec, "--checkpoint", ckpt, "--repeats", 1, "--times", "1s"], 1, [SENTINEL])
 
 
+# ------------------------------------------------------------------ hilt quantize FOLDER
+
+
+def _weights_folder(tmp: Path, config: dict | None) -> Path:
+    folder = tmp / "m"
+    folder.mkdir()
+    make_checkpoint(folder / "model.safetensors", n_layers=1, hidden=64)
+    if config is not None:
+        (folder / "config.json").write_text(json.dumps(config))
+    return folder
+
+
+def quantize_folder_without_config(tmp, mp):
+    folder = _weights_folder(tmp, None)
+    return Probe(["quantize", folder, tmp / "q", "--method", "int"], 0, [], warns=["no config.json", "from_pretrained"],
+                 created=tmp / "q" / "hilt.json")
+
+
+def quantize_unknown_model_type(tmp, mp):
+    pytest.importorskip("transformers")
+    folder = _weights_folder(tmp, {"model_type": "nonesuch"})
+    return Probe(["quantize", folder, tmp / "q", "--method", "int"], 0, [],
+                 warns=["config.json", "model_type 'nonesuch'", "from_pretrained"], created=tmp / "q" / "hilt.json")
+
+
+def quantize_llama_folder_clean(tmp, mp):
+    folder = _weights_folder(tmp, LLAMA)
+    return Probe(["quantize", folder, tmp / "q", "--method", "int"], 0, [], created=tmp / "q" / "config.json")
+
+
+def quantize_budget_out_of_reach(tmp, mp):
+    src = tmp / "tiny.safetensors"
+    make_checkpoint(src, n_layers=1, hidden=64)
+    _reach(mp, "hilt.tasks.sensitivity:sensitivity_run")  # measuring must not start
+    return Probe(["quantize", src, tmp / "q", "--budget", 99], 1, ["--budget 99", "outside", "(all largest)"],
+                 dest=tmp / "q")
+
+
+def quantize_budget_within_reach_clean(tmp, mp):
+    src = tmp / "tiny.safetensors"
+    make_checkpoint(src, n_layers=1, hidden=64)
+    _reach(mp, "hilt.tasks.sensitivity:sensitivity_run")
+    return Probe(["quantize", src, tmp / "q", "--budget", 3], 1, [SENTINEL], dest=tmp / "q")
+
+
 PROBES = [sensitivity_not_json, sensitivity_no_config, sensitivity_other_model_type, sensitivity_bert_folder_clean,
           embed_quantized_as_model, embed_quantized_flag_clean, ppl_quantized_as_model, ppl_encoder,
           ppl_encoder_quantized_by_hilt, ppl_encoder_without_architectures, ppl_missing_shard, ppl_no_weights,
@@ -373,7 +418,8 @@ PROBES = [sensitivity_not_json, sensitivity_no_config, sensitivity_other_model_t
           convert_writable_clean, gguf_truncated_data, gguf_truncated_header, gguf_truncated_convert, gguf_text_file,
           gguf_tiny_text_file, gguf_whole_clean, sweep_resume_nothing_other_grid, sweep_resume_partial_line_only,
           sweep_resume_rows_of_other_grid, sweep_resume_same_grid_clean, drift_factory_without_checkpoint,
-          drift_factory_with_checkpoint_clean]
+          drift_factory_with_checkpoint_clean, quantize_folder_without_config, quantize_unknown_model_type,
+          quantize_llama_folder_clean, quantize_budget_out_of_reach, quantize_budget_within_reach_clean]
 
 
 @pytest.mark.parametrize("make", PROBES, ids=[p.__name__ for p in PROBES])

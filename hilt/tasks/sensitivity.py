@@ -305,6 +305,23 @@ def plot(result: dict, path) -> None:
     plt.close(fig)
 
 
+def _check_reachable(budget: float, formats, shapes: dict, src) -> None:
+    """Refuse a budget outside [all tensors at their smallest candidate, all at their largest]."""
+    from hilt.quant.quantize import expected_bits_per_weight
+
+    lo = hi = 0.0
+    for name, shape in shapes.items():
+        bits = [expected_bits_per_weight(shape, c) * math.prod(shape) for c in (resolve(f, shape) for f in formats)
+                if c is not None]
+        if not bits:
+            raise HiltError(f"{src}: no candidate format fits tensor '{name}' of shape {shape} (check --candidates)")
+        lo, hi = lo + min(bits), hi + max(bits)
+    weights = sum(math.prod(s) for s in shapes.values())
+    if not lo / weights <= budget <= hi / weights:
+        raise HiltError(f"--budget {budget} bits/weight is outside what the candidate formats reach on {src}: "
+                        f"{lo / weights:.3f} (all smallest) to {hi / weights:.3f} (all largest)")
+
+
 def budget_plan(src, budget: float, sensitivity=None, candidates=None, block_size: int = 64, only=None,
                 ignore=None, estimate: str = "blocks", progress: bool = False, log=None) -> dict:
     """A format per tensor of ``src`` (those `hilt quantize` would quantize) with at most ``budget``
@@ -333,6 +350,9 @@ def budget_plan(src, budget: float, sensitivity=None, candidates=None, block_siz
                             f"{sensitivity} already fixes its candidate formats")
         sens, origin = read_sensitivity(sensitivity), str(sensitivity)
     else:
+        # the reachable range follows from the candidates and the shapes: refused before minutes of measuring
+        spec = candidates or DEFAULT_CANDIDATES["workload" if str(src) in WORKLOAD_NAMES else "lm"]
+        _check_reachable(budget, parse_candidates(spec, block_size), shapes, src)
         if log is not None:
             log(f"measuring the sensitivity of {src} (save it with `hilt sensitivity --json` to reuse it)")
         sens = sensitivity_run(str(src), candidates=candidates, block_size=block_size, progress=progress,
