@@ -109,7 +109,7 @@ def run(out="report", quick: bool = True, log=print, progress: bool = False) -> 
 
     def cim_drift():  # not `drift`: that name is the module
         result = drift.drift_study("cnn", preset_name="pcm", repeats=plan["drift_chips"],
-                                 test_images=plan["drift_images"], log=log)
+                                 test_images=plan["drift_images"])
         write_json(out / "drift.json", result)
         drift.plot_drift(result, out / "drift.png")
         lines = [(f"The Fashion-MNIST CNN (digital accuracy {result['digital_accuracy']:.4f} on these "
@@ -133,7 +133,7 @@ def run(out="report", quick: bool = True, log=print, progress: bool = False) -> 
         for method in ENERGY_TRAININGS:
             checkpoint = TRAINED / f"cnn-{method}.safetensors"
             result = energy.run("cnn", checkpoint if checkpoint.exists() else None, sweep=True,
-                                test_images=plan["energy_images"], log=log)
+                                test_images=plan["energy_images"])
             write_json(out / f"energy-{method}.json", result)
             energy.plot(result, out / f"energy-{method}.png")
             kept = result["precision"]["adc_bits"]
@@ -203,9 +203,9 @@ def run(out="report", quick: bool = True, log=print, progress: bool = False) -> 
 
         ckpt = out / "ckpt-minilm-kmeans4"
         quantize_checkpoint(minilm_path(), ckpt, QuantConfig(method="kmeans", bits=4, block_size=64), overwrite=True)
-        q = export.export_quantized(ckpt, out / "minilm-kmeans4.onnx", overwrite=True, log=log)
+        q = export.export_quantized(ckpt, out / "minilm-kmeans4.onnx", overwrite=True)
         shutil.rmtree(ckpt)
-        c = export.export_cim("cnn", None, out / "cnn-pcm-1y.onnx", "pcm", "1y", overwrite=True, log=log)
+        c = export.export_cim("cnn", None, out / "cnn-pcm-1y.onnx", "pcm", "1y", overwrite=True)
         write_json(out / "onnx.json", {"quantized": q, "cim": c})
         return (f"- all-MiniLM-L6-v2, 4-bit k-means: `minilm-kmeans4.onnx`, {q['onnx_bytes'] / 1e6:.1f} MB "
                 f"({q['size_ratio']:.3f}x the quantized safetensors); ONNX Runtime vs PyTorch on {q['sentences']} "

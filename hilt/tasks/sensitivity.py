@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from hilt.errors import HiltError
-from hilt.progress import Progress
+from hilt.progress import LOG, Progress
 from hilt.quant.sensitivity import (Variance, estimate_output_tpv, estimate_tpv, format_label, parse_candidates,
                                     quantization_variance, resolve, weight_params)
 
@@ -306,7 +306,7 @@ def plot(result: dict, path) -> None:
 
 
 def budget_plan(src, budget: float, sensitivity=None, candidates=None, block_size: int = 64, only=None,
-                ignore=None, estimate: str = "blocks", progress: bool = False, log=None) -> dict:
+                ignore=None, estimate: str = "blocks", progress: bool = False) -> dict:
     """A format per tensor of ``src`` (those `hilt quantize` would quantize) with at most ``budget``
     bits per weight on average, minimising the summed predicted TPV (hilt.quant.allocate).
 
@@ -333,8 +333,7 @@ def budget_plan(src, budget: float, sensitivity=None, candidates=None, block_siz
                             f"{sensitivity} already fixes its candidate formats")
         sens, origin = read_sensitivity(sensitivity), str(sensitivity)
     else:
-        if log is not None:
-            log(f"measuring the sensitivity of {src} (save it with `hilt sensitivity --json` to reuse it)")
+        LOG.info(f"measuring the sensitivity of {src} (save it with `hilt sensitivity --json` to reuse it)")
         sens = sensitivity_run(str(src), candidates=candidates, block_size=block_size, progress=progress,
                                full=estimate == "full")
         origin = f"measured on {sens['calibration']}"
