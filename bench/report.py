@@ -24,16 +24,16 @@ from pathlib import Path
 from hilt.atomic import write_text
 from hilt.models import TRAINED
 from hilt.errors import HiltError
-from hilt.progress import Progress
+from hilt.progress import LOG, Progress
 
 QUICK = {"drift_chips": 2, "drift_images": 2000, "energy_images": 500}
 FULL = {"drift_chips": 5, "drift_images": 10_000, "energy_images": 2000}
 ENERGY_TRAININGS = ("standard", "dwp")  # the trained CNNs whose energy the report compares
 
 
-def _section(name: str, out: Path, sections: list, log, fn, progress: Progress):
+def _section(name: str, out: Path, sections: list, fn, progress: Progress):
     start = time.perf_counter()
-    log(f"== {name}")
+    LOG.info(f"== {name}")
     try:
         body = fn()
         sections.append({"name": name, "ok": True, "seconds": time.perf_counter() - start, "markdown": body})
@@ -42,11 +42,11 @@ def _section(name: str, out: Path, sections: list, log, fn, progress: Progress):
             log_file.write(f"{name}\n{traceback.format_exc()}\n")
         sections.append({"name": name, "ok": False, "seconds": time.perf_counter() - start,
                          "markdown": f"**This section failed:** {e}\n"})
-        log(f"   failed: {e}")
+        LOG.warning(f"{name} failed: {e}")
     progress.done(name, "ok" if sections[-1]["ok"] else "FAILED")
 
 
-def kernel_section(out: Path, log=print) -> str:
+def kernel_section(out: Path) -> str:
     """The LUT kernels' section: check and SmolLM2 decode (and quick timings on a GPU), saved
     to OUT/lut_kernels.json; raises when the kernel disagrees with its reference."""
     import torch
@@ -55,7 +55,7 @@ def kernel_section(out: Path, log=print) -> str:
     from hilt.atomic import write_json
 
     gpu = torch.cuda.is_available()
-    result = {"check": lut_kernels.check("cuda" if gpu else "cpu", log=log), "decode": lut_kernels.decode(log=log)}
+    result = {"check": lut_kernels.check("cuda" if gpu else "cpu"), "decode": lut_kernels.decode()}
     chk, dec = result["check"], result["decode"]
     lines = [(f"The Triton kernel against its PyTorch reference (`hilt bench kernels --check`; "
              f"{'natively on the GPU' if gpu else 'on the CPU through Triton’s interpreter'}): {chk['cases']} cases "
@@ -72,7 +72,7 @@ def kernel_section(out: Path, log=print) -> str:
                      f"{d['dequantized_seconds']:.1f} | `{text}` |")
     if gpu:
         result["machine"] = lut_kernels.gpu_info()
-        result["timings"] = lut_kernels.timings(quick=True, log=log)
+        result["timings"] = lut_kernels.timings(quick=True)
         lines += ["", lut_kernels.render_table(result)]
     else:
         lines += ["", "Timings against cuBLAS need a GPU: `bash bench/perf/gpu_check.sh` (docs/gpu.md)."]
@@ -84,7 +84,7 @@ def kernel_section(out: Path, log=print) -> str:
     return "\n".join(lines) + "\n"
 
 
-def run(out="report", quick: bool = True, log=print, progress: bool = False) -> dict:
+def run(out="report", quick: bool = True, progress: bool = False) -> dict:
     """Every section into OUT (report.md, JSON and PNG per section); ``quick=False`` is `--full`.
     ``progress``: a line per finished section (see hilt.progress)."""
     import torch
@@ -104,12 +104,12 @@ def run(out="report", quick: bool = True, log=print, progress: bool = False) -> 
     started = time.perf_counter()
 
     def quantization():
-        quant_table.run(out=out, quick=quick, log=log)
+        quant_table.run(out=out, quick=quick)
         return ((out / "quant_table.md").read_text() + "\n![quantization](quant_table.png)\n")
 
     def cim_drift():  # not `drift`: that name is the module
         result = drift.drift_study("cnn", preset_name="pcm", repeats=plan["drift_chips"],
-                                 test_images=plan["drift_images"], log=log)
+                                 test_images=plan["drift_images"])
         write_json(out / "drift.json", result)
         drift.plot_drift(result, out / "drift.png")
         lines = [(f"The Fashion-MNIST CNN (digital accuracy {result['digital_accuracy']:.4f} on these "
@@ -121,7 +121,7 @@ def run(out="report", quick: bool = True, log=print, progress: bool = False) -> 
         return "\n".join(lines) + "\n\n![drift](drift.png)\n"
 
     def robust():
-        result = robustness.study(quick=quick, log=log)
+        result = robustness.study(quick=quick)
         write_json(out / "robustness.json", result)
         robustness.plot(result, out / "robustness.png")
         return (f"Mismatch w(1 + eta N(0,1)), {result['plan']['draws']} draws per level on "
@@ -133,7 +133,7 @@ def run(out="report", quick: bool = True, log=print, progress: bool = False) -> 
         for method in ENERGY_TRAININGS:
             checkpoint = TRAINED / f"cnn-{method}.safetensors"
             result = energy.run("cnn", checkpoint if checkpoint.exists() else None, sweep=True,
-                                test_images=plan["energy_images"], log=log)
+                                test_images=plan["energy_images"])
             write_json(out / f"energy-{method}.json", result)
             energy.plot(result, out / f"energy-{method}.png")
             kept = result["precision"]["adc_bits"]
@@ -154,7 +154,7 @@ def run(out="report", quick: bool = True, log=print, progress: bool = False) -> 
                  ("| model | observed / worst-case bound | observed / rank-aware prediction | "
                  "rank-agnostic / rank-aware | exceeded |"), "|---|---|---|---|---|"]
         for model in ("minilm", "smollm2"):
-            rows = fp8_scales.run(model, log=log)["rows"]
+            rows = fp8_scales.run(model)["rows"]
             write_json(out / f"fp8-scales-{model}.json", rows)
             lines.append(f"| {model} | {min(r['max_observed_over_bound'] for r in rows):.3f} – "
                          f"{max(r['max_observed_over_bound'] for r in rows):.3f} | "
@@ -162,7 +162,7 @@ def run(out="report", quick: bool = True, log=print, progress: bool = False) -> 
                          f"{max(r['max_observed_over_rank_aware'] for r in rows):.2f} | "
                          f"{min(r['agnostic_over_aware'] for r in rows):.2f}x | "
                          f"{'yes' if any(r['exceeded'] for r in rows) else 'never'} |")
-        result = fp8_transient.study(quick=quick, log=log)
+        result = fp8_transient.study(quick=quick)
         write_json(out / "fp8-transient.json", result)
         fp8_transient.plot(result, out / "fp8-transient.png")
         lines += ["", ("Transients (`hilt fp8 transient`): a character GPT fine-tuned with its attention logits in "
@@ -173,8 +173,7 @@ def run(out="report", quick: bool = True, log=print, progress: bool = False) -> 
             lines.append(f"| {scenario} | " + " | ".join(
                 f"{runs[n]['overflow_steps']} ({runs[n]['overflow_logits']})" for n in fp8_transient.RECIPES) + " |")
         variants = ("fp8", "fp8 geometry scales") if quick else tuple(fp8_accuracy.VARIANTS)
-        acc = fp8_accuracy.run(tokens=2048 if quick else 4096, sentences=128 if quick else 256, variants=variants,
-                               log=log)
+        acc = fp8_accuracy.run(tokens=2048 if quick else 4096, sentences=128 if quick else 256, variants=variants)
         write_json(out / "fp8-attention.json", acc)
         lines += ["", "![fp8 transients](fp8-transient.png)", "",
                   (f"FP8 attention in real models (`hilt fp8 attention`; SmolLM2-135M perplexity on {acc['tokens']} "
@@ -187,7 +186,7 @@ def run(out="report", quick: bool = True, log=print, progress: bool = False) -> 
     def certificates():
         from hilt.bench.studies import certify
 
-        result = certify.study(plan=certify.REPORT if quick else certify.FULL, log=log)
+        result = certify.study(plan=certify.REPORT if quick else certify.FULL)
         write_json(out / "certify.json", result)
         certify.plot(result, out / "certify.png")
         if any(result["sound_violations"].values()):
@@ -203,9 +202,9 @@ def run(out="report", quick: bool = True, log=print, progress: bool = False) -> 
 
         ckpt = out / "ckpt-minilm-kmeans4"
         quantize_checkpoint(minilm_path(), ckpt, QuantConfig(method="kmeans", bits=4, block_size=64), overwrite=True)
-        q = export.export_quantized(ckpt, out / "minilm-kmeans4.onnx", overwrite=True, log=log)
+        q = export.export_quantized(ckpt, out / "minilm-kmeans4.onnx", overwrite=True)
         shutil.rmtree(ckpt)
-        c = export.export_cim("cnn", None, out / "cnn-pcm-1y.onnx", "pcm", "1y", overwrite=True, log=log)
+        c = export.export_cim("cnn", None, out / "cnn-pcm-1y.onnx", "pcm", "1y", overwrite=True)
         write_json(out / "onnx.json", {"quantized": q, "cim": c})
         return (f"- all-MiniLM-L6-v2, 4-bit k-means: `minilm-kmeans4.onnx`, {q['onnx_bytes'] / 1e6:.1f} MB "
                 f"({q['size_ratio']:.3f}x the quantized safetensors); ONNX Runtime vs PyTorch on {q['sentences']} "
@@ -219,7 +218,7 @@ def run(out="report", quick: bool = True, log=print, progress: bool = False) -> 
         if peers.aihwkit_version() is None:
             return ("aihwkit is not installed, so there is no side-by-side here (its CPU build installs with "
                     "`pip install --no-deps aihwkit-1.2.0-*.whl`; see docs/aihwkit.md).\n")
-        result = peers.sweep(quick=quick, workloads=("mlp",), log=log)
+        result = peers.sweep(quick=quick, workloads=("mlp",))
         write_json(out / "cim_sweep.json", result)
         peers.plot(result, out / "cim_sweep.png")
         w = result["workloads"][0]
@@ -244,7 +243,7 @@ def run(out="report", quick: bool = True, log=print, progress: bool = False) -> 
 
         if importlib.util.find_spec("transformers") is None:
             return "transformers is not installed, so this section is left out (`pip install hilt[hf]`).\n"
-        result = decode_speed.run(quick=quick, work=out, log=log)
+        result = decode_speed.run(quick=quick, work=out)
         write_json(out / "decode.json", result)
         return ("SmolLM2-135M made a Hugging Face folder by `hilt convert`, quantized by `hilt quantize`, loaded by "
                 f"transformers' `from_pretrained` in bf16; greedy decode on the CPU ({result['threads']} threads, "
@@ -254,7 +253,7 @@ def run(out="report", quick: bool = True, log=print, progress: bool = False) -> 
     plan_sections = [
         ("Quantization: SmolLM2-135M and all-MiniLM-L6-v2", quantization),
         ("Hugging Face folders: from_pretrained and CPU decode", hugging_face),
-        ("LUT matmul kernels: correctness and decode", lambda: kernel_section(out, log)),
+        ("LUT matmul kernels: correctness and decode", lambda: kernel_section(out)),
         ("FP8 attention: scales from the weights, transients, accuracy", fp8_section),
         ("Compute-in-memory: a year on PCM", cim_drift),
         ("Compute-in-memory: side by side with aihwkit", cim_peers),
@@ -265,7 +264,7 @@ def run(out="report", quick: bool = True, log=print, progress: bool = False) -> 
     ]
     with Progress(len(plan_sections), "report", "section", enabled=progress) as bar:
         for name, fn in plan_sections:
-            _section(name, out, sections, log, fn, bar)
+            _section(name, out, sections, fn, bar)
 
     total = time.perf_counter() - started
     md = [f"# hilt report{' (quick)' if quick else ''}", "",
@@ -276,7 +275,7 @@ def run(out="report", quick: bool = True, log=print, progress: bool = False) -> 
     summary = {"quick": quick, "seconds": total,
                "sections": [{k: s[k] for k in ("name", "ok", "seconds")} for s in sections]}
     write_json(out / "report.json", summary)
-    log(f"wrote {out / 'report.md'} ({total / 60:.1f} min)")
+    LOG.info(f"wrote {out / 'report.md'} ({total / 60:.1f} min)")
     failed = [s["name"] for s in sections if not s["ok"]]
     if failed:
         raise HiltError(f"{len(failed)} report section(s) failed: {', '.join(failed)} (details in {out / 'errors.log'})")

@@ -11,6 +11,7 @@ that leaves logging unconfigured gets no lines. Imports nothing of the project.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import sys
 import time
@@ -75,6 +76,21 @@ class Progress:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+@contextlib.contextmanager
+def quiet():
+    """Drop the info lines logged on the ``hilt`` logger inside (warnings still pass): for a caller that
+    runs a task only for its numbers and reports them in its own lines."""
+
+    def warnings_only(record: logging.LogRecord) -> bool:
+        return record.levelno >= logging.WARNING
+
+    LOG.addFilter(warnings_only)
+    try:
+        yield
+    finally:
+        LOG.removeFilter(warnings_only)
 
 
 class Handler(logging.StreamHandler):

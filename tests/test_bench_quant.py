@@ -48,7 +48,7 @@ def test_optimal_kmeans_is_the_brute_force_optimum_and_the_reference_never_beats
 
 
 def test_memory_probe_runs_the_real_command():
-    r = memory(0.07, log=lambda *_: None)  # one 4096x4096 tensor
+    r = memory(0.07)  # one 4096x4096 tensor
     assert r["tensors"] == 1 and r["checkpoint_bytes"] > 6e7
     assert 6e7 < r["peak_rss_bytes"] < 4e9
 

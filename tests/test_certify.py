@@ -360,7 +360,7 @@ def test_quick_study_runs():
     from hilt.bench.studies import certify as study
 
     plan = dict(study.QUICK, images=120, mc_images=40, bits=(4,), times="1y", line_inputs=4)
-    result = study.study(workloads=("mlp",), plan=plan, log=lambda *a: None)
+    result = study.study(workloads=("mlp",), plan=plan)
     w = result["workloads"]["mlp"]
     assert result["sound_violations"] == {"mlp": 0}
     assert {(r["method"], r["bits"], r["error"]) for r in w["quantization"]} == \

@@ -190,7 +190,7 @@ def test_check_records_a_kernel_that_raises_and_goes_on(monkeypatch):
         return real(*args, config=config, **kw)
 
     monkeypatch.setattr(kt, "lut_matmul_triton", flaky)
-    result = lut_kernels.check(log=lambda *a: None, configs=[("gemv", SPLIT_K_CONFIGS[0]), ("gemm", GEMM_CONFIGS[0])])
+    result = lut_kernels.check(configs=[("gemv", SPLIT_K_CONFIGS[0]), ("gemm", GEMM_CONFIGS[0])])
     assert result["cases"] == 4 * 3 * 2 * 2 + 2 + 1
     assert [f["error"] for f in result["failures"]] == ["RuntimeError: out of resources: shared memory"]
 
@@ -306,15 +306,15 @@ def test_report_section_shows_the_check_and_decode_and_fails_on_a_mismatch(tmp_p
     text = {"kernel": " Paris | Lyon\nx", "dequantized": " Paris | Lyon\nx", "kernel_seconds": 9.0,
             "dequantized_seconds": 3.0, "same": True}
     decode = {"device": "cpu", "through": "PyTorch reference", "4bit": text, "1bit": dict(text)}
-    monkeypatch.setattr(lut_kernels, "check", lambda device, log: check)
-    monkeypatch.setattr(lut_kernels, "decode", lambda log: decode)
-    md = report.kernel_section(tmp_path, log=lambda *a: None)
+    monkeypatch.setattr(lut_kernels, "check", lambda device: check)
+    monkeypatch.setattr(lut_kernels, "decode", lambda: decode)
+    md = report.kernel_section(tmp_path)
     assert "332 cases (52 tuning configurations), 0 failures, worst error 0.171" in md
     assert "| 4-bit k-means | yes | 9.0 | 3.0 | ` Paris \\| Lyon\\nx` |" in md  # one table row, pipe escaped
     assert "need a GPU" in md and json.loads((tmp_path / "lut_kernels.json").read_text())["check"] == check
     decode["1bit"] = {**text, "kernel": "other", "same": False}
     with pytest.raises(HiltError, match="disagree with their reference"):
-        report.kernel_section(tmp_path, log=lambda *a: None)
+        report.kernel_section(tmp_path)
     assert json.loads((tmp_path / "lut_kernels.json").read_text())["decode"]["1bit"]["same"] is False
 
 

@@ -82,7 +82,7 @@ def test_quantized_minilm_export_is_compact_and_matches(minilm_dir, tmp_path):
     resaved = tmp_path / "resaved"
     transformers.AutoModel.from_pretrained(str(ckpt)).save_pretrained(str(resaved))
     shutil.copy(ckpt / "tokenizer.json", resaved)
-    result = export_quantized(resaved, tmp_path / "m.onnx", sentences=16, log=lambda *_: None)
+    result = export_quantized(resaved, tmp_path / "m.onnx", sentences=16)
     assert result["quantized_weights"] == 36  # every Linear of the encoder (the unused pooler is left out)
     assert result["max_rel_error"] <= 1e-3 and result["size_ratio"] <= 1.3
     model = onnx.load(str(tmp_path / "m.onnx"))

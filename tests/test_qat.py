@@ -188,7 +188,7 @@ def test_qat_resumes_to_the_same_checkpoint_as_an_uninterrupted_run(smollm2_gguf
     monkeypatch.setattr(llama, "load_llama", small_llama)
 
     small = {"bits": 2, "steps": 2, "batch": 1, "context": 16, "save_every": 1, "lr": 1e-4, "progress": False,
-             "only": r"blk\.[01]\.attn_q", "log": lambda *_: None}
+             "only": r"blk\.[01]\.attn_q"}
     real_save = qat_finetune.save_qat
 
     def interrupted(*args, **kwargs):

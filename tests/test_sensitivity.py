@@ -312,7 +312,7 @@ def test_bench_mixed_quick_on_minilm(minilm_dir, tmp_path):
     assert mixed.promoted("encoder.layer.5.output.dense.weight", 6)
     assert not mixed.promoted("encoder.layer.5.attention.output.dense.weight", 6)
     r = mixed.run(out=tmp_path / "mixed.json", quick=True, models=("minilm",), budgets=(3.0,),
-                  candidates="kmeans2,kmeans4,int8", log=lambda *a: None)
+                  candidates="kmeans2,kmeans4,int8")
     rows = r["models"]["minilm"]["rows"]
     assert {x["allocator"] for x in rows} == {"unquantized", *mixed.ALLOCATORS}
     for x in rows:

@@ -107,16 +107,24 @@ def test_bad_training_settings(change, needle):
         dataclasses.replace(NoisyTraining(), **change).validate()
 
 
-def test_robustness_study_tiny():
+def test_robustness_study_tiny(caplog, monkeypatch):
+    import logging
+
     from hilt.bench.studies import robustness
     from hilt.data.fashion_mnist import DEFAULT_ROOT
+    from hilt.progress import LOG
 
     if not (DEFAULT_ROOT / "t10k-images-idx3-ubyte.gz").is_file():
         pytest.skip("Fashion-MNIST not installed: apt-get install -y dataset-fashion-mnist (scripts/setup.sh)")
 
     plan = dict(limit=600, epochs=1, draws=2, test_images=200, chips=1, times="1s,1y",
                 ablation_limit=300, ablation_epochs=1, ablation_draws=2)
-    result = robustness.study(quick=True, plan=plan, ablation=("dwp (default)", "weighting none"), log=lambda *_: None)
+    monkeypatch.setattr(LOG, "propagate", True)  # a command run earlier in this process turns it off
+    caplog.set_level(logging.INFO, logger="hilt")
+    result = robustness.study(quick=True, plan=plan, ablation=("dwp (default)", "weighting none"))
+    lines = [r.getMessage() for r in caplog.records if r.name == "hilt"]
+    # its own line per method on the hilt logger; the drift task's table it runs inside is held back
+    assert sum(" mismatch " in m for m in lines) == 3 and not any("programmed chips" in m for m in lines)
     assert list(result["methods"]) == ["standard", "noise", "dwp"]
     for r in result["methods"].values():
         assert [row["eta"] for row in r["mismatch"]] == list(robustness.ETAS)

@@ -28,6 +28,7 @@ from hilt.errors import HiltError
 from hilt.kernels import fp8_attention
 from hilt.kernels.backends import triton_kernels
 from hilt.kernels.fp8_attention import E4M3_MAX
+from hilt.progress import LOG
 
 MIN_COSINE = 0.99  # FP8 vs bf16 on random inputs measures ~0.998; below this something is broken
 
@@ -37,8 +38,7 @@ def _cosine(a: torch.Tensor, b: torch.Tensor) -> float:
     return float(torch.dot(a, b) / (a.norm() * b.norm()))
 
 
-def run(seqs=(1024, 2048, 4096, 8192, 16384), head_dim=128, heads=16, batch=None, causal=(False, True),
-        log=print) -> dict:
+def run(seqs=(1024, 2048, 4096, 8192, 16384), head_dim=128, heads=16, batch=None, causal=(False, True)) -> dict:
     """Time FP8 attention against bf16 flash SDPA; ``batch=None`` means 16384 // seq per length."""
     if not torch.cuda.is_available():
         raise HiltError("FP8 attention timings need a CUDA GPU; none is present")
@@ -56,8 +56,8 @@ def run(seqs=(1024, 2048, 4096, 8192, 16384), head_dim=128, heads=16, batch=None
                       "fp8_kernel": "the attention kernel alone on Q/K/V already in FP8",
                       "fp8_split": "fp8_attention with split_qk (Q and K as two E4M3 terms: 3 FP8 products for Q K^T)"},
             "timing": "triton.testing.do_bench, median ms", "rows": [], "mismatches": []}
-    log(f"{info['gpu']} ({info['capability']}), torch {info['torch']}, triton {info['triton']}; "
-        f"{heads} heads x {head_dim}")
+    LOG.info(f"{info['gpu']} ({info['capability']}), torch {info['torch']}, triton {info['triton']}; "
+             f"{heads} heads x {head_dim}")
     gen = torch.Generator(device="cuda").manual_seed(0)
     sm_scale = head_dim**-0.5
     for seq in seqs:
@@ -83,8 +83,8 @@ def run(seqs=(1024, 2048, 4096, 8192, 16384), head_dim=128, heads=16, batch=None
             cosine = _cosine(fp8(), sdpa())  # also compiles and autotunes before the timing
             if not cosine >= MIN_COSINE:  # not timed; the other lengths still are, and the command fails
                 info["mismatches"].append({"seq": seq, "causal": is_causal, "cosine_vs_bf16": cosine})
-                log(f"T={seq:6d} {'causal' if is_causal else 'full  '}  FP8 attention differs from bf16 SDPA: "
-                    f"cosine {cosine:.5f} < {MIN_COSINE}")
+                LOG.warning(f"T={seq:6d} {'causal' if is_causal else 'full  '}  FP8 attention differs from bf16 SDPA: "
+                            f"cosine {cosine:.5f} < {MIN_COSINE}")
                 continue
             def fp8_split(is_causal=is_causal, q=q, k=k, v=v, qs=q_scale, ks=k_scale, vs=v_scale):
                 return fp8_attention(q, k, v, qs, ks, vs, causal=is_causal, split_qk=True)
@@ -99,10 +99,10 @@ def run(seqs=(1024, 2048, 4096, 8192, 16384), head_dim=128, heads=16, batch=None
                    **{f"{n}_tflops": flops / (t * 1e-3) / 1e12 for n, t in ms.items()},
                    "speedup": ms["sdpa"] / ms["fp8"], "kernel_speedup": ms["sdpa"] / ms["fp8_kernel"]}
             info["rows"].append(row)
-            log(f"T={seq:6d} B={b:2d} {'causal' if is_causal else 'full  '}  sdpa bf16 {ms['sdpa']:7.3f} ms "
-                f"({row['sdpa_tflops']:5.0f} TFLOP/s)  fp8 {ms['fp8']:7.3f} ms ({row['fp8_tflops']:5.0f})  "
-                f"kernel only {ms['fp8_kernel']:7.3f} ms ({row['fp8_kernel_tflops']:5.0f})  "
-                f"split Q K {ms['fp8_split']:7.3f} ms  "
-                f"speedup {row['speedup']:.2f}x / {row['kernel_speedup']:.2f}x  cosine {cosine:.5f}")
+            LOG.info(f"T={seq:6d} B={b:2d} {'causal' if is_causal else 'full  '}  sdpa bf16 {ms['sdpa']:7.3f} ms "
+                     f"({row['sdpa_tflops']:5.0f} TFLOP/s)  fp8 {ms['fp8']:7.3f} ms ({row['fp8_tflops']:5.0f})  "
+                     f"kernel only {ms['fp8_kernel']:7.3f} ms ({row['fp8_kernel_tflops']:5.0f})  "
+                     f"split Q K {ms['fp8_split']:7.3f} ms  "
+                     f"speedup {row['speedup']:.2f}x / {row['kernel_speedup']:.2f}x  cosine {cosine:.5f}")
         del q, k, v, q8, k8, v8, out
     return info

@@ -10,9 +10,10 @@ import torch
 
 from hilt.tasks.drift import workload_model
 from hilt.cim_sim import convert_to_analog, drift_to, preset
+from hilt.progress import LOG
 
 
-def speed(rounds: int = 7, repeats: int = 20, log=print) -> dict:
+def speed(rounds: int = 7, repeats: int = 20) -> dict:
     """Forward time of each preset against the digital forward of the same model, and of a drift step.
 
     The committed trained checkpoints on the first 256 Fashion-MNIST test images: an untrained
@@ -54,17 +55,17 @@ def speed(rounds: int = 7, repeats: int = 20, log=print) -> dict:
             rows.append({"model": name, "checkpoint": path.name, "preset": p, "digital_ms": digital * 1e3,
                          "analog_ms": fwd * 1e3, "forward_ratio": ratio, "drift_ms": drift * 1e3,
                          "drift_over_forward": drift_ratio})
-            log(f"{name} {p:<8} digital {digital * 1e3:7.2f} ms  analog {fwd * 1e3:8.2f} ms  x{ratio:5.2f}  "
-                f"drift step {drift * 1e3:7.2f} ms ({drift_ratio:.2f} of a forward)")
+            LOG.info(f"{name} {p:<8} digital {digital * 1e3:7.2f} ms  analog {fwd * 1e3:8.2f} ms  x{ratio:5.2f}  "
+                     f"drift step {drift * 1e3:7.2f} ms ({drift_ratio:.2f} of a forward)")
     result = {"batch": 256, "inputs": "Fashion-MNIST test[:256]", "threads": torch.get_num_threads(),
               "method": f"median over rounds (first dropped) of medians of {repeats} calls", "rows": rows}
-    peer = aihwkit_speed(x, median_time, rounds, log)
+    peer = aihwkit_speed(x, median_time, rounds)
     if peer is not None:
         result["aihwkit"] = peer
     return result
 
 
-def aihwkit_speed(x, median_time, rounds: int, log=print) -> dict | None:
+def aihwkit_speed(x, median_time, rounds: int) -> dict | None:
     """aihwkit's default inference configuration (``InferenceRPUConfig()``) on the same models and
     images, timed in the same rounds as hilt's pcm preset (forward, and a drift call to one day,
     each with its drift compensation readout), so that hilt / aihwkit comes from one run.
@@ -75,7 +76,7 @@ def aihwkit_speed(x, median_time, rounds: int, log=print) -> dict | None:
 
     version = aihwkit_version()
     if version is None:
-        log("aihwkit is not importable: no aihwkit rows (optional: pip install aihwkit)")
+        LOG.warning("aihwkit is not importable: no aihwkit rows (optional: pip install aihwkit)")
         return None
     rows = []
     for name in ("mlp", "cnn"):
@@ -103,9 +104,9 @@ def aihwkit_speed(x, median_time, rounds: int, log=print) -> dict | None:
                      "drift_ms": peer_drift * 1e3, "drift_over_forward": ratio(4, 2),
                      "hilt_pcm_analog_ms": fwd * 1e3, "hilt_pcm_drift_ms": drift * 1e3,
                      "hilt_over_aihwkit_forward": ratio(1, 2), "hilt_over_aihwkit_drift": ratio(3, 4)})
-        log(f"{name} aihwkit  digital {digital * 1e3:7.2f} ms  analog {peer_fwd * 1e3:8.2f} ms  x{ratio(2, 0):5.2f}  "
-            f"drift call {peer_drift * 1e3:7.2f} ms; hilt pcm / aihwkit: forward {ratio(1, 2):.3f}, "
-            f"drift {ratio(3, 4):.3f}")
+        LOG.info(f"{name} aihwkit  digital {digital * 1e3:7.2f} ms  analog {peer_fwd * 1e3:8.2f} ms  x{ratio(2, 0):5.2f}  "
+                 f"drift call {peer_drift * 1e3:7.2f} ms; hilt pcm / aihwkit: forward {ratio(1, 2):.3f}, "
+                 f"drift {ratio(3, 4):.3f}")
     return {"version": version, "config": "InferenceRPUConfig() (PCM noise model, global drift compensation)",
             "threads": {"torch": torch.get_num_threads(), "OPENBLAS_NUM_THREADS": os.environ.get("OPENBLAS_NUM_THREADS")},
             "rows": rows}

@@ -30,6 +30,7 @@ import torch
 
 from hilt.models.hf import gguf_to_hf, require_transformers
 from hilt.quant import QuantConfig, quantize_checkpoint
+from hilt.progress import LOG
 
 PROMPT = "The capital of France is Paris. The capital of Germany is"
 # label -> (format, --embeddings bits)
@@ -118,7 +119,7 @@ def copy_bandwidth(mbytes: int = 256, repeats: int = 5) -> float:
     return 2 * a.numel() * 4 / _best_time(lambda: b.copy_(a), repeats) / 1e9
 
 
-def gemv_table(shapes=None, repeats: int = 10, log=print) -> list[dict]:
+def gemv_table(shapes=None, repeats: int = 10) -> list[dict]:
     """One layer at M = 1, bfloat16 x: GB/s of weight bytes read, per format, the dense bf16 matmul and
     PyTorch's int4 kernel beside hilt's. Weights cycled through copies past the last-level cache."""
     from hilt.kernels import int_cpu, lut_cpu
@@ -155,11 +156,11 @@ def gemv_table(shapes=None, repeats: int = 10, log=print) -> list[dict]:
                 t = cycled(p.nbytes, lambda: (p, int_cpu.prepack(p)), lambda c: int_cpu.int_matmul(x, c[0], c[1]))
                 rows.append({"shape": f"{k}x{n}", "format": "int4 (torch _weight_int4pack_mm_for_cpu)",
                              "bytes": p.nbytes, "us": t * 1e6, "gb_per_s": p.nbytes / t / 1e9})
-            log(f"  GEMV {k}x{n} {rows[-1]['format']}: {rows[-1]['gb_per_s']:.1f} GB/s")
+            LOG.info(f"  GEMV {k}x{n} {rows[-1]['format']}: {rows[-1]['gb_per_s']:.1f} GB/s")
     return rows
 
 
-def run(quick: bool = False, work=None, threads: int = 2, log=print, gemv: bool = True) -> dict:
+def run(quick: bool = False, work=None, threads: int = 2, gemv: bool = True) -> dict:
     """``quick``: k-means 4-bit and dense only, 8 tokens, SmolLM2's layer in the GEMV table."""
     from hilt.models.llama import GGUF_FILE, smollm2_path
 
@@ -167,18 +168,18 @@ def run(quick: bool = False, work=None, threads: int = 2, log=print, gemv: bool 
     torch.set_num_threads(threads)
     new_tokens, repeats = (8, 1) if quick else (64, 3)
     bandwidth = copy_bandwidth(64 if quick else 256)
-    log(f"copy bandwidth: {bandwidth:.1f} GB/s")
-    gemv_rows = gemv_table(GEMV_SHAPES[:1] if quick else None, 3 if quick else 10, log) if gemv else []
+    LOG.info(f"copy bandwidth: {bandwidth:.1f} GB/s")
+    gemv_rows = gemv_table(GEMV_SHAPES[:1] if quick else None, 3 if quick else 10) if gemv else []
     for r in gemv_rows:
         r["of_copy_bandwidth"] = round(r["gb_per_s"] / bandwidth, 3)
     formats = {k: v for k, v in FORMATS.items() if not quick or k in QUICK_FORMATS}
     with tempfile.TemporaryDirectory(dir=work) as tmp:
         tmp = Path(tmp)
-        log("converting SmolLM2's GGUF to a Hugging Face folder (bfloat16)")
+        LOG.info("converting SmolLM2's GGUF to a Hugging Face folder (bfloat16)")
         dense = gguf_to_hf(smollm2_path(), tmp / "smollm2-hf")
         folders = {"dense bf16": dense}
         for i, (label, (config, extra)) in enumerate(formats.items()):
-            log(f"quantizing: {label}")
+            LOG.info(f"quantizing: {label}")
             folders[label] = tmp / f"quantized-{i}"
             try:
                 if extra == "compensate":
@@ -186,7 +187,7 @@ def run(quick: bool = False, work=None, threads: int = 2, log=print, gemv: bool 
                 else:
                     quantize_checkpoint(dense, folders[label], config, embeddings=extra)
             except Exception as e:  # noqa: BLE001 (one row fails, the others are measured)
-                log(f"  {label}: {type(e).__name__}: {e}")
+                LOG.warning(f"{label}: {type(e).__name__}: {e}")
                 del folders[label]
         tokenizer = transformers.AutoTokenizer.from_pretrained(str(dense))
         ids = tokenizer(PROMPT, return_tensors="pt", add_special_tokens=False)["input_ids"]
@@ -196,7 +197,7 @@ def run(quick: bool = False, work=None, threads: int = 2, log=print, gemv: bool 
         if not quick:
             cases.append(("transformers GGUF (Q4_1 file)", smollm2_path().parent, gguf_kwargs))
         for label, folder, kwargs in cases:
-            log(f"decoding: {label}")
+            LOG.info(f"decoding: {label}")
             model = transformers.AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.bfloat16, **kwargs)
             speed, tokens = _tokens_per_second(model.eval(), ids, new_tokens, repeats)
             del model

@@ -45,6 +45,7 @@ from hilt.kernels.lut_matmul import PackedWeight, choose_path, dequantize_lut, e
 from hilt.kernels.backends import triton_kernels
 from hilt.kernels.packing import packed_row_bytes
 from hilt.quant import QuantConfig, quantize_tensor
+from hilt.progress import LOG
 
 CHECK_SHAPES = [(1, 64, 128), (3, 70, 192), (16, 33, 256), (17, 128, 128), (100, 96, 320)]  # (M, N, K)
 QUICK_CHECK_SHAPES = [(1, 64, 128), (3, 70, 192), (17, 128, 128)]  # decode, an awkward N, the tiled path
@@ -68,7 +69,7 @@ def _kernels(device: str):
     return triton_kernels("lut_matmul_triton", interpret=device == "cpu")
 
 
-def check(device: str = "cpu", log=print, configs=None, quick: bool = False) -> dict:
+def check(device: str = "cpu", configs=None, quick: bool = False) -> dict:
     """Triton vs reference; returns {"cases", "failures", "max_error_ratio", "configs_checked"}.
 
     Fixed shapes x bits x formats x dtypes x paths with :func:`default_config` (tuning every
@@ -118,8 +119,8 @@ def check(device: str = "cpu", log=print, configs=None, quick: bool = False) -> 
         bias = torch.randn(70, generator=g).to(device)
         for split_k in ((1, 2) if path == "gemv" else (None,)):
             run(x, q, path, config, bias, split_k, label=f"config {config}")
-    log(f"kernel check on {device}: {cases} cases ({len(configs)} tuning configurations), {len(failures)} failures, "
-        f"worst error {worst:.3f} of the bound")
+    LOG.info(f"kernel check on {device}: {cases} cases ({len(configs)} tuning configurations), {len(failures)} failures, "
+             f"worst error {worst:.3f} of the bound")
     return {"device": device, "cases": cases, "configs_checked": len(configs), "failures": failures,
             "max_error_ratio": worst}
 
@@ -173,7 +174,7 @@ def _copies(nbytes: int, l2_bytes: int, cap: int = 512) -> int:
     return max(1, min(cap, -(-3 * l2_bytes // nbytes)))
 
 
-def timings(quick: bool = False, cuda_graphs: bool = False, log=print, progress=None) -> dict:
+def timings(quick: bool = False, cuda_graphs: bool = False, progress=None) -> dict:
     """GPU timings of the tuned kernel against bf16 cuBLAS, measured in the same run. The shape
     of the issue's targets comes first; ``progress(result so far)`` is called after each shape
     (the command saves there: a run stopped midway keeps what it measured)."""
@@ -189,7 +190,7 @@ def timings(quick: bool = False, cuda_graphs: bool = False, log=print, progress=
     copy_ms = do_bench(lambda dst=dst, src=src: dst.copy_(src))
     copy_gbs = 2 * src.numel() * 4 / copy_ms / 1e6
     src = dst = None
-    log(f"{torch.cuda.get_device_name(0)}: measured copy bandwidth {copy_gbs:.0f} GB/s, L2 {l2 / 2**20:.0f} MiB")
+    LOG.info(f"{torch.cuda.get_device_name(0)}: measured copy bandwidth {copy_gbs:.0f} GB/s, L2 {l2 / 2**20:.0f} MiB")
     first = {layer for layer, _, _ in TARGETS}
     shapes = {k: LAYER_SHAPES[k] for k in sorted(LAYER_SHAPES, key=lambda k: k not in first)
               if not quick or k in ("llama7b.q_proj", "llama70b.q_proj")}
@@ -242,17 +243,17 @@ def timings(quick: bool = False, cuda_graphs: bool = False, log=print, progress=
                     failures.append({"layer": name, "m": m, "bits": bits, "error_ratio": ratio})
                 graph = f"  graphs x{row['graph_speedup']:5.2f}" if "graph_speedup" in row else ""
                 graph += f"  graphs FAILED: {row['graph_error']}" if "graph_error" in row else ""
-                log(f"{name:<18} M={m:<4} {bits} bit  bf16 {row['bf16_us']:8.1f} us  lut {row['lut_us']:8.1f} us  "
-                    f"x{row['speedup']:5.2f}  {row['lut_gb_s']:6.0f} GB/s ({row['share_of_copy_bw']:.0%} of copy)"
-                    f"{graph}  first call {first_call_s:.2f} s{'  MISMATCH' if not ratio <= 1.0 else ''}")
+                LOG.info(f"{name:<18} M={m:<4} {bits} bit  bf16 {row['bf16_us']:8.1f} us  lut {row['lut_us']:8.1f} us  "
+                         f"x{row['speedup']:5.2f}  {row['lut_gb_s']:6.0f} GB/s ({row['share_of_copy_bw']:.0%} of copy)"
+                         f"{graph}  first call {first_call_s:.2f} s{'  MISMATCH' if not ratio <= 1.0 else ''}")
             del w_deq, w_abs
         if progress:
             progress(result)
     result["targets"] = targets(rows)
     for t in result["targets"]:
-        log(f"target {t['layer']} M={t['m']} {t['bits']} bit >= x{t['target']}: do_bench x{t['speedup']:.2f}"
-            + (f", graphs x{t['graph_speedup']:.2f}" if t.get("graph_speedup") is not None else "")
-            + f" -> {'met' if t['met'] else 'MISSED'}")
+        LOG.info(f"target {t['layer']} M={t['m']} {t['bits']} bit >= x{t['target']}: do_bench x{t['speedup']:.2f}"
+                 + (f", graphs x{t['graph_speedup']:.2f}" if t.get("graph_speedup") is not None else "")
+                 + f" -> {'met' if t['met'] else 'MISSED'}")
     return result
 
 
@@ -332,7 +333,7 @@ def plot(result: dict, path) -> None:
     plt.close(fig)
 
 
-def decode(gguf_path=None, log=print) -> dict:
+def decode(gguf_path=None) -> dict:
     """SmolLM2 greedy decode (32 tokens, key/value cache: one row of x per layer per token)
     through QuantLinear equals the dequantized model's: on a GPU through the Triton kernel, on
     the CPU through the reference it dispatches to. ``gguf_path``: the SmolLM2 GGUF, default the
@@ -361,8 +362,8 @@ def decode(gguf_path=None, log=print) -> dict:
             texts[label + "_seconds"] = time.perf_counter() - start
             net.to("cpu")
         out[f"{bits}bit"] = {**texts, "same": texts["kernel"] == texts["dequantized"]}
-        log(f"decode {bits}-bit k-means on {device}: QuantLinear {texts['kernel']!r} | dequantized {texts['dequantized']!r} "
-            f"-> {'same' if out[f'{bits}bit']['same'] else 'DIFFERENT'}")
+        LOG.info(f"decode {bits}-bit k-means on {device}: QuantLinear {texts['kernel']!r} | dequantized {texts['dequantized']!r} "
+                 f"-> {'same' if out[f'{bits}bit']['same'] else 'DIFFERENT'}")
     return out
 
 
@@ -448,4 +449,8 @@ def failed(result: dict) -> bool:
 
 
 if __name__ == "__main__":
+    import logging
+
+    # run directly, not through `hilt`: nothing else sends the hilt logger's lines anywhere
+    logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stdout)
     sys.exit(main())

@@ -26,6 +26,7 @@ from hilt.quant import QuantConfig, open_source, quantize_checkpoint
 from hilt.quant.checkpoint import select_targets
 from hilt.quant.kmeans import SortedValues, kmeans_optimal
 from hilt.quant.quantize import normalise_blocks
+from hilt.progress import LOG
 
 
 def reference_kmeans(x: torch.Tensor, k: int, tol: float = 1e-4, max_iter: int = 1000, generator=None):
@@ -54,14 +55,14 @@ def reference_kmeans(x: torch.Tensor, k: int, tol: float = 1e-4, max_iter: int =
     return centers.double().sort().values, it
 
 
-def speed(src: Path, reference_tensors: int, log=print) -> dict:
+def speed(src: Path, reference_tensors: int) -> dict:
     config = QuantConfig("kmeans", 4, 64)
     with tempfile.TemporaryDirectory() as tmp:
         start = time.perf_counter()
         header = quantize_checkpoint(src, Path(tmp) / "q", config).header
         end_to_end = time.perf_counter() - start
-    log(f"hilt quantize, all {header['totals']['quantized_tensors']} linear weights of SmolLM2-135M "
-        f"to 4-bit k-means: {end_to_end:.1f} s")
+    LOG.info(f"hilt quantize, all {header['totals']['quantized_tensors']} linear weights of SmolLM2-135M "
+             f"to 4-bit k-means: {end_to_end:.1f} s")
     rows = []
     with open_source(src) as source:
         names = select_targets(source)
@@ -79,14 +80,14 @@ def speed(src: Path, reference_tensors: int, log=print) -> dict:
             rows.append({"name": name, "values": u.numel(), "ours_seconds": t_ours, "reference_seconds": t_ref,
                          "reference_iterations": ref_iters, "ours_cost": ours.cost, "reference_cost": ref_cost,
                          "ours_certified_gap": ours.gap_bound})
-            log(f"  {name:<24} ours {t_ours * 1e3:7.1f} ms  reference {t_ref * 1e3:8.1f} ms ({ref_iters} it)  "
-                f"cost ratio ours/ref {ours.cost / ref_cost:.6f}")
+            LOG.info(f"  {name:<24} ours {t_ours * 1e3:7.1f} ms  reference {t_ref * 1e3:8.1f} ms ({ref_iters} it)  "
+                     f"cost ratio ours/ref {ours.cost / ref_cost:.6f}")
     t_ours = sum(r["ours_seconds"] for r in rows)
     t_ref = sum(r["reference_seconds"] for r in rows)
     cost_ratio = sum(r["ours_cost"] for r in rows) / sum(r["reference_cost"] for r in rows)
     worse = sum(r["ours_cost"] > r["reference_cost"] * (1 + 1e-9) for r in rows)
-    log(f"codebook fit on {len(rows)} tensors: ours {t_ours:.2f} s vs reference {t_ref:.2f} s "
-        f"= {t_ref / t_ours:.1f}x faster; total SSE ours/reference {cost_ratio:.6f}; ours worse on {worse} tensors")
+    LOG.info(f"codebook fit on {len(rows)} tensors: ours {t_ours:.2f} s vs reference {t_ref:.2f} s "
+             f"= {t_ref / t_ours:.1f}x faster; total SSE ours/reference {cost_ratio:.6f}; ours worse on {worse} tensors")
     return {"end_to_end_seconds": end_to_end, "quantized_tensors": header["totals"]["quantized_tensors"],
             "fit_speedup": t_ref / t_ours, "fit_seconds_ours": t_ours, "fit_seconds_reference": t_ref,
             "sse_ratio_ours_over_reference": cost_ratio, "tensors_where_ours_is_worse": worse, "tensors": rows}
@@ -105,7 +106,7 @@ sys.exit(rc)
 """
 
 
-def memory(gb: float, log=print) -> dict:
+def memory(gb: float) -> dict:
     from safetensors.torch import save_file
 
     side = 4096
@@ -118,8 +119,8 @@ def memory(gb: float, log=print) -> dict:
         save_file(tensors, str(src))
         del tensors
         size = src.stat().st_size
-        log(f"memory: quantizing a generated {size / 2**30:.2f} GiB safetensors checkpoint "
-            f"({count} tensors of {side}x{side} float32) in a child process...")
+        LOG.info(f"memory: quantizing a generated {size / 2**30:.2f} GiB safetensors checkpoint "
+                 f"({count} tensors of {side}x{side} float32) in a child process...")
         start = time.perf_counter()
         proc = subprocess.run([sys.executable, "-c", _PEAK_OF_QUANTIZE, str(src), str(Path(tmp) / "q")],
                               capture_output=True, text=True)
@@ -127,17 +128,16 @@ def memory(gb: float, log=print) -> dict:
         if proc.returncode != 0:
             raise RuntimeError(proc.stderr)
     peak = int(proc.stdout.split()[-1])
-    log(f"memory: peak RSS {peak / 2**30:.2f} GiB for a {size / 2**30:.2f} GiB checkpoint ({seconds:.0f} s)")
+    LOG.info(f"memory: peak RSS {peak / 2**30:.2f} GiB for a {size / 2**30:.2f} GiB checkpoint ({seconds:.0f} s)")
     return {"checkpoint_bytes": size, "peak_rss_bytes": peak, "seconds": seconds, "tensors": count}
 
 
-def run(quick: bool = False, reference_tensors: int | None = None, memory_gb: float | None = None,
-        log=print) -> dict:
+def run(quick: bool = False, reference_tensors: int | None = None, memory_gb: float | None = None) -> dict:
     """Both measurements on SmolLM2-135M (`hilt bench quantize`)."""
     from hilt.models.llama import smollm2_path
 
     return {
         "machine": {"cpu_threads": torch.get_num_threads(), "platform": platform.platform(), "torch": torch.__version__},
-        "speed": speed(smollm2_path(), reference_tensors or (4 if quick else 21), log=log),
-        "memory": memory(memory_gb or (1.0 if quick else 4.0), log=log),
+        "speed": speed(smollm2_path(), reference_tensors or (4 if quick else 21)),
+        "memory": memory(memory_gb or (1.0 if quick else 4.0)),
     }

@@ -29,6 +29,7 @@ import tempfile
 from pathlib import Path
 
 from hilt.atomic import write_json
+from hilt.progress import LOG
 
 SHAPE = (8192, 8192)  # (N, K): Llama-70B q_proj
 ARCH = 90
@@ -147,7 +148,7 @@ def compile_case(path: str, m: int, bits: int, config, block_size: int = 64, sha
             "instructions_per_weight": loop / weights if loop else None}
 
 
-def attention_report(quick=False, log=print) -> list[dict]:
+def attention_report(quick=False) -> list[dict]:
     """The FP8 attention kernels (Q/K/V quantization, the attention forward with each tuning
     configuration) compiled for sm_90: causal and not, V in FP8 and in bf16, with and without
     split_qk, grouped queries, head dim 128 (``quick``: two of these, the first configuration).
@@ -192,16 +193,16 @@ def attention_report(quick=False, log=print) -> list[dict]:
                                    **compile_launch(fn, args, constexprs, warps, stages)}
                             rows.append(row)
                             tiles = f"{constexprs.get('BLOCK_M', '')}x{constexprs.get('BLOCK_N', '')}"
-                            log(f"{fn.__name__:<18} causal={causal!s:<5} V fp8={v_fp8!s:<5} split_qk={split!s:<5} "
-                                f"{tiles:>7} w{warps} s{stages}  regs {row['reg']:>3}  stack {row['stack']:>4} B  "
-                                f"shared {row['shared']:>6} B  loop {row['loop_instructions']:>4} instr")
+                            LOG.info(f"{fn.__name__:<18} causal={causal!s:<5} V fp8={v_fp8!s:<5} split_qk={split!s:<5} "
+                                     f"{tiles:>7} w{warps} s{stages}  regs {row['reg']:>3}  stack {row['stack']:>4} B  "
+                                     f"shared {row['shared']:>6} B  loop {row['loop_instructions']:>4} instr")
     finally:
         for name, fn in real.items():
             setattr(attention, name, fn)
     return rows
 
 
-def report(batches=None, bits=(1, 2, 3, 4), quick=False, log=print) -> dict:
+def report(batches=None, bits=(1, 2, 3, 4), quick=False) -> dict:
     """Every tuning configuration compiled for sm_90, for the batch sizes that take it
     (``batches``: only these M). ``quick``: one configuration per path and way to read codes,
     at 1, 3 and 4 bits (seconds: for the tests)."""
@@ -227,12 +228,12 @@ def report(batches=None, bits=(1, 2, 3, 4), quick=False, log=print) -> dict:
             row = compile_case(path, m, b, config)
             rows.append(row)
             kw = row["config"]
-            log(f"{path} M={m:<3} {b} bit  BLOCK {kw['BLOCK_M']:>2}x{kw['BLOCK_N']:>3}x{kw['BLOCK_K']:>3} "
-                f"{'dot' if kw['USE_DOT'] else 'fma'} w{kw['num_warps']} s{kw['num_stages']} {kw['CODES']:<6}  regs {row['reg']:>3}  stack {row['stack']:>4} B  "
-                f"shared {row['shared']:>6} B  loop {row['loop_instructions']:>4} instr"
-                + (f" = {row['instructions_per_weight']:5.2f}/weight" if row["instructions_per_weight"] else ""))
+            LOG.info(f"{path} M={m:<3} {b} bit  BLOCK {kw['BLOCK_M']:>2}x{kw['BLOCK_N']:>3}x{kw['BLOCK_K']:>3} "
+                     f"{'dot' if kw['USE_DOT'] else 'fma'} w{kw['num_warps']} s{kw['num_stages']} {kw['CODES']:<6}  regs {row['reg']:>3}  stack {row['stack']:>4} B  "
+                     f"shared {row['shared']:>6} B  loop {row['loop_instructions']:>4} instr"
+                     + (f" = {row['instructions_per_weight']:5.2f}/weight" if row["instructions_per_weight"] else ""))
     return {"target": f"sm_{ARCH}", "shape": list(SHAPE), "rows": rows,
-            "attention": attention_report(quick, log) if with_attention else []}
+            "attention": attention_report(quick) if with_attention else []}
 
 
 def main(argv=None) -> int:
@@ -262,4 +263,8 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
+    import logging
+
+    # run directly, not through `hilt`: nothing else sends the hilt logger's lines anywhere
+    logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stdout)
     sys.exit(main())

@@ -13,6 +13,8 @@ import subprocess
 import sys
 import time
 
+from hilt.progress import LOG
+
 TARGET_S = 0.3  # allowed excess of `hilt --help` over `import torch`
 
 
@@ -22,7 +24,7 @@ def _wall(argv: list[str]) -> float:
     return time.perf_counter() - start
 
 
-def run(repeats: int = 7, log=print) -> dict:
+def run(repeats: int = 7) -> dict:
     commands = {
         "import torch": [sys.executable, "-c", "import torch"],
         "hilt --help": [sys.executable, "-m", "hilt", "--help"],
@@ -37,8 +39,8 @@ def run(repeats: int = 7, log=print) -> dict:
     medians = {name: statistics.median(t) for name, t in times.items()}
     excess = medians["hilt --help"] - medians["import torch"]
     for name, t in medians.items():
-        log(f"{name:<15} {t * 1e3:7.1f} ms (median of {repeats})")
-    log(f"hilt --help - import torch: {excess * 1e3:+.1f} ms (target <= {TARGET_S * 1e3:.0f} ms): "
-        f"{'met' if excess <= TARGET_S else 'MISSED'}")
+        LOG.info(f"{name:<15} {t * 1e3:7.1f} ms (median of {repeats})")
+    LOG.info(f"hilt --help - import torch: {excess * 1e3:+.1f} ms (target <= {TARGET_S * 1e3:.0f} ms): "
+             f"{'met' if excess <= TARGET_S else 'MISSED'}")
     return {"repeats": repeats, "median_s": medians, "help_minus_torch_s": excess, "target_s": TARGET_S,
             "met": excess <= TARGET_S, "python": sys.version.split()[0]}

@@ -30,7 +30,7 @@ import torch
 from hilt.cim_sim.cert_bounds import KINDS, analyze
 from hilt.cim_sim.cert_chain import Network
 from hilt.cim_sim.cert_chip import cim_perturbation, cim_perturbations
-from hilt.progress import Progress
+from hilt.progress import LOG, Progress
 from hilt.quant.cert_quant import QuantizedLayer, quantization_perturbation, quantize_layers
 from hilt.tasks.certify import fashion_test_set
 from hilt.tasks.drift import workload_model
@@ -69,7 +69,7 @@ def _weights(net: Network, flat: dict) -> dict:
 # ----------------------------------------------------------------------------- quantization
 
 
-def quantization_rows(model, net, analysis, x, labels, plan, log=print) -> tuple[list, dict]:
+def quantization_rows(model, net, analysis, x, labels, plan) -> tuple[list, dict]:
     """Certified fractions per (method, bits), for the actual error and the rounding-cell worst case."""
     from hilt.quant import QuantConfig
 
@@ -90,10 +90,10 @@ def quantization_rows(model, net, analysis, x, labels, plan, log=print) -> tuple
                              "bits_per_weight": p.detail["bits_per_weight"], "block_size": p.detail["block_size"]})
             errors[(method, bits)] = rows[-2]["eps"]
             r = rows[-2]
-            log(f"  {method} {bits}-bit: accuracy {accuracy:.4f}; certified (actual error) exact "
-                f"{r['certified']['exact']:.3f}, first order {r['certified']['first_order']:.3f}, Lipschitz {r['certified']['lipschitz']:.3f} "
-                f"(cells: {rows[-1]['certified']['exact']:.3f} / {rows[-1]['certified']['first_order']:.3f} / "
-                f"{rows[-1]['certified']['lipschitz']:.3f})")
+            LOG.info(f"  {method} {bits}-bit: accuracy {accuracy:.4f}; certified (actual error) exact "
+                     f"{r['certified']['exact']:.3f}, first order {r['certified']['first_order']:.3f}, Lipschitz {r['certified']['lipschitz']:.3f} "
+                     f"(cells: {rows[-1]['certified']['exact']:.3f} / {rows[-1]['certified']['first_order']:.3f} / "
+                     f"{rows[-1]['certified']['lipschitz']:.3f})")
     return rows, errors
 
 
@@ -134,7 +134,7 @@ def _chip_weights(analog) -> dict:
     return {name: (layer.w_eff * layer.gdc_scale[:, None]).detach() for name, layer in analog_layers(analog)}
 
 
-def cim_rows(model, net, analysis, x, labels, plan, log=print) -> list:
+def cim_rows(model, net, analysis, x, labels, plan) -> list:
     """Certified fraction at each preset and time beside the accuracy measured on simulated chips (the
     full analog forward, and the chip's weights in digital arithmetic: what the certificate covers)."""
     from hilt.tasks.train import accuracy
@@ -161,9 +161,9 @@ def cim_rows(model, net, analysis, x, labels, plan, log=print) -> list:
                          "accuracy": sum(full) / len(full), "accuracy_weights_only": sum(weights_only) / len(weights_only),
                          "lipschitz_scale_median": float(cert.lipschitz_scale.median())})
             r = rows[-1]
-            log(f"  {name} {label}: ||dW||/||W|| bound {', '.join(f'{v:.3f}' for v in r['relative_bound'])}; certified "
-                f"exact {r['certified']['exact']:.3f}, first order {r['certified']['first_order']:.3f}, Lipschitz "
-                f"{r['certified']['lipschitz']:.3f}; accuracy {r['accuracy']:.4f} (weights only {r['accuracy_weights_only']:.4f})")
+            LOG.info(f"  {name} {label}: ||dW||/||W|| bound {', '.join(f'{v:.3f}' for v in r['relative_bound'])}; certified "
+                     f"exact {r['certified']['exact']:.3f}, first order {r['certified']['first_order']:.3f}, Lipschitz "
+                     f"{r['certified']['lipschitz']:.3f}; accuracy {r['accuracy']:.4f} (weights only {r['accuracy_weights_only']:.4f})")
     return rows
 
 
@@ -250,7 +250,7 @@ def _flips(net, x, pred, weights=None, start=0) -> torch.Tensor:
         return net.run(x, weights, start).argmax(1) != pred
 
 
-def quantization_soundness(model, net, x, plan, seed=0, log=print, progress=False) -> dict:
+def quantization_soundness(model, net, x, plan, seed=0, progress=False) -> dict:
     """Monte-Carlo check of the certificates against perturbations inside int8's rounding cells: the
     exact one (last layer alone) and the first-order ones (each layer alone) at the cells' size; the
     Lipschitz one (every layer at once) at the cells scaled to the inputs' median certified scale
@@ -333,11 +333,11 @@ def quantization_soundness(model, net, x, plan, seed=0, log=print, progress=Fals
               "first_order_violations": counts["first_order"], "first_order_checks": counts["first_order_checked"],
               "first_order_violation_rate": [v / c if c else 0.0 for v, c in zip(counts["first_order"], counts["first_order_checked"])],
               "adversarial": adversarial, "layers": net.names}
-    log(f"  Monte-Carlo, {plan['draws']} draws in int8 cells on {len(x)} inputs: flips of certified inputs: exact "
-        f"{counts['exact']} (of {int(cert.certified['exact'].sum())} certified), Lipschitz {counts['lipschitz']} (of "
-        f"{int(lip.sum())}, at {scale:.3g} x the cells); first-order violation rate "
-        f"{', '.join(f'{v:.2e}' for v in result['first_order_violation_rate'])}; aligned/PGD flips: "
-        f"exact {adversarial['exact']}, Lipschitz {adversarial['lipschitz']} + PGD {adversarial['pgd']}")
+    LOG.info(f"  Monte-Carlo, {plan['draws']} draws in int8 cells on {len(x)} inputs: flips of certified inputs: exact "
+             f"{counts['exact']} (of {int(cert.certified['exact'].sum())} certified), Lipschitz {counts['lipschitz']} (of "
+             f"{int(lip.sum())}, at {scale:.3g} x the cells); first-order violation rate "
+             f"{', '.join(f'{v:.2e}' for v in result['first_order_violation_rate'])}; aligned/PGD flips: "
+             f"exact {adversarial['exact']}, Lipschitz {adversarial['lipschitz']} + PGD {adversarial['pgd']}")
     return result
 
 
@@ -374,7 +374,7 @@ def line_search(net, x, analysis, inputs: int) -> list:
     return out
 
 
-def chip_soundness(model, net, x, plan, preset_name: str, seed: int = 0, log=print, progress=False) -> dict:
+def chip_soundness(model, net, x, plan, preset_name: str, seed: int = 0, progress=False) -> dict:
     """Chips drawn by the simulator at ``mc_time``: how often a layer's weight error exceeds its bound,
     and whether any input certified against that bound flips (the last layer's error alone for the
     exact certificate, every layer's for the Lipschitz one, each layer's alone for first order)."""
@@ -440,15 +440,15 @@ def chip_soundness(model, net, x, plan, preset_name: str, seed: int = 0, log=pri
                                    "first_order": [int(cert.per_layer[:, l].sum()) for l in range(last)]},
               "flips_of_certified": {"exact": flips["exact"], "lipschitz": flips["lipschitz"]},
               "first_order_violations": flips["first_order"], "layers": net.names}
-    log(f"  chips, {preset_name} at {plan['mc_time']}: {plan['chips']} chips; weight error above its bound on "
-        f"{chips_over} (largest error / bound {max(worst):.3f}); flips of certified inputs: exact {flips['exact']} "
-        f"(of {result['certified_inputs']['exact']} certified), Lipschitz {flips['lipschitz']} "
-        f"(of {result['certified_inputs']['lipschitz']})")
+    LOG.info(f"  chips, {preset_name} at {plan['mc_time']}: {plan['chips']} chips; weight error above its bound on "
+             f"{chips_over} (largest error / bound {max(worst):.3f}); flips of certified inputs: exact {flips['exact']} "
+             f"(of {result['certified_inputs']['exact']} certified), Lipschitz {flips['lipschitz']} "
+             f"(of {result['certified_inputs']['lipschitz']})")
     return result
 
 
 def chip_bound_check(workloads=WORKLOADS, preset_name: str = "pcm", times: str = "1s,1d,1y", chips: int = 1000,
-                     delta: float = 0.01, batch: int = 100, log=print) -> list:
+                     delta: float = 0.01, batch: int = 100) -> list:
     """The chip bound against ``chips`` chips per workload drawn by the simulator's batched pass, every
     layer: per workload and time, the chips on which some layer's weight error exceeds its bound or its
     compensation factor falls outside the interval the bound covers, and the largest error / bound."""
@@ -483,15 +483,15 @@ def chip_bound_check(workloads=WORKLOADS, preset_name: str = "pcm", times: str =
             rows.append({"workload": workload, "preset": preset_name, "time": t, "chips": chips, "delta": delta,
                          **stats[t], "relative_bound": {n: d["relative_bound"] for n, d in bound.detail["layers"].items()}})
             r = rows[-1]
-            log(f"{workload} {preset_name} {t}: {r['violations']} of {chips} chips violate (factor outside: "
-                f"{r['outside_interval']}); largest error / bound {max(r['worst'].values()):.3f}")
+            LOG.info(f"{workload} {preset_name} {t}: {r['violations']} of {chips} chips violate (factor outside: "
+                     f"{r['outside_interval']}); largest error / bound {max(r['worst'].values()):.3f}")
     return rows
 
 
 # ----------------------------------------------------------------------------- the study
 
 
-def study(quick: bool = False, workloads=WORKLOADS, log=print, progress: bool = False, seed: int = 0,
+def study(quick: bool = False, workloads=WORKLOADS, progress: bool = False, seed: int = 0,
           plan: dict | None = None) -> dict:
     """The whole study (module docstring); ``quick``: small budgets (seconds); ``plan``: budgets to use
     instead (FULL, QUICK, REPORT or one of their own)."""
@@ -502,7 +502,7 @@ def study(quick: bool = False, workloads=WORKLOADS, log=print, progress: bool = 
     for workload in workloads:
         model, path = workload_model(workload, None)
         x, labels = fashion_test_set(plan["images"])
-        log(f"{workload}: {len(x)} test images")
+        LOG.info(f"{workload}: {len(x)} test images")
         net = Network(model, x)
         start = time.perf_counter()
         analysis = analyze(model, (x, labels), network=net)
@@ -514,21 +514,21 @@ def study(quick: bool = False, workloads=WORKLOADS, log=print, progress: bool = 
                                 for q in (1, 10, 90, 99)})
                         for l, layer in enumerate(net.layers)],
              "margin_median": float(analysis.margins.median())}
-        log(f"  analysed in {seconds:.1f} s; flip norm medians "
-            + ", ".join(f"{layer.name} {layer_row['flip_norm_median']:.3f}" for layer, layer_row in zip(net.layers, w["layers"])))
+        LOG.info(f"  analysed in {seconds:.1f} s; flip norm medians "
+                 + ", ".join(f"{layer.name} {layer_row['flip_norm_median']:.3f}" for layer, layer_row in zip(net.layers, w["layers"])))
         w["compare"] = compare_bounds(net, analysis)
-        log("  sound single-layer radius / flip norm (median): "
-            + ", ".join(f"{r['layer']} {r['median']:.3g}" for r in w["compare"]["single_layer"])
-            + f"; all layers at once vs the smallest single layer: {w['compare']['all_over_smallest_single']['median']:.3g}")
-        w["quantization"], errors = quantization_rows(model, net, analysis, x, labels, plan, log)
+        LOG.info("  sound single-layer radius / flip norm (median): "
+                 + ", ".join(f"{r['layer']} {r['median']:.3g}" for r in w["compare"]["single_layer"])
+                 + f"; all layers at once vs the smallest single layer: {w['compare']['all_over_smallest_single']['median']:.3g}")
+        w["quantization"], errors = quantization_rows(model, net, analysis, x, labels, plan)
         w["thresholds"] = compression_thresholds(net, analysis, errors, plan)
-        w["cim"] = cim_rows(model, net, analysis, x, labels, plan, log)
+        w["cim"] = cim_rows(model, net, analysis, x, labels, plan)
         mc_x = x[: plan["mc_images"]]
-        w["soundness"] = quantization_soundness(model, net, mc_x, plan, seed, log, progress)
-        w["chips"] = chip_soundness(model, net, mc_x, plan, plan["presets"][0], seed, log, progress)
+        w["soundness"] = quantization_soundness(model, net, mc_x, plan, seed, progress=progress)
+        w["chips"] = chip_soundness(model, net, mc_x, plan, plan["presets"][0], seed, progress=progress)
         w["line_search"] = line_search(net, mc_x, analyze(model, mc_x, network=net), plan["line_inputs"])
-        log("  first order along its own direction (real flip scale, median / share below 1): "
-            + ", ".join(f"{r['layer']} {r['median']:.3f} / {r['below_1']:.2f}" for r in w["line_search"]))
+        LOG.info("  first order along its own direction (real flip scale, median / share below 1): "
+                 + ", ".join(f"{r['layer']} {r['median']:.3f} / {r['below_1']:.2f}" for r in w["line_search"]))
         result["workloads"][workload] = w
     violations = {wl: (r["soundness"]["flips_of_certified"]["exact"] + r["soundness"]["flips_of_certified"]["lipschitz"]
                        + r["soundness"]["adversarial"]["exact"] + r["soundness"]["adversarial"]["lipschitz"]
@@ -684,7 +684,10 @@ def plot(result: dict, path) -> None:
 
 if __name__ == "__main__":  # python -m hilt.bench.studies.certify: the chip bound on 1,000 chips per workload
     import json
+    import logging
     import sys
 
+    # run directly, not through `hilt`: nothing else sends the hilt logger's lines anywhere
+    logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stdout)
     torch.set_num_threads(1)  # a chip's small products run faster on one thread than on busy several
     print(json.dumps(chip_bound_check(chips=int(sys.argv[1]) if len(sys.argv) > 1 else 1000), indent=1))

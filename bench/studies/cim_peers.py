@@ -31,6 +31,7 @@ import time
 import torch
 
 from hilt.errors import HiltError
+from hilt.progress import LOG
 
 TIMES = ("1s", "1h", "1d", "1w", "1mo", "1y")
 # Budgets. rounds: how many times the timed sweeps are repeated (the ratios are medians over rounds).
@@ -79,7 +80,7 @@ def read_seed(chip: int, step: int) -> int:
     return 10_000 * chip + step
 
 
-def wait_quiet(log=print, tries: int = 5, pause: float = 60.0) -> dict:
+def wait_quiet(tries: int = 5, pause: float = 60.0) -> dict:
     """Wait (up to ``tries`` x ``pause`` s) for the 1-minute load average to fall under QUIET_LOAD."""
     loads = []
     for attempt in range(max(1, tries)):
@@ -88,9 +89,9 @@ def wait_quiet(log=print, tries: int = 5, pause: float = 60.0) -> dict:
         if load < QUIET_LOAD:
             return {"quiet": True, "load_1min": loads}
         if attempt < tries - 1:
-            log(f"load average {load:.2f} >= {QUIET_LOAD}: waiting {pause:.0f} s before timing")
+            LOG.info(f"load average {load:.2f} >= {QUIET_LOAD}: waiting {pause:.0f} s before timing")
             time.sleep(pause)
-    log(f"the machine never became quiet (load {loads}): timings are measured anyway")
+    LOG.warning(f"the machine never became quiet (load {loads}): timings are measured anyway")
     return {"quiet": False, "load_1min": loads}
 
 
@@ -193,7 +194,7 @@ def agreement(a, b) -> dict:
 
 # -- the study -------------------------------------------------------------------------------------
 
-def sweep(quick: bool = False, workloads=None, log=print) -> dict:
+def sweep(quick: bool = False, workloads=None) -> dict:
     """The sweep on each workload (default: the budget's), timed four ways; see the module doc."""
     from hilt.data.fashion_mnist import load_fashion_mnist
     from hilt.tasks.drift import workload_model
@@ -210,9 +211,9 @@ def sweep(quick: bool = False, workloads=None, log=print) -> dict:
     version = aihwkit_version()
     has_gdc_aihwkit = "aihwkit" in GDC_MODES
     if version is None:
-        log("aihwkit is not importable: its rows are left out (it is an optional peer: pip install aihwkit)")
+        LOG.warning("aihwkit is not importable: its rows are left out (it is an optional peer: pip install aihwkit)")
     if not has_gdc_aihwkit:
-        log("this simulator has no gdc='aihwkit' mode: that series is left out")
+        LOG.warning("this simulator has no gdc='aihwkit' mode: that series is left out")
     images, labels = load_fashion_mnist("test", limit=n_images)
     config = preset("pcm")
     result = {"preset": "pcm", "times": labels_t, "seconds": seconds, "chips": chips, "test_images": len(labels),
@@ -228,7 +229,7 @@ def sweep(quick: bool = False, workloads=None, log=print) -> dict:
         model.eval()
         rounds, batch = budget["rounds"][name], budget["batch"][name]
         passes = chips * len(seconds)
-        log(f"{name}: {chips} chips x {len(seconds)} times x {len(labels)} images, pcm preset, {rounds} round(s)")
+        LOG.info(f"{name}: {chips} chips x {len(seconds)} times x {len(labels)} images, pcm preset, {rounds} round(s)")
         # conversion and warm-up outside the timings (the first drift step compiles its fused read)
         hilt_serial_model = convert_to_analog(model, config)
         hilt_batched_model = convert_to_analog(model, config)
@@ -238,7 +239,7 @@ def sweep(quick: bool = False, workloads=None, log=print) -> dict:
         if peer is not None:
             with torch.inference_mode():
                 peer(images[:200])
-        machine = wait_quiet(log, tries=1) if quick else wait_quiet(log)  # checked before each workload's timings
+        machine = wait_quiet(tries=1) if quick else wait_quiet()  # checked before each workload's timings
         per_round, acc = [], {}
         for r in range(rounds):
             times = {}
@@ -250,7 +251,7 @@ def sweep(quick: bool = False, workloads=None, log=print) -> dict:
                                                               batch_size=batch)
             acc["hilt_batched"] = batched["global"]
             per_round.append(times)
-            log(f"  round {r + 1}: " + ", ".join(f"{k} {v:.2f} s" for k, v in times.items()))
+            LOG.info(f"  round {r + 1}: " + ", ".join(f"{k} {v:.2f} s" for k, v in times.items()))
         # the other compensations on the same chips and reads (untimed)
         extra = ["none"] + (["aihwkit"] if has_gdc_aihwkit else [])
         batched, _ = run_hilt_batched(hilt_batched_model, seconds, chips, images, labels, modes=extra,
@@ -272,7 +273,7 @@ def sweep(quick: bool = False, workloads=None, log=print) -> dict:
         entry["machine"] = {**machine, "load_1min_after": round(os.getloadavg()[0], 2)}
         result["series"].update({k: v for k, v in SERIES.items() if k in acc})
         result["workloads"].append(entry)
-        _log_entry(entry, log)
+        _log_entry(entry)
     return result
 
 
@@ -330,22 +331,22 @@ def _summarise(name, checkpoint, digital_acc, labels_t, seconds, acc, per_round,
             "targets": targets, "rows": rows}
 
 
-def _log_entry(entry: dict, log) -> None:
+def _log_entry(entry: dict) -> None:
     keys = [k for k in SERIES if k in entry["rows"][0]]
-    log(f"{entry['workload']}: digital accuracy {entry['digital_accuracy']:.4f}; accuracy mean ± std over chips")
-    log(f"{'time':>5} " + "".join(f"{k:>22}" for k in keys))
+    LOG.info(f"{entry['workload']}: digital accuracy {entry['digital_accuracy']:.4f}; accuracy mean ± std over chips")
+    LOG.info(f"{'time':>5} " + "".join(f"{k:>22}" for k in keys))
     for row in entry["rows"]:
-        log(f"{row['time']:>5} " + "".join(f"{row[k]['mean']:>14.4f} ±{row[k]['std']:.4f}" for k in keys))
+        LOG.info(f"{row['time']:>5} " + "".join(f"{row[k]['mean']:>14.4f} ±{row[k]['std']:.4f}" for k in keys))
         for check, a in row["agreement"].items():
-            log(f"      {check}: diff {a['diff']:+.4f}, z {a['z']:+.2f}, within 2 std {a['within_2std']}, "
-                f"within sampling error {a['within_sampling_error']}")
+            LOG.info(f"      {check}: diff {a['diff']:+.4f}, z {a['z']:+.2f}, within 2 std {a['within_2std']}, "
+                     f"within sampling error {a['within_sampling_error']}")
     t = entry["timing"]
-    log("  time: " + ", ".join(f"{k.removesuffix('_s')} {v:.2f} s" for k, v in t.items() if k.endswith("_s"))
-        + "; ratios: " + ", ".join(f"{k} {v:.2f}" for k, v in t["ratios"].items()))
+    LOG.info("  time: " + ", ".join(f"{k.removesuffix('_s')} {v:.2f} s" for k, v in t.items() if k.endswith("_s"))
+             + "; ratios: " + ", ".join(f"{k} {v:.2f}" for k, v in t["ratios"].items()))
     for target in entry["targets"]:
         value = "n/a" if target["value"] is None else f"{target['value']:.2f}"
-        log(f"  target {target['ratio']} {target['target']}: {value} "
-            f"({'met' if target['met'] else 'not met' if target['met'] is not None else 'not measured'})")
+        LOG.info(f"  target {target['ratio']} {target['target']}: {value} "
+                 f"({'met' if target['met'] else 'not met' if target['met'] is not None else 'not measured'})")
 
 
 def plot(result: dict, path) -> None:

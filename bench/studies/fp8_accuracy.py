@@ -14,6 +14,7 @@ import time
 import torch
 
 from hilt.fp8.attention import use_fp8_attention
+from hilt.progress import LOG
 
 VARIANTS = {  # name: (scales, v_fp8, rotate, split_qk)
     "fp8": ("current", True, True, False),
@@ -24,7 +25,7 @@ VARIANTS = {  # name: (scales, v_fp8, rotate, split_qk)
 }
 
 
-def run(tokens: int = 4096, context: int = 512, sentences: int = 256, variants=tuple(VARIANTS), log=print) -> dict:
+def run(tokens: int = 4096, context: int = 512, sentences: int = 256, variants=tuple(VARIANTS)) -> dict:
     from hilt.models.bert import embed, embedding_similarity, load_minilm
     from hilt.models.llama import load_llama, perplexity
     from hilt.data.text import sentences as real_sentences
@@ -34,8 +35,8 @@ def run(tokens: int = 4096, context: int = 512, sentences: int = 256, variants=t
     ids = torch.tensor(tokenizer.encode(shakespeare_text("hamlet"))[:tokens])
     start = time.perf_counter()
     base = perplexity(llama, ids, context)
-    log(f"SmolLM2-135M, {len(ids)} tokens of Hamlet in windows of {context}: float32 perplexity {base:.3f} "
-        f"({time.perf_counter() - start:.0f} s)")
+    LOG.info(f"SmolLM2-135M, {len(ids)} tokens of Hamlet in windows of {context}: float32 perplexity {base:.3f} "
+             f"({time.perf_counter() - start:.0f} s)")
     minilm, bert_tok = load_minilm()
     text = real_sentences(sentences)
     ref = embed(minilm, bert_tok, text)
@@ -47,7 +48,7 @@ def run(tokens: int = 4096, context: int = 512, sentences: int = 256, variants=t
         rows.append({"variant": name, "scales": scales, "v_fp8": v_fp8, "rotate": rotate, "split_qk": split_qk,
                      "perplexity": ppl,
                      "perplexity_change_pct": 100 * (ppl / base - 1), "minilm_cosine": sim})
-        log(f"  {name:<20} perplexity {ppl:.3f} ({rows[-1]['perplexity_change_pct']:+.2f}%)   "
-            f"MiniLM embedding cosine {sim:.5f}")
+        LOG.info(f"  {name:<20} perplexity {ppl:.3f} ({rows[-1]['perplexity_change_pct']:+.2f}%)   "
+                 f"MiniLM embedding cosine {sim:.5f}")
     return {"tokens": len(ids), "context": context, "sentences": len(text), "float32_perplexity": base,
             "rows": rows, "target_pct": 1.0}

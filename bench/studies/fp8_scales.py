@@ -13,6 +13,7 @@ import torch
 from hilt.fp8.bounds import burn_in_gamma, logit_bounds, norm_radius, tail_alpha
 from hilt.fp8.recipes import E4M3_MAX
 from hilt.errors import HiltError
+from hilt.progress import LOG
 
 
 def _capture(modules: dict[str, torch.nn.Module]):
@@ -149,7 +150,7 @@ def checkpoint_family(path) -> str:
     return family
 
 
-def run(model: str, log=print) -> dict:
+def run(model: str) -> dict:
     """``model``: minilm, smollm2, or the path of a llama GGUF / BERT safetensors checkpoint."""
     if model in ("minilm", "smollm2"):
         rows = minilm() if model == "minilm" else smollm2()
@@ -160,15 +161,15 @@ def run(model: str, log=print) -> dict:
     else:
         raise HiltError(f"{model}: not minilm or smollm2, and no such file or directory")
     first = rows[0]
-    log(f"{model}: per layer, max over heads: largest |logit| observed on real text; the worst-case bound "
-        f"(holds for every input); the rank-aware prediction (delta 1e-6, n {first['n_tokens']}) and how the "
-        f"rank-agnostic one compares; gamma fitted on the first quarter of the text (burn-in)")
+    LOG.info(f"{model}: per layer, max over heads: largest |logit| observed on real text; the worst-case bound "
+             f"(holds for every input); the rank-aware prediction (delta 1e-6, n {first['n_tokens']}) and how the "
+             f"rank-agnostic one compares; gamma fitted on the first quarter of the text (burn-in)")
     for r in rows:
-        log(f"  layer {r['layer']:>2}: observed {max(r['observed']):8.2f}  worst case {max(r['bound']):9.1f} "
-            f"(obs/bound {r['max_observed_over_bound']:.3f})  rank-aware {max(r['rank_aware']):8.2f} "
-            f"(obs/pred {r['max_observed_over_rank_aware']:.2f}; agnostic {r['agnostic_over_aware']:.2f}x looser)  "
-            f"burn-in gamma {r['burn_in_gamma']:.2f}" + ("  HELD-OUT ABOVE FIT" if r["held_out_exceeds_fitted"] else "")
-            + ("  EXCEEDED" if r["exceeded"] else ""))
+        LOG.info(f"  layer {r['layer']:>2}: observed {max(r['observed']):8.2f}  worst case {max(r['bound']):9.1f} "
+                 f"(obs/bound {r['max_observed_over_bound']:.3f})  rank-aware {max(r['rank_aware']):8.2f} "
+                 f"(obs/pred {r['max_observed_over_rank_aware']:.2f}; agnostic {r['agnostic_over_aware']:.2f}x looser)  "
+                 f"burn-in gamma {r['burn_in_gamma']:.2f}" + ("  HELD-OUT ABOVE FIT" if r["held_out_exceeds_fitted"] else "")
+                 + ("  EXCEEDED" if r["exceeded"] else ""))
     exceeded = [r["layer"] for r in rows if r["exceeded"]]
     if exceeded:
         raise HiltError(f"{model}: observed logits exceed the bound on layers {exceeded}: the bound is wrong")

@@ -32,6 +32,7 @@ from hilt.fp8.bounds import burn_in_gamma, norm_radius, tail_alpha
 from hilt.fp8.recipes import E4M3_MAX, Current, Delayed, GeometryAware, fp8_cast
 from hilt.fp8.spectral import head_norms
 from hilt.errors import HiltError
+from hilt.progress import LOG
 
 RECIPES = ("delayed", "current", "geometry", "rank-aware")
 SCENARIOS = ("load", "load-empty", "resume", "lr-spike")
@@ -165,20 +166,20 @@ def _run(pretrained, scenario: str, recipe_name: str, plan: dict, seed: int, gam
     return rows
 
 
-def study(quick: bool = False, seed: int = 0, plan: dict | None = None, log=print) -> dict:
+def study(quick: bool = False, seed: int = 0, plan: dict | None = None) -> dict:
     from hilt.models.gpt import GPT, GPTConfig, corpus, evaluate, train
 
     plan = plan or (QUICK if quick else FULL)
     alphabet, _, val = corpus()
     torch.manual_seed(seed)
     pretrained = GPT(GPTConfig(len(alphabet)))
-    log(f"pretraining a {sum(p.numel() for p in pretrained.parameters()) / 1e6:.2f} M-parameter character GPT "
-        f"on Shakespeare for {plan['pretrain']} steps (fp32)...")
+    LOG.info(f"pretraining a {sum(p.numel() for p in pretrained.parameters()) / 1e6:.2f} M-parameter character GPT "
+             f"on Shakespeare for {plan['pretrain']} steps (fp32)...")
     train(pretrained, plan["pretrain"], 2e-3, seed=seed, progress=True, desc="pretrain")
     val_loss = evaluate(pretrained, val)
-    log(f"  validation loss {val_loss:.3f} nats/char")
+    LOG.info(f"  validation loss {val_loss:.3f} nats/char")
     gammas = burn_in(pretrained)
-    log(f"  burn-in on 4 training batches: rank-aware gamma per layer {', '.join(f'{g:.2f}' for g in gammas)}")
+    LOG.info(f"  burn-in on 4 training batches: rank-aware gamma per layer {', '.join(f'{g:.2f}' for g in gammas)}")
     runs = []
     for scenario in SCENARIOS:
         for name in RECIPES:
@@ -192,12 +193,12 @@ def study(quick: bool = False, seed: int = 0, plan: dict | None = None, log=prin
                          "flushed_logits": sum(r["flushed"] for r in after),
                          "final_loss": after[-1]["loss"]})
             r = runs[-1]
-            log(f"  {scenario:>10} {name:>10}: {r['overflow_steps']:>3} of {len(after)} steps overflow after the event "
-                f"({r['overflow_logits']} logits clipped), {r['flushed_logits']} flushed to zero, "
-                f"final loss {r['final_loss']:.3f}")
+            LOG.info(f"  {scenario:>10} {name:>10}: {r['overflow_steps']:>3} of {len(after)} steps overflow after the event "
+                     f"({r['overflow_logits']} logits clipped), {r['flushed_logits']} flushed to zero, "
+                     f"final loss {r['final_loss']:.3f}")
     broken = [r["scenario"] for r in runs if r["recipe"] == "geometry" and r["overflow_steps"]]
     if broken:
-        log(f"  geometry-aware scales overflowed in: {', '.join(broken)} (they must not: the bound is wrong)")
+        LOG.warning(f"geometry-aware scales overflowed in: {', '.join(broken)} (they must not: the bound is wrong)")
     return {"quick": quick, "seed": seed, "plan": plan, "lr": LR, "spike_factor": SPIKE, "e4m3_max": E4M3_MAX,
             "model": {"config": vars(pretrained.cfg), "pretrain_validation_loss": val_loss}, "burn_in_gamma": gammas, "runs": runs}
 

@@ -35,6 +35,7 @@ from hilt.bench import RESULTS
 from hilt.tasks.sensitivity import candidate_variances, load_subject
 from hilt.quant.allocate import allocate
 from hilt.quant.sensitivity import estimate_tpv, loss_hessian_trace, parse_candidates
+from hilt.progress import LOG
 
 BUDGETS = (2.5, 3.0, 3.5, 4.25)
 CANDIDATES = "kmeans1-4,int2-8,kmeans1-4@128,int2-8@128"
@@ -125,7 +126,7 @@ class _Quality:
         return bert.embedding_similarity(self.ref, bert.embed(s.model, s.tokenizer, self.sentences))
 
 
-def study(model: str, budgets=BUDGETS, quick: bool = False, log=print, candidates: str = CANDIDATES) -> dict:
+def study(model: str, budgets=BUDGETS, quick: bool = False, candidates: str = CANDIDATES) -> dict:
     opts = {"smollm2": dict(tokens=1024), "minilm": dict(sentences=64)}[model] if quick else {}
     subject = load_subject(model, **opts)
     params = subject.params
@@ -151,7 +152,7 @@ def study(model: str, budgets=BUDGETS, quick: bool = False, log=print, candidate
             return 0.5 * (subject.output(m, ids, mask) - ref).square().sum(-1).mean()
     hawq = loss_hessian_trace(subject.model, hawq_batches, params, loss, probes=probes)
     t3 = time.perf_counter()
-    log(f"{model}: candidates {t1 - t0:.0f} s, TPV {t2 - t1:.0f} s, loss-Hessian traces {t3 - t2:.0f} s")
+    LOG.info(f"{model}: candidates {t1 - t0:.0f} s, TPV {t2 - t1:.0f} s, loss-Hessian traces {t3 - t2:.0f} s")
     quality = _Quality(subject, quick)
     rows = [{"allocator": "unquantized", "budget": None, "bits_per_weight": 32.0, quality.name: quality()}]
     total = sum(weights.values())
@@ -160,7 +161,7 @@ def study(model: str, budgets=BUDGETS, quick: bool = False, log=print, candidate
         for allocator, choice in allocations(variances, tpv, hawq, budget, weights).items():
             if choice is None:
                 rows.append({"allocator": allocator, "budget": budget, "bits_per_weight": None, quality.name: None})
-                log(f"{model} {budget} {allocator}: no uniform choice meets the budget")
+                LOG.info(f"{model} {budget} {allocator}: no uniform choice meets the budget")
                 continue
             with torch.no_grad():
                 for n, p in params.items():
@@ -177,7 +178,7 @@ def study(model: str, budgets=BUDGETS, quick: bool = False, log=print, candidate
                 counts[lab] = counts.get(lab, 0) + 1
             rows.append({"allocator": allocator, "budget": budget, "bits_per_weight": used, quality.name: value,
                          "predicted_tpv": sum(tpv[n].tpv_full[choice[n]] for n in params), "formats": counts})
-            log(f"{model} budget {budget}: {allocator:<10} {used:.4f} bits/weight, {quality.name} {value:.4f}")
+            LOG.info(f"{model} budget {budget}: {allocator:<10} {used:.4f} bits/weight, {quality.name} {value:.4f}")
     return {"model": subject.path, "kind": subject.kind, "quality": quality.name,
             "higher_is_better": quality.higher_is_better, "calibration": subject.calibration,
             "candidates": candidates, "probes": probes, "samples": len(subject.batches) * probes,
@@ -227,16 +228,16 @@ def plot(results: dict, path) -> None:
     plt.close(fig)
 
 
-def run(out=None, quick: bool = False, models=("minilm", "smollm2"), budgets=BUDGETS, log=print,
+def run(out=None, quick: bool = False, models=("minilm", "smollm2"), budgets=BUDGETS,
         candidates: str = CANDIDATES) -> dict:
     results = {"quick": quick, "budgets": list(budgets), "models": {}}
     for m in models:
-        results["models"][m] = study(m, budgets, quick=quick, log=log, candidates=candidates)
+        results["models"][m] = study(m, budgets, quick=quick, candidates=candidates)
     results["table"] = table(results)
     if out is not None:
         out = Path(out)
         write_json(out, results)
         plot(results, out.with_suffix(".png"))
         write_text(out.with_suffix(".md"), results["table"] + "\n")
-        log(f"wrote {out}, {out.with_suffix('.png')} and {out.with_suffix('.md')}")
+        LOG.info(f"wrote {out}, {out.with_suffix('.png')} and {out.with_suffix('.md')}")
     return results

@@ -36,6 +36,7 @@ from hilt.atomic import write_json, write_text
 from hilt.tasks import evaluate
 from hilt.quant import QuantConfig, open_source, quantize_checkpoint
 from hilt.quant.checkpoint import select_targets
+from hilt.progress import LOG
 
 
 
@@ -128,7 +129,7 @@ MODELS = ("smollm2", "minilm")
 WIDTHS = (4, 3, 2)
 
 
-def run(out="report", quick=False, models=None, widths=None, log=print) -> dict:
+def run(out="report", quick=False, models=None, widths=None) -> dict:
     """The study (see the module doc). ``quick``: MiniLM only, 3 bits, 32 calibration and 32 evaluation
     sentences. ``models`` / ``widths`` choose a part of the grid. The JSON, table and plot are rewritten
     after every row, so a long run can be read (or stopped) at any point."""
@@ -145,7 +146,7 @@ def run(out="report", quick=False, models=None, widths=None, log=print) -> dict:
     calib = {"smollm2": ["--calibration-tokens", "4096"], "minilm": ["--calibration-sentences", "32" if quick else "256"]}
     methods = [m for m, recipe in METHODS.items() if recipe.format is not None or hqq_available()]
     if "hqq" not in methods:
-        log("hqq is not installed (DISABLE_CUDA=1 pip install --no-deps hqq termcolor einops): its rows are left out")
+        LOG.warning("hqq is not installed (DISABLE_CUDA=1 pip install --no-deps hqq termcolor einops): its rows are left out")
     rows = []
     target = out / ("ptq_quick.json" if quick else "ptq.json")
 
@@ -162,7 +163,7 @@ def run(out="report", quick=False, models=None, widths=None, log=print) -> dict:
     for model, src in models.items():
         reference = _evaluate(model, tokens=tokens, sentences=sentences)
         rows.append({"model": model, "method": "fp32", "bits": 32, "bits_per_weight": 32.0, "quality": reference})
-        log(f"{model}: fp32 {reference:.4f}")
+        LOG.info(f"{model}: fp32 {reference:.4f}")
         importance = out / f"ptq-importance-{model}.safetensors"
         calibrate(model, importance, work="macbeth", overwrite=True, sentences=32 if quick else 256)
         for bits in widths:
@@ -193,11 +194,11 @@ def run(out="report", quick=False, models=None, widths=None, log=print) -> dict:
                     shutil.rmtree(dst)
                 rows.append(row)
                 save()
-                log(f"{model}: {method:>11} {bits} bit  {row['bits_per_weight']:.3f} b/w  {row['quality']:.4f}  "
-                    f"({row['quantize_seconds']:.0f}s)")
+                LOG.info(f"{model}: {method:>11} {bits} bit  {row['bits_per_weight']:.3f} b/w  {row['quality']:.4f}  "
+                         f"({row['quantize_seconds']:.0f}s)")
         importance.unlink()
     result = save()
-    log(f"wrote {target}, {out / 'ptq.md'}, {target.with_suffix('.png')}")
+    LOG.info(f"wrote {target}, {out / 'ptq.md'}, {target.with_suffix('.png')}")
     return result
 
 

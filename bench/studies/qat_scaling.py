@@ -37,6 +37,7 @@ from hilt.quant.qat import (
 )
 from hilt.quant.formats import method_for_bits
 from hilt.quant.quantize import expected_bits_per_weight
+from hilt.progress import LOG
 
 FULL = {"widths": (64, 96, 128), "steps": 600, "batch": 32, "block": 64, "layers": 4, "heads": 4, "seeds": (0, 1, 2)}
 QUICK = {"widths": (64, 128), "steps": 300, "batch": 32, "block": 64, "layers": 2, "heads": 4, "seeds": (0,)}
@@ -85,7 +86,7 @@ def lr_for(width: int, lr: float | None = None) -> float:
     return LR_BY_WIDTH.get(width, DEFAULT_LR) if lr is None else lr
 
 
-def _one(width: int, method: str | None, bits: int, plan: dict, seed: int, log, learn_codebook: bool = True,
+def _one(width: int, method: str | None, bits: int, plan: dict, seed: int, learn_codebook: bool = True,
          lr: float | None = None) -> dict:
     from hilt.models.gpt import GPT, GPTConfig, corpus, evaluate, train
 
@@ -119,8 +120,8 @@ def _one(width: int, method: str | None, bits: int, plan: dict, seed: int, log, 
            "train_loss_end": sum(losses[-10:]) / 10, "memory_kib": memory / 8 / 1024, "n_quantizable": n,
            "bits_per_weight": linear_bits / n, "lr": lr,
            "qat_events": events, "seconds": time.perf_counter() - start}
-    log(f"  seed {seed} width {width:>4} {row['method']:>7} {bits:>2} bits: validation loss {val_loss:.4f} nats/char, "
-        f"weights {row['memory_kib']:.0f} KiB ({row['seconds']:.0f} s)")
+    LOG.info(f"  seed {seed} width {width:>4} {row['method']:>7} {bits:>2} bits: validation loss {val_loss:.4f} nats/char, "
+             f"weights {row['memory_kib']:.0f} KiB ({row['seconds']:.0f} s)")
     return row
 
 
@@ -191,38 +192,38 @@ def _kmeans_vs_int(rows: list[dict]) -> list[dict]:
     return versus
 
 
-def study(quick: bool = False, seeds=None, lr: float | None = None, learn_codebook: bool = True, log=print) -> dict:
+def study(quick: bool = False, seeds=None, lr: float | None = None, learn_codebook: bool = True) -> dict:
     plan = QUICK if quick else FULL
     rates = {w: lr_for(w, lr) for w in plan["widths"]}
     seeds = tuple(plan["seeds"] if seeds is None else seeds)
     if not seeds:
         raise HiltError("the QAT study needs at least one seed")
     codebook = "trained by the loss" if learn_codebook else f"refitted by k-means {REFITS} times"
-    log(f"QAT study: widths {plan['widths']}, {plan['steps']} steps of {plan['batch']} x {plan['block']} characters "
-        "each at peak lr " + ", ".join(f"{r:g} (width {w})" for w, r in rates.items())
-        + f", bits {BITS} x {METHODS} and 16-bit, seeds {seeds}; k-means codebooks {codebook}")
+    LOG.info(f"QAT study: widths {plan['widths']}, {plan['steps']} steps of {plan['batch']} x {plan['block']} characters "
+             "each at peak lr " + ", ".join(f"{r:g} (width {w})" for w, r in rates.items())
+             + f", bits {BITS} x {METHODS} and 16-bit, seeds {seeds}; k-means codebooks {codebook}")
     runs = []
     for seed in seeds:
         for width in plan["widths"]:
-            runs.append(_one(width, None, 16, plan, seed, log, learn_codebook, lr))
+            runs.append(_one(width, None, 16, plan, seed, learn_codebook, lr))
             for method in METHODS:
                 for bits in BITS:
-                    runs.append(_one(width, method, bits, plan, seed, log, learn_codebook, lr))
+                    runs.append(_one(width, method, bits, plan, seed, learn_codebook, lr))
     rows = _mean_rows(runs)
     fit = _fit_scaling([r for r in rows if r["method"] == "16-bit"])
     if fit is None:
         gammas = None
-        log("  no scaling fit: the 16-bit losses do not fall with model size (a run diverged? lower --lr)")
+        LOG.warning("no scaling fit: the 16-bit losses do not fall with model size (a run diverged? lower --lr)")
     else:
         gammas = {m: _gamma([r for r in rows if r["method"] == m], fit) for m in METHODS}
         widths = sum(r["method"] == "16-bit" for r in rows)
         fixed = f" (E fixed at 0: {widths} widths fit only a power law)" if widths < 3 else ""
-        log(f"  16-bit fit: L = {fit['E']:.3f} + {fit['A']:.3g} N^-{fit['alpha']:.3f}{fixed};  gamma: "
-            + ", ".join(f"{m} {g:.3f}" for m, g in gammas.items()))
+        LOG.info(f"  16-bit fit: L = {fit['E']:.3f} + {fit['A']:.3g} N^-{fit['alpha']:.3f}{fixed};  gamma: "
+                 + ", ".join(f"{m} {g:.3f}" for m, g in gammas.items()))
     versus = _kmeans_vs_int(rows)
     for v in versus:
-        log(f"  width {v['width']:>4} {v['bits']} bits: k-means - int = {v['kmeans_minus_int']:+.4f} nats/char "
-            f"(k-means lower on {v['seeds_won']} of {len(seeds)} seeds)")
+        LOG.info(f"  width {v['width']:>4} {v['bits']} bits: k-means - int = {v['kmeans_minus_int']:+.4f} nats/char "
+                 f"(k-means lower on {v['seeds_won']} of {len(seeds)} seeds)")
     budgets = []
     for budget in sorted({r["memory_kib"] for r in rows}):
         fitting = [r for r in rows if r["memory_kib"] <= budget + 1e-9]
@@ -230,7 +231,7 @@ def study(quick: bool = False, seeds=None, lr: float | None = None, learn_codebo
         budgets.append({"memory_kib": budget, "winner": f"width {best['width']} {_label(best['method'], best['bits'])}",
                         "val_loss": best["val_loss"]})
     for b in budgets:
-        log(f"  within {b['memory_kib']:7.0f} KiB: best {b['winner']} (loss {b['val_loss']:.4f})")
+        LOG.info(f"  within {b['memory_kib']:7.0f} KiB: best {b['winner']} (loss {b['val_loss']:.4f})")
     return {"quick": quick, "seeds": list(seeds), "learn_codebook": learn_codebook, "plan": plan,
             "block_size": BLOCK_SIZE, "lr_by_width": rates, "val_batches": VAL_BATCHES, "rows": rows, "runs": runs,
             "scaling_fit": fit, "gamma": gammas, "kmeans_vs_int": versus, "memory_matched": budgets}

@@ -22,6 +22,7 @@ from pathlib import Path
 from hilt.atomic import write_json, write_text
 from hilt.tasks import evaluate
 from hilt.quant import QuantConfig, quantize_checkpoint
+from hilt.progress import LOG
 
 # (label, method, bits); "kmeans-imp" is k-means weighted by calibrated input importance, "gptq-*" the
 # format with error compensation (`hilt quantize --compensate`, calibrated on Macbeth)
@@ -32,19 +33,19 @@ QUICK = [("kmeans", "kmeans", 4), ("kmeans-imp", "kmeans", 4), ("int", "int", 4)
          ("kmeans-imp", "kmeans", 2), ("int", "int", 2)]
 
 
-def run(out="report", quick=False, json_path=None, tokens=None, sentences=None, log=print) -> dict:
+def run(out="report", quick=False, json_path=None, tokens=None, sentences=None) -> dict:
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     configs = QUICK if quick else FULL
     tokens = tokens or (512 if quick else 2048)
     sentences = sentences or (64 if quick else 256)
     rows = []
-    log(f"fp32 reference: SmolLM2-135M perplexity on {tokens} tokens of Hamlet, MiniLM on {sentences} sentences")
+    LOG.info(f"fp32 reference: SmolLM2-135M perplexity on {tokens} tokens of Hamlet, MiniLM on {sentences} sentences")
     ppl = evaluate.perplexity_run(tokens=tokens)
     rows.append({"method": "fp32", "bits": 32, "smollm2_bits_per_weight": 32.0, "smollm2_perplexity": ppl["perplexity"],
                  "minilm_bits_per_weight": 32.0, "minilm_cosine": 1.0, "smollm2_rel_error": 0.0,
                  "minilm_rel_error": 0.0})
-    log(f"  fp32           ppl {ppl['perplexity']:8.3f}")
+    LOG.info(f"  fp32           ppl {ppl['perplexity']:8.3f}")
     from hilt.models.bert import minilm_path
     from hilt.tasks.calibrate import calibrate
     from hilt.tasks.compensate import compensator
@@ -53,7 +54,7 @@ def run(out="report", quick=False, json_path=None, tokens=None, sentences=None, 
     sources = {"smollm2": smollm2_path(), "minilm": minilm_path()}
     importance = {m: out / f"importance-{m}.safetensors" for m in sources}
     for m, path in importance.items():
-        log(f"calibrating {m} on Macbeth -> {path}")
+        LOG.info(f"calibrating {m} on Macbeth -> {path}")
         calibrate(m, path, work="macbeth", overwrite=True)
     for label, method, bits in configs:
         row = {"method": label, "bits": bits}
@@ -75,8 +76,8 @@ def run(out="report", quick=False, json_path=None, tokens=None, sentences=None, 
                 row["minilm_cosine"], row["minilm_cosine_min"] = r["cosine_similarity"], r["cosine_similarity_min"]
             shutil.rmtree(dst)
         rows.append(row)
-        log(f"  {label:>10} {bits} bit  {row['smollm2_bits_per_weight']:.3f} b/w  ppl {row['smollm2_perplexity']:10.3f}"
-            f"   MiniLM cos {row['minilm_cosine']:.5f}")
+        LOG.info(f"  {label:>10} {bits} bit  {row['smollm2_bits_per_weight']:.3f} b/w  ppl {row['smollm2_perplexity']:10.3f}"
+                 f"   MiniLM cos {row['minilm_cosine']:.5f}")
     verdicts = _verdicts(rows)
     from hilt.models.llama import LlamaConfig
 
@@ -88,7 +89,7 @@ def run(out="report", quick=False, json_path=None, tokens=None, sentences=None, 
     target = Path(json_path) if json_path else out / "quant_table.json"
     write_json(target, result)
     render(result, out)
-    log(f"wrote {out / 'quant_table.md'}, {out / 'quant_table.png'}, {target}")
+    LOG.info(f"wrote {out / 'quant_table.md'}, {out / 'quant_table.png'}, {target}")
     return result
 
 

@@ -26,6 +26,7 @@ from hilt.tasks.train import (
     train,
 )
 from hilt.cim_sim.training import NoisyTraining, mismatch_copy
+from hilt.progress import LOG, quiet
 
 ETAS = (0.0, 0.1, 0.2, 0.3, 0.5, 0.7)
 METHODS = {
@@ -62,7 +63,7 @@ def mismatch_sweep(model, images, labels, draws: int, etas=ETAS, seed: int = 0) 
     return rows
 
 
-def _trained(method: str, cfg: NoisyTraining, plan: dict, quick: bool, log) -> torch.nn.Module:
+def _trained(method: str, cfg: NoisyTraining, plan: dict, quick: bool) -> torch.nn.Module:
     """The CNN trained with ``cfg``: from bench/results when a checkpoint with the same settings exists
     (full runs only), otherwise trained now (and saved there, full runs only, saying so when it
     replaces a checkpoint trained with other settings)."""
@@ -72,12 +73,12 @@ def _trained(method: str, cfg: NoisyTraining, plan: dict, quick: bool, log) -> t
         model, meta = load_workload(path, "cnn")
         training = dataclasses.asdict(cfg) if cfg.method != "standard" else None
         if all(meta.get(k) == v for k, v in want.items()) and (training is None or meta.get("training") == json.dumps(training)):
-            log(f"{method}: using {path.name}")
+            LOG.info(f"{method}: using {path.name}")
             return model
-        log(f"{method}: {path} was trained with other settings; retraining and replacing it")
+        LOG.warning(f"{method}: {path} was trained with other settings; retraining and replacing it")
     start = time.perf_counter()
     model, _ = train("cnn", epochs=plan["epochs"], limit=plan["limit"], training=cfg, progress=False)
-    log(f"{method}: trained in {time.perf_counter() - start:.0f} s")
+    LOG.info(f"{method}: trained in {time.perf_counter() - start:.0f} s")
     if not quick:
         images, labels = load_fashion_mnist("test")
         meta = {"method": cfg.method, "epochs": plan["epochs"], "seed": 0, "lr": 1e-3, "batch_size": 128,
@@ -88,21 +89,22 @@ def _trained(method: str, cfg: NoisyTraining, plan: dict, quick: bool, log) -> t
     return model
 
 
-def study(quick: bool = False, plan: dict | None = None, ablation=tuple(ABLATION), log=print) -> dict:
+def study(quick: bool = False, plan: dict | None = None, ablation=tuple(ABLATION)) -> dict:
     """The whole study; ``plan`` overrides the budget (QUICK or FULL), ``ablation`` picks variants by name."""
     plan = plan or (QUICK if quick else FULL)
     images, labels = load_fashion_mnist("test", limit=plan["test_images"])
     result = {"quick": quick, "plan": plan, "etas": list(ETAS), "methods": {}, "ablation": {}}
     for method, cfg in METHODS.items():
-        model = _trained(method, cfg, plan, quick, log)
+        model = _trained(method, cfg, plan, quick)
         sweep = mismatch_sweep(model, images, labels, plan["draws"])
-        drift = drift_study("cnn", preset_name="pcm", times=plan["times"], repeats=plan["chips"],
-                            test_images=plan["test_images"], model=model, log=lambda *_: None)
+        with quiet():  # its per-time table would interleave with this study's lines; the summary below says it
+            drift = drift_study("cnn", preset_name="pcm", times=plan["times"], repeats=plan["chips"],
+                                test_images=plan["test_images"], model=model)
         drift_rows = [r for r in drift["rows"] if r["gdc"] == "global"]
         result["methods"][method] = {"training": dataclasses.asdict(cfg), "mismatch": sweep, "drift": drift_rows}
         cells = "  ".join(f"{r['eta']:.1f}: {r['mean']:.3f}" for r in sweep)
         year = [r["mean"] for r in drift_rows]
-        log(f"{method:<9} mismatch {cells}   PCM drift (compensated) {min(year):.3f}..{max(year):.3f}")
+        LOG.info(f"{method:<9} mismatch {cells}   PCM drift (compensated) {min(year):.3f}..{max(year):.3f}")
     base = METHODS["dwp"]
     ablation_plan = dict(plan, limit=plan["ablation_limit"], epochs=plan["ablation_epochs"])
     for name in ablation:
@@ -112,8 +114,8 @@ def study(quick: bool = False, plan: dict | None = None, ablation=tuple(ABLATION
         seconds = time.perf_counter() - start
         sweep = mismatch_sweep(model, images, labels, plan["ablation_draws"], etas=(0.0, 0.5, 0.7))
         result["ablation"][name] = {"training": dataclasses.asdict(cfg), "mismatch": sweep, "train_seconds": seconds}
-        log(f"ablation {name:<16} " + "  ".join(f"{r['eta']:.1f}: {r['mean']:.3f}" for r in sweep)
-            + f"  ({seconds:.0f} s)")
+        LOG.info(f"ablation {name:<16} " + "  ".join(f"{r['eta']:.1f}: {r['mean']:.3f}" for r in sweep)
+                 + f"  ({seconds:.0f} s)")
     return result
 
 

@@ -33,6 +33,7 @@ from hilt.tasks.sensitivity import load_subject, sensitivity_run
 from hilt.atomic import write_json
 from hilt.quant.quantize import quantize_tensor
 from hilt.quant.sensitivity import format_label, parse_candidates, resolve, spearman
+from hilt.progress import LOG
 
 FORMATS = {"minilm": "int3,kmeans2", "cnn": "int3@row,kmeans2@row", "smollm2": "int3,kmeans3"}
 # calibration size, and every how many layers one is measured (SmolLM2 has 210: each costs a forward)
@@ -93,14 +94,14 @@ class _Measure:
                     "accuracy": float((logits.argmax(-1) == self.y).float().mean())}
 
 
-def study(model: str, quick: bool = False, log=print, formats: str | None = None) -> dict:
+def study(model: str, quick: bool = False, formats: str | None = None) -> dict:
     opts = dict((QUICK if quick else FULL)[model])
     every = opts.pop("every", 1)
     subject = load_subject(model, **opts)
     spec = formats or FORMATS[model]
     t0 = time.perf_counter()
     sens = sensitivity_run(subject=subject, candidates=spec, probes=2 if quick else 4, full=True)
-    log(f"{model}: sensitivity of {len(sens['layers'])} layers in {time.perf_counter() - t0:.1f} s")
+    LOG.info(f"{model}: sensitivity of {len(sens['layers'])} layers in {time.perf_counter() - t0:.1f} s")
     half = 0.5  # the measured change (KL, 1 - cosine) is half the squared output change TPV predicts
     measure = _Measure(subject, quick)
     base = measure()
@@ -124,7 +125,7 @@ def study(model: str, quick: bool = False, log=print, formats: str | None = None
             rows.append({"format": label, "layer": r["name"], "predicted": half * r["tpv_full"][label],
                          "predicted_se": half * r["tpv_full_se"][label], "predicted_blocks": half * r["tpv"][label],
                          "predicted_blocks_se": half * r["tpv_se"][label], **{f"measured_{k}": v for k, v in m.items()}})
-        log(f"{model} {label}: {len(layers)} layers measured one at a time")
+        LOG.info(f"{model} {label}: {len(layers)} layers measured one at a time")
     summary = {}
     for cfg in parse_candidates(spec):
         label = format_label(cfg)
@@ -149,9 +150,9 @@ def study(model: str, quick: bool = False, log=print, formats: str | None = None
             "whole_model_measured": whole["change"],
             **{f"whole_model_{k}": v for k, v in whole.items() if k != "change"},
         }
-        log(f"{model} {label}: Spearman {summary[label]['spearman']:.3f} (blocks {summary[label]['spearman_blocks']:.3f}) "
-            f"over {len(fr)} layers; whole model predicted {predicted_whole:.4g} (blocks {predicted_whole_blocks:.4g}), "
-            f"measured {whole['change']:.4g}")
+        LOG.info(f"{model} {label}: Spearman {summary[label]['spearman']:.3f} (blocks {summary[label]['spearman_blocks']:.3f}) "
+                 f"over {len(fr)} layers; whole model predicted {predicted_whole:.4g} (blocks {predicted_whole_blocks:.4g}), "
+                 f"measured {whole['change']:.4g}")
     pairs = spearman([r["predicted"] for r in rows], [r["measured_change"] for r in rows])
     return {"model": model, "kind": subject.kind, "predicts": sens["predicts"], "calibration": sens["calibration"],
             "samples": sens["samples"], "baseline": base, "formats": summary, "spearman_all_pairs": pairs,
@@ -192,7 +193,7 @@ def _on_chip(model, analog_paths, config, chips: int, times, x, y, gdc="global",
 
 
 def cim_study(workload: str = "cnn", preset_name: str = "pcm", time_text: str = "1y", chips: int = 8,
-              quick: bool = False, log=print) -> dict:
+              quick: bool = False) -> dict:
     """Which layers a CIM chip hurts: TPV with the chip's weight errors against each layer put on the
     arrays alone (the rest digital), and which layers to keep digital: the k of largest TPV against
     the usual rule (the first and the last layer), accuracy from 1 s to a year."""
@@ -214,8 +215,8 @@ def cim_study(workload: str = "cnn", preset_name: str = "pcm", time_text: str = 
                      "predicted_blocks": r["tpv"][label] / 2, "measured_kl": sum(m["kl"]) / chips,
                      "measured_logit_mse": sum(m["logit_mse"]) / chips,
                      "measured_accuracy": sum(m["accuracy"]) / chips})
-        log(f"{workload} {label}: {path} alone on the chip: KL {rows[-1]['measured_kl']:.3g} "
-            f"(predicted {rows[-1]['predicted']:.3g}), accuracy {rows[-1]['measured_accuracy']:.4f}")
+        LOG.info(f"{workload} {label}: {path} alone on the chip: KL {rows[-1]['measured_kl']:.3g} "
+                 f"(predicted {rows[-1]['predicted']:.3g}), accuracy {rows[-1]['measured_accuracy']:.4f}")
     with torch.inference_mode():
         digital = float((subject.model(x).argmax(-1) == y).float().mean())
     summary = {
@@ -241,8 +242,8 @@ def cim_study(workload: str = "cnn", preset_name: str = "pcm", time_text: str = 
                  "accuracy_std": float(torch.tensor(c["accuracy"]).std()), "accuracy": c["accuracy"]}
                 for c in _on_chip(subject.model, on_chip, config, chips, times, x, y)]
         keep[key] = {"digital": digital_set, "curve": curves[chosen]}
-        log(f"{workload} keep digital [{', '.join(digital_set) or 'none'}] ({key}): accuracy at {times[-1]} "
-            f"{keep[key]['curve'][-1]['accuracy_mean']:.4f} ± {keep[key]['curve'][-1]['accuracy_std']:.4f}")
+        LOG.info(f"{workload} keep digital [{', '.join(digital_set) or 'none'}] ({key}): accuracy at {times[-1]} "
+                 f"{keep[key]['curve'][-1]['accuracy_mean']:.4f} ± {keep[key]['curve'][-1]['accuracy_std']:.4f}")
     return {"workload": workload, "label": label, "chips": chips, "digital_accuracy": digital,
             "calibration": sens["calibration"], "samples": sens["samples"], "rows": rows, **summary,
             "keep_digital": keep}
@@ -286,7 +287,7 @@ def plot(results: dict, path) -> None:
     plt.close(fig)
 
 
-def run(out=None, quick: bool = False, models=("minilm", "cnn", "cim"), log=print) -> dict:
+def run(out=None, quick: bool = False, models=("minilm", "cnn", "cim")) -> dict:
     """The studies of ``models`` ("cim": the CNN on a PCM chip a year after programming); into ``out``
     (JSON, and a plot beside it), where the entries not run this time are kept from an earlier run of
     the same mode."""
@@ -298,14 +299,14 @@ def run(out=None, quick: bool = False, models=("minilm", "cnn", "cim"), log=prin
                 results = earlier
     for m in models:
         if m == "cim":
-            results["cim"] = cim_study(quick=quick, log=log)
+            results["cim"] = cim_study(quick=quick)
         else:
-            results["models"][m] = study(m, quick=quick, log=log)
+            results["models"][m] = study(m, quick=quick)
     if out is not None:
         out = Path(out)
         write_json(out, results)
         plot(results, out.with_suffix(".png"))
-        log(f"wrote {out} and {out.with_suffix('.png')}")
+        LOG.info(f"wrote {out} and {out.with_suffix('.png')}")
     return results
 
 

@@ -1,7 +1,7 @@
 from __future__ import annotations
 
 from hilt.cli import bench_cim, bench_quant
-from hilt.cli.common import LOG, OUTPUT, command, group
+from hilt.cli.common import OUTPUT, command, group
 from hilt.cli.output import write_json
 from hilt.errors import HiltError
 
@@ -21,7 +21,7 @@ def cmd_bench_attention(args) -> int:
 def cmd_bench_startup(args) -> int:
     from hilt.bench.perf import startup
 
-    write_json(args, startup.run(repeats=args.repeats, log=LOG.info))
+    write_json(args, startup.run(repeats=args.repeats))
     return 0
 
 

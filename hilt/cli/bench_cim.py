@@ -11,7 +11,7 @@ from hilt.errors import HiltError
 def cmd_bench_certify(args) -> int:
     from hilt.bench.studies import certify
 
-    result = certify.study(quick=args.quick, log=LOG.info, progress=True, seed=args.seed)
+    result = certify.study(quick=args.quick, progress=True, seed=args.seed)
     write_outputs(args, result, certify.plot)
     if args.markdown:
         write_text(args.markdown, certify.render(result))
@@ -25,14 +25,14 @@ def cmd_bench_certify(args) -> int:
 def cmd_bench_cim(args) -> int:
     from hilt.bench.perf import cim_speed
 
-    write_json(args, cim_speed.speed(log=LOG.info))
+    write_json(args, cim_speed.speed())
     return 0
 
 
 def cmd_bench_sweep(args) -> int:
     from hilt.bench.studies import cim_peers
 
-    result = cim_peers.sweep(quick=args.quick, workloads=args.workload and [args.workload], log=LOG.info)
+    result = cim_peers.sweep(quick=args.quick, workloads=args.workload and [args.workload])
     write_outputs(args, result, cim_peers.plot)
     return 0
 
@@ -50,7 +50,7 @@ def cmd_bench_sweep_ray(args) -> int:
 def cmd_bench_robustness(args) -> int:
     from hilt.bench.studies import robustness
 
-    result = robustness.study(quick=args.quick, log=LOG.info)
+    result = robustness.study(quick=args.quick)
     write_outputs(args, result, robustness.plot)
     if args.markdown:
         write_text(args.markdown, robustness.render(result))

@@ -4,15 +4,14 @@ import argparse
 from pathlib import Path
 
 from hilt.atomic import write_text
-from hilt.cli.common import ANY_INT, LOG, OUTPUT, PLOT, POSITIVE, POSITIVE_NUMBER, command, integer
+from hilt.cli.common import ANY_INT, OUTPUT, PLOT, POSITIVE, POSITIVE_NUMBER, command, integer
 from hilt.cli.output import write_json, write_outputs
 
 
 def cmd_bench_qat(args) -> int:
     from hilt.bench.studies import qat_scaling
 
-    result = qat_scaling.study(quick=args.quick, seeds=args.seeds, lr=args.lr, learn_codebook=args.learn_codebook,
-                               log=LOG.info)
+    result = qat_scaling.study(quick=args.quick, seeds=args.seeds, lr=args.lr, learn_codebook=args.learn_codebook)
     write_outputs(args, result, qat_scaling.plot)
     return 0
 
@@ -20,7 +19,7 @@ def cmd_bench_qat(args) -> int:
 def cmd_bench_ptq(args) -> int:
     from hilt.bench.studies import ptq
 
-    write_json(args, ptq.run(out=args.out, quick=args.quick, models=args.models, widths=args.bits, log=LOG.info))
+    write_json(args, ptq.run(out=args.out, quick=args.quick, models=args.models, widths=args.bits))
     return 0
 
 
@@ -30,7 +29,7 @@ def cmd_bench_sensitivity(args) -> int:
     models = args.models or (["minilm", "cnn", "cim"] if args.quick else ["minilm", "cnn", "smollm2", "cim"])
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    r = sensitivity.run(out=out / "sensitivity_validation.json", quick=args.quick, models=models, log=LOG.info)
+    r = sensitivity.run(out=out / "sensitivity_validation.json", quick=args.quick, models=models)
     if "cim" in r:
         c = r["cim"]
         print(f"cnn on {c['label']}: Spearman {c['spearman_kl']:.3f} (KL), {c['spearman_accuracy_drop']:.3f} "
@@ -55,7 +54,7 @@ def cmd_bench_mixed(args) -> int:
     budgets = args.budgets or ([3.0] if args.quick else list(mixed.BUDGETS))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    r = mixed.run(out=out / "mixed.json", quick=args.quick, models=models, budgets=budgets, log=LOG.info)
+    r = mixed.run(out=out / "mixed.json", quick=args.quick, models=models, budgets=budgets)
     print(r["table"])
     write_json(args, r)
     return 0
@@ -64,7 +63,7 @@ def cmd_bench_mixed(args) -> int:
 def cmd_bench_decode(args) -> int:
     from hilt.bench.perf import decode_speed
 
-    r = decode_speed.run(quick=args.quick, work=args.work, threads=args.threads, log=LOG.info)
+    r = decode_speed.run(quick=args.quick, work=args.work, threads=args.threads)
     print(r["table"])
     if args.out:
         from hilt.atomic import write_json as write_json_file
@@ -80,7 +79,7 @@ def cmd_bench_decode(args) -> int:
 def cmd_bench_quantize(args) -> int:
     from hilt.bench.perf import quantize_speed
 
-    write_json(args, quantize_speed.run(quick=args.quick, log=LOG.info))
+    write_json(args, quantize_speed.run(quick=args.quick))
     return 0
 
 

@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import argparse
 
-from hilt.cli.common import CIM_PRESETS, DRIFT_COMPENSATION, LOG, OUTPUT, PLOT, POSITIVE, command, model_spec
+from hilt.cli.common import CIM_PRESETS, DRIFT_COMPENSATION, OUTPUT, PLOT, POSITIVE, command, model_spec
 from hilt.cli.output import write_outputs
 
 
@@ -10,7 +10,7 @@ def cmd_drift(args) -> int:
     from hilt.tasks import drift
 
     result = drift.drift_study(args.model, args.checkpoint, args.preset, args.times, args.repeats, args.gdc,
-                               args.test_images, progress=True, log=LOG.info, data=args.data)
+                               args.test_images, progress=True, data=args.data)
     write_outputs(args, result, drift.plot_drift)
     return 0
 

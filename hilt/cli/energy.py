@@ -1,6 +1,6 @@
 from __future__ import annotations
 
-from hilt.cli.common import ENERGY_CHIPS, LOG, OUTPUT, PLOT, POSITIVE, Renamed, UsageError, WORKLOADS, command
+from hilt.cli.common import ENERGY_CHIPS, OUTPUT, PLOT, POSITIVE, Renamed, UsageError, WORKLOADS, command
 from hilt.cli.output import write_outputs
 
 
@@ -10,7 +10,7 @@ def cmd_energy(args) -> int:
     if args.sweep and args.adc_bits is not None:
         raise UsageError("--sweep: it picks the ADC resolution itself; leave --adc-bits out, or drop --sweep")
     result = energy.run(args.workload, args.checkpoint, args.chip, args.adc_bits, args.dac_bits, args.gpu_batch,
-                        sweep=args.sweep, log=LOG.info)
+                        sweep=args.sweep)
     write_outputs(args, result, energy.plot)
     return 0
 

@@ -2,7 +2,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from hilt.cli.common import CIM_PRESETS, DRIFT_COMPENSATION, LOG, OUTPUT, SEED, command, group
+from hilt.cli.common import CIM_PRESETS, DRIFT_COMPENSATION, OUTPUT, SEED, command, group
 from hilt.cli.output import write_json
 from hilt.errors import HiltError
 
@@ -16,8 +16,7 @@ def cmd_export_onnx(args) -> int:
     if src.is_dir():  # a quantized folder: hilt's own, or as transformers' save_pretrained wrote it again
         if args.cim_preset:
             raise HiltError(f"{src} is a quantized checkpoint; --cim-preset applies to workload checkpoints")
-        result = export.export_quantized(src, args.out, overwrite=args.overwrite, packed_ops=not args.standard_ops,
-                                         log=LOG.info)
+        result = export.export_quantized(src, args.out, overwrite=args.overwrite, packed_ops=not args.standard_ops)
     elif src.suffix == ".safetensors" and src.is_file():
         from hilt.tasks.train import load_workload
 
@@ -25,7 +24,7 @@ def cmd_export_onnx(args) -> int:
             raise HiltError(f"{src} is a workload checkpoint; --standard-ops applies to quantized checkpoints")
         _, meta = load_workload(src)
         result = export.export_cim(meta["workload"], src, args.out, args.cim_preset or "pcm", args.time,
-                                   seed=args.seed, gdc=args.gdc, overwrite=args.overwrite, log=LOG.info)
+                                   seed=args.seed, gdc=args.gdc, overwrite=args.overwrite)
     else:
         raise HiltError(f"{src}: expected a hilt quantized checkpoint folder (from `hilt quantize`) or a workload "
                         f"checkpoint .safetensors (from `hilt train`)")

@@ -3,7 +3,7 @@ from __future__ import annotations
 import argparse
 
 from hilt.cli.common import (
-    LOG, NON_NEGATIVE, OUTPUT, POSITIVE, POSITIVE_NUMBER, QUANT_METHODS, SEED, command, integer,
+    NON_NEGATIVE, OUTPUT, POSITIVE, POSITIVE_NUMBER, QUANT_METHODS, SEED, command, integer,
     resolve_bits,
 )
 from hilt.cli.output import write_json
@@ -18,7 +18,7 @@ def cmd_qat(args) -> int:
     result = qat_finetune.finetune(args.dst, args.method, resolve_bits(args, 2), args.block_size, args.steps,
                                    args.lr, args.batch, args.context, args.refit_every, args.save_every, args.seed,
                                    args.resume, args.overwrite, args.only, learn_codebook=args.learn_codebook,
-                                   log=LOG.info, progress=True)
+                                   progress=True)
     write_json(args, result)
     return 0
 

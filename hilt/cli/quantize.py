@@ -85,7 +85,7 @@ def _budget_plan(args) -> dict | None:
 
     return budget_plan(args.src, args.budget, sensitivity=args.sensitivity, candidates=args.candidates,
                        block_size=args.block_size, only=args.only, ignore=args.ignore,
-                       estimate=args.estimate or "blocks", progress=True, log=LOG.info)
+                       estimate=args.estimate or "blocks", progress=True)
 
 
 def _plan_line(mixed: dict) -> str:

@@ -1,13 +1,13 @@
 from __future__ import annotations
 
-from hilt.cli.common import LOG, OUTPUT, command
+from hilt.cli.common import OUTPUT, command
 from hilt.cli.output import write_json
 
 
 def cmd_report(args) -> int:
     from hilt.bench import report
 
-    summary = report.run(out=args.out, quick=not args.full, log=LOG.info, progress=True)
+    summary = report.run(out=args.out, quick=not args.full, progress=True)
     write_json(args, summary)
     return 0
 

@@ -30,7 +30,7 @@ def workload_model(workload: str, checkpoint):
 
 
 def drift_study(workload="cnn", checkpoint=None, preset_name="pcm", times=DEFAULT_TIMES, repeats=5,
-                gdc="global", test_images=10_000, progress=False, log=print, model=None, data=None) -> dict:
+                gdc="global", test_images=10_000, progress=False, model=None, data=None) -> dict:
     """Accuracy at each time after programming, over ``repeats`` programmed chips, with and without GDC.
 
     ``workload``: a built-in workload name or ``PKG.MODULE:FACTORY`` (see bench.tasks.cim_inputs);
@@ -86,14 +86,14 @@ def drift_study(workload="cnn", checkpoint=None, preset_name="pcm", times=DEFAUL
     result = {"workload": workload, "checkpoint": path and _relative(path), "data": _relative(Path(data)) if data else "fashion-mnist",
               "preset": preset_name, "repeats": repeats, "digital_layers": analog.digital_layers,
               "test_images": len(labels), "digital_accuracy": digital, "rows": rows}
-    log(f"{workload} on {preset_name}: digital accuracy {digital:.4f}; {repeats} programmed chips, "
-        f"{len(labels)} test examples; {len(analog_layers(analog))} layers on analog arrays, kept digital: "
-        f"{', '.join(analog.digital_layers) or 'none'}")
-    log(f"{'time':>6} " + "".join(f"{m:>28}" for m in modes))
+    LOG.info(f"{workload} on {preset_name}: digital accuracy {digital:.4f}; {repeats} programmed chips, "
+             f"{len(labels)} test examples; {len(analog_layers(analog))} layers on analog arrays, kept digital: "
+             f"{', '.join(analog.digital_layers) or 'none'}")
+    LOG.info(f"{'time':>6} " + "".join(f"{m:>28}" for m in modes))
     for t in labels_t:
         cells = "".join(f"{r['mean']:>12.4f} ±{r['std']:.4f} min {r['worst']:.4f}"
                         for r in rows if r["time"] == t)
-        log(f"{t:>6} {cells}")
+        LOG.info(f"{t:>6} {cells}")
     return result
 
 

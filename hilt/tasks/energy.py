@@ -16,6 +16,7 @@ import torch
 from hilt.tasks.drift import workload_model
 from hilt.cim_sim import convert_to_analog, preset, program
 from hilt.cim_sim.energy import GPUEnergy, chip, estimate
+from hilt.progress import LOG
 
 ADC_BITS = (9, 8, 7, 6, 5, 4)
 
@@ -47,8 +48,7 @@ def measure_gpu(model, example: torch.Tensor, batch: int, seconds: float = 3.0) 
             "batch": batch, "runs": runs}
 
 
-def precision_sweep(model, images, labels, bits=ADC_BITS, chips: int = 2, tolerance: float = 0.01,
-                    log=print) -> dict:
+def precision_sweep(model, images, labels, bits=ADC_BITS, chips: int = 2, tolerance: float = 0.01) -> dict:
     """Accuracy on the pcm preset (1 s after programming) at each ADC resolution; the lowest that stays
     within ``tolerance`` of the highest's."""
     from hilt.tasks.train import accuracy
@@ -61,42 +61,42 @@ def precision_sweep(model, images, labels, bits=ADC_BITS, chips: int = 2, tolera
             program(analog, seed=seed)
             accs.append(accuracy(analog, images, labels))
         rows.append({"adc_bits": b, "accuracy": sum(accs) / len(accs)})
-        log(f"  ADC {b} bits: accuracy {rows[-1]['accuracy']:.4f} (pcm, 1 s, {chips} chips, {len(labels)} images)")
+        LOG.info(f"  ADC {b} bits: accuracy {rows[-1]['accuracy']:.4f} (pcm, 1 s, {chips} chips, {len(labels)} images)")
     best = max(r["accuracy"] for r in rows)
     keep = min(r["adc_bits"] for r in rows if r["accuracy"] >= best - tolerance)
     return {"rows": rows, "tolerance": tolerance, "adc_bits": keep}
 
 
 def run(workload: str = "cnn", checkpoint=None, chip_name: str = "rram-22nm", adc_bits: int | None = None,
-        dac_bits: int = 7, gpu_batch: int = 256, sweep: bool = False, test_images: int = 2000, log=print) -> dict:
+        dac_bits: int = 7, gpu_batch: int = 256, sweep: bool = False, test_images: int = 2000) -> dict:
     from hilt.data.fashion_mnist import load_fashion_mnist
 
     model, path = workload_model(workload, checkpoint)
     images, labels = load_fashion_mnist("test", limit=test_images)
     result = {"workload": workload, "checkpoint": path.name}
     if sweep:
-        log(f"{workload} ({path.name}): lowest ADC resolution that keeps accuracy")
-        result["precision"] = precision_sweep(model, images, labels, log=log)
+        LOG.info(f"{workload} ({path.name}): lowest ADC resolution that keeps accuracy")
+        result["precision"] = precision_sweep(model, images, labels)
         adc_bits = adc_bits or result["precision"]["adc_bits"]
     adc_bits = adc_bits or preset("pcm").adc_bits
     est = estimate(model, images, chip(chip_name), GPUEnergy(batch=gpu_batch), adc_bits=adc_bits, dac_bits=dac_bits)
     result.update(est)
     measured = measure_gpu(model, images, gpu_batch)
     result["gpu_measured"] = measured
-    log(f"{workload} on {chip_name} (ADC {adc_bits} bits, DAC {dac_bits} bits) against {est['gpu']['name']} "
-        f"at batch {gpu_batch}; energy per inference:")
-    log(f"{'layer':<8} {'MVMs':>6} {'array':>9} {'ADC':>9} {'DAC':>9} {'digital':>9} {'movement':>9} "
-        f"{'CIM':>10} {'GPU':>10} {'CIM/GPU':>8}")
+    LOG.info(f"{workload} on {chip_name} (ADC {adc_bits} bits, DAC {dac_bits} bits) against {est['gpu']['name']} "
+             f"at batch {gpu_batch}; energy per inference:")
+    LOG.info(f"{'layer':<8} {'MVMs':>6} {'array':>9} {'ADC':>9} {'DAC':>9} {'digital':>9} {'movement':>9} "
+             f"{'CIM':>10} {'GPU':>10} {'CIM/GPU':>8}")
     for r in est["layers"]:
         j = r["cim"]["joules"]
-        log(f"{r['layer']:<8} {r['vectors']:>6} " + " ".join(f"{_nj(j[k]):>9}" for k in
-                                                             ("array", "adc", "dac", "digital", "movement"))
-            + f" {_nj(r['cim']['total']):>10} {_nj(r['gpu']['total']):>10} {r['cim']['total'] / r['gpu']['total']:>8.3f}")
-    log(f"{'total':<8} {'':>6} {'':>49} {_nj(est['cim_joules']):>10} {_nj(est['gpu_joules']):>10} "
-        f"{est['cim_over_gpu']:>8.3f}")
+        LOG.info(f"{r['layer']:<8} {r['vectors']:>6} " + " ".join(f"{_nj(j[k]):>9}" for k in
+                                                                  ("array", "adc", "dac", "digital", "movement"))
+                 + f" {_nj(r['cim']['total']):>10} {_nj(r['gpu']['total']):>10} {r['cim']['total'] / r['gpu']['total']:>8.3f}")
+    LOG.info(f"{'total':<8} {'':>6} {'':>49} {_nj(est['cim_joules']):>10} {_nj(est['gpu_joules']):>10} "
+             f"{est['cim_over_gpu']:>8.3f}")
     if measured:
-        log(f"measured on {measured['gpu']}: {_nj(measured['joules_per_inference'])} per inference "
-            f"(CIM/GPU {est['cim_joules'] / measured['joules_per_inference']:.3f})")
+        LOG.info(f"measured on {measured['gpu']}: {_nj(measured['joules_per_inference'])} per inference "
+                 f"(CIM/GPU {est['cim_joules'] / measured['joules_per_inference']:.3f})")
     return result
 
 

@@ -26,6 +26,7 @@ import torch
 
 from hilt.atomic import replacing
 from hilt.errors import HiltError
+from hilt.progress import LOG
 
 OPSET = 20
 
@@ -97,8 +98,7 @@ def _session(path: Path):
 # ------------------------------------------------------------------ quantized MiniLM
 
 
-def export_quantized(src, out, sentences: int = 64, overwrite: bool = False, packed_ops: bool = True,
-                     log=print) -> dict:
+def export_quantized(src, out, sentences: int = 64, overwrite: bool = False, packed_ops: bool = True) -> dict:
     """A hilt quantized checkpoint of all-MiniLM-L6-v2 -> ONNX (input_ids, attention_mask -> hidden states).
     ``packed_ops``: symmetric 2/4/8-bit integer weights as MatMulNBits (packed in the session); the
     other formats, and all of them without it, as the rebuild subgraph (folded to float at load)."""
@@ -133,8 +133,8 @@ def export_quantized(src, out, sentences: int = 64, overwrite: bool = False, pac
     as_op = use_matmulnbits(proto, quantized) if packed_ops else []
     replace_initializers(proto, {n: q for n, q in quantized.items() if n not in as_op})
     size = _save(proto, out)
-    log(f"wrote {out}: {len(quantized)} quantized weights kept packed ({len(as_op)} as MatMulNBits), "
-        f"{size / 1e6:.1f} MB ({time.perf_counter() - start:.0f} s)")
+    LOG.info(f"wrote {out}: {len(quantized)} quantized weights kept packed ({len(as_op)} as MatMulNBits), "
+             f"{size / 1e6:.1f} MB ({time.perf_counter() - start:.0f} s)")
 
     # check against PyTorch on real sentences: hidden states and sentence embeddings
     sess = _session(out)
@@ -159,10 +159,10 @@ def export_quantized(src, out, sentences: int = 64, overwrite: bool = False, pac
               "matmulnbits": len(as_op), "session_rss_bytes": session_memory(out),
               "sentences": len(text), "max_abs_error": worst_abs, "max_rel_error": worst_rel,
               "embedding_dim": int(embeddings_torch.shape[1]), "opset": OPSET}
-    log(f"checked: onnx.checker passes; ONNX Runtime vs PyTorch on {len(text)} sentences: max |error| "
-        f"{worst_abs:.2e}, relative to the largest output {worst_rel:.2e}; file size {size / shard_bytes:.3f}x "
-        f"the quantized safetensors ({shard_bytes / 1e6:.1f} MB)"
-        + ("" if result["session_rss_bytes"] is None else f"; a session holds {result['session_rss_bytes'] / 1e6:.1f} MB"))
+    LOG.info(f"checked: onnx.checker passes; ONNX Runtime vs PyTorch on {len(text)} sentences: max |error| "
+             f"{worst_abs:.2e}, relative to the largest output {worst_rel:.2e}; file size {size / shard_bytes:.3f}x "
+             f"the quantized safetensors ({shard_bytes / 1e6:.1f} MB)"
+             + ("" if result["session_rss_bytes"] is None else f"; a session holds {result['session_rss_bytes'] / 1e6:.1f} MB"))
     return result
 
 
@@ -170,7 +170,7 @@ def export_quantized(src, out, sentences: int = 64, overwrite: bool = False, pac
 
 
 def export_cim(workload: str, checkpoint, out, preset_name: str = "pcm", time_text: str = "1y", seed: int = 0,
-               gdc: str = "global", test_images: int = 10_000, overwrite: bool = False, log=print) -> dict:
+               gdc: str = "global", test_images: int = 10_000, overwrite: bool = False) -> dict:
     """A workload programmed on CIM hardware and read ``time_text`` later, frozen into ONNX (images -> logits)."""
     from hilt.tasks.drift import workload_model
     from hilt.data.fashion_mnist import load_fashion_mnist
@@ -193,8 +193,8 @@ def export_cim(workload: str, checkpoint, out, preset_name: str = "pcm", time_te
     batch = torch.export.Dim("batch")
     proto = _export(frozen, (images[:2],), ["image"], ["logits"], {"x": {0: batch}}, optimize=True)
     size = _save(proto, out)
-    log(f"wrote {out}: {workload} on {preset_name}, {time_text} after programming (chip seed {seed}, {gdc} drift "
-        f"compensation), {size / 1e3:.0f} kB ({time.perf_counter() - start:.0f} s)")
+    LOG.info(f"wrote {out}: {workload} on {preset_name}, {time_text} after programming (chip seed {seed}, {gdc} drift "
+             f"compensation), {size / 1e3:.0f} kB ({time.perf_counter() - start:.0f} s)")
 
     sess = _session(out)
     logits = torch.cat([torch.from_numpy(sess.run(None, {"image": images[i:i + 1000].numpy()})[0])
@@ -207,6 +207,6 @@ def export_cim(workload: str, checkpoint, out, preset_name: str = "pcm", time_te
               "seconds": seconds, "seed": seed, "gdc": gdc, "onnx": str(out), "onnx_bytes": size,
               "test_images": len(labels), "accuracy_onnx": acc_onnx, "accuracy_torch": acc_torch,
               "accuracy_difference": acc_onnx - acc_torch, "opset": OPSET}
-    log(f"checked: onnx.checker passes; test accuracy on {len(labels)} images: ONNX Runtime {acc_onnx:.4f}, "
-        f"PyTorch {acc_torch:.4f} (difference {100 * (acc_onnx - acc_torch):+.2f} points)")
+    LOG.info(f"checked: onnx.checker passes; test accuracy on {len(labels)} images: ONNX Runtime {acc_onnx:.4f}, "
+             f"PyTorch {acc_torch:.4f} (difference {100 * (acc_onnx - acc_torch):+.2f} points)")
     return result

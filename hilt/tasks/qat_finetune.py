@@ -21,7 +21,7 @@ from safetensors.torch import load_file
 
 from hilt.atomic import replacing, save_safetensors, write_json
 from hilt.errors import HiltError
-from hilt.progress import Progress
+from hilt.progress import LOG, Progress
 from hilt.quant import QuantConfig
 from hilt.quant.qat import (
     QATSchedule,
@@ -84,7 +84,7 @@ def _load_state(path: Path, meta: dict, model, opt) -> int:
 def finetune(dst, method: str = "kmeans", bits: int = 2, block_size: int = 64, steps: int = 60, lr: float = 1e-4,
              batch: int = 4, context: int = 256, refit_every: int = 0, save_every: int = 10, seed: int = 0,
              resume: bool = False, overwrite: bool = False, only: str | None = None, learn_codebook: bool = True,
-             log=print, progress: bool = True) -> dict:
+             progress: bool = True) -> dict:
     """QAT fine-tuning (see the module docstring); ``only``: a regular expression on weight names
     that narrows the quantized layers (as `hilt quantize --only`)."""
     from hilt.models.llama import load_llama
@@ -117,9 +117,9 @@ def finetune(dst, method: str = "kmeans", bits: int = 2, block_size: int = 64, s
         start = _load_state(state_dir, meta, model, opt)
         for layer in fake_quant_layers(model).values():
             layer.quantizing = True
-        log(f"resuming at step {start} of {steps} from {state_dir}")
+        LOG.info(f"resuming at step {start} of {steps} from {state_dir}")
     else:
-        log(f"fitting {len(fake_quant_layers(model))} {bits}-bit {method} codebooks to SmolLM2-135M...")
+        LOG.info(f"fitting {len(fake_quant_layers(model))} {bits}-bit {method} codebooks to SmolLM2-135M...")
         start_quantizing_(model)
     tokens = _training_tokens(tokenizer, 400_000)
     schedule = QATSchedule(warmup=0, refit_every=refit_every, steps=steps)
@@ -147,6 +147,6 @@ def finetune(dst, method: str = "kmeans", bits: int = 2, block_size: int = 64, s
     model.cpu()
     header = save_qat(model, dst, overwrite=overwrite)
     shutil.rmtree(state_dir, ignore_errors=True)
-    log(f"wrote {dst}: {header['totals']['quantized_tensors']} quantized tensors; "
-        f"training loss {losses[0] if losses else float('nan'):.3f} -> {losses[-1] if losses else float('nan'):.3f}")
+    LOG.info(f"wrote {dst}: {header['totals']['quantized_tensors']} quantized tensors; "
+             f"training loss {losses[0] if losses else float('nan'):.3f} -> {losses[-1] if losses else float('nan'):.3f}")
     return {"dst": str(dst), **settings, "resumed_at": start, "losses": losses}

@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from hilt.errors import HiltError
-from hilt.progress import Progress
+from hilt.progress import LOG, Progress
 from hilt.quant.sensitivity import (Variance, estimate_output_tpv, estimate_tpv, format_label, parse_candidates,
                                     quantization_variance, resolve, weight_params)
 
@@ -323,7 +323,7 @@ def _check_reachable(budget: float, formats, shapes: dict, src) -> None:
 
 
 def budget_plan(src, budget: float, sensitivity=None, candidates=None, block_size: int = 64, only=None,
-                ignore=None, estimate: str = "blocks", progress: bool = False, log=None) -> dict:
+                ignore=None, estimate: str = "blocks", progress: bool = False) -> dict:
     """A format per tensor of ``src`` (those `hilt quantize` would quantize) with at most ``budget``
     bits per weight on average, minimising the summed predicted TPV (hilt.quant.allocate).
 
@@ -353,8 +353,7 @@ def budget_plan(src, budget: float, sensitivity=None, candidates=None, block_siz
         # the reachable range follows from the candidates and the shapes: refused before minutes of measuring
         spec = candidates or DEFAULT_CANDIDATES["workload" if str(src) in WORKLOAD_NAMES else "lm"]
         _check_reachable(budget, parse_candidates(spec, block_size), shapes, src)
-        if log is not None:
-            log(f"measuring the sensitivity of {src} (save it with `hilt sensitivity --json` to reuse it)")
+        LOG.info(f"measuring the sensitivity of {src} (save it with `hilt sensitivity --json` to reuse it)")
         sens = sensitivity_run(str(src), candidates=candidates, block_size=block_size, progress=progress,
                                full=estimate == "full")
         origin = f"measured on {sens['calibration']}"
