@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 
 from hilt.errors import HiltError
+from hilt.progress import LOG
 
 GRID = """
 seed = {seed}
@@ -33,7 +34,7 @@ FULL = {"chips": 2, "images": 1000}
 QUICK = {"chips": 2, "images": 200}
 
 
-def run(workers=(1, 2), quick: bool = False, log=print) -> dict:
+def run(workers=(1, 2), quick: bool = False) -> dict:
     from hilt.tasks.grid import cells_of, parse_grid
     from hilt.tasks.sweep import RESULTS_CSV, RESULTS_JSONL, import_ray, run_sweep
 
@@ -67,7 +68,7 @@ def run(workers=(1, 2), quick: bool = False, log=print) -> dict:
             runs.append({"run": name, "workers": n, "seconds": round(seconds, 2),
                          "warm_up_seconds": round(warm_up, 2), "load_average_1min_at_start": round(load, 2)})
             outputs.append([(Path(tmp) / f"run-{n}" / f).read_bytes() for f in (RESULTS_JSONL, RESULTS_CSV)])
-            log(f"{name}: {seconds:.1f} s (its warm-up run: {warm_up:.1f} s; load average {load:.2f})")
+            LOG.info(f"{name}: {seconds:.1f} s (its warm-up run: {warm_up:.1f} s; load average {load:.2f})")
     by_workers = {r["workers"]: r["seconds"] for r in runs}
     result = {"grid": GRID.format(seed=0, **budget).strip(), "cells": len(cells), "groups": len(groups),
               "cpus": os.cpu_count(), "load_average_before": [round(x, 2) for x in load_before],
@@ -75,6 +76,6 @@ def run(workers=(1, 2), quick: bool = False, log=print) -> dict:
               "identical_files": all(o == outputs[0] for o in outputs)}
     if 1 in by_workers and 2 in by_workers:
         result["ratio_2_to_1_workers"] = round(by_workers[2] / by_workers[1], 3)
-        log(f"2 workers / 1 worker: {result['ratio_2_to_1_workers']:.2f} of the wall time; result files "
+        LOG.info(f"2 workers / 1 worker: {result['ratio_2_to_1_workers']:.2f} of the wall time; result files "
             f"{'identical' if result['identical_files'] else 'DIFFERENT'}")
     return result

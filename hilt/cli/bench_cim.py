@@ -40,7 +40,7 @@ def cmd_bench_sweep(args) -> int:
 def cmd_bench_sweep_ray(args) -> int:
     from hilt.bench.perf import sweep_scaling
 
-    result = sweep_scaling.run(quick=args.quick, log=LOG.info)
+    result = sweep_scaling.run(quick=args.quick)
     write_json(args, result)
     if not result["identical_files"]:  # saved above with the timings
         raise HiltError("the sweep's result files differ between the local and the Ray runs")
