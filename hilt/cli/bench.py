@@ -30,7 +30,7 @@ def register(sub) -> None:
     ba = command(bsub, "attention", "FP8 attention kernel against bf16 flash SDPA (GPU only), sequences 1k-16k, "
                  "head dim 128", "hilt bench attention --json attention-gpu.json", [OUTPUT])
     ba.set_defaults(func=cmd_bench_attention)
-    bs = command(bsub, "startup", "how long `hilt --help` takes against `python -c 'import torch'` (fresh processes)",
+    bs = command(bsub, "startup", "how long `hilt --help` and `hilt quantize --help` take against `python -c pass` (fresh processes)",
                  "hilt bench startup --json startup.json", [OUTPUT])
     bs.add_argument("--repeats", type=int, default=7, help="timed runs of each (default 7), after one warm-up")
     bs.set_defaults(func=cmd_bench_startup)
