@@ -12,7 +12,8 @@ from safetensors.torch import save_file
 from hilt.data import fashion_mnist
 from hilt.data.fashion_mnist import DEFAULT_ROOT, load_fashion_mnist
 from hilt.models.classifiers import CNN, MLP, WORKLOADS, build
-from hilt.tasks.train import accuracy, load_workload, save_workload, train, train_run
+from hilt.cim_sim import evaluate
+from hilt.tasks.train import load_workload, save_workload, train, train_run
 from hilt.cim_sim.training import NoisyTraining
 from hilt.errors import HiltError
 
@@ -154,7 +155,7 @@ def test_accuracy_counts_correct_predictions():
     images = torch.zeros(10, 1, 28, 28)
     images[:, 0, 0, 0] = torch.arange(10).float()
     labels = torch.tensor([0, 1, 2, 3, 4, 5, 6, 0, 0, 0])
-    assert accuracy(Fixed(), images, labels, batch_size=3) == pytest.approx(0.7)
+    assert evaluate(Fixed(), (images, labels), batch_size=3).item() == pytest.approx(0.7)
 
 
 # ---------------------------------------------------------------- training
@@ -177,7 +178,7 @@ def test_short_training_beats_chance(fmnist, name, limit):
     assert seen == [1, 2] and [h["epoch"] for h in history] == [1, 2]
     assert history[1]["loss"] < history[0]["loss"]
     assert not model.training
-    assert accuracy(model, xt, yt) > 0.6  # chance is 0.1
+    assert evaluate(model, (xt, yt)).item() > 0.6  # chance is 0.1
 
 
 def test_train_refuses_bad_arguments():
@@ -200,7 +201,7 @@ def test_train_run_saves_and_refuses_overwrite(fmnist, tmp_path):
     assert 0.3 < result["test_accuracy"] <= 1 and len(result["history"]) == 1
     model, meta = load_workload(out)
     _, (xt, yt) = fmnist
-    assert accuracy(model, xt, yt) == result["test_accuracy"]
+    assert evaluate(model, (xt, yt)).item() == result["test_accuracy"]
     assert meta["workload"] == "mlp" and meta["method"] == "standard" and meta["seed"] == "0"
     before = out.read_bytes()
     with pytest.raises(HiltError, match="already exists"):

@@ -137,8 +137,7 @@ def _chip_weights(analog) -> dict:
 def cim_rows(model, net, analysis, x, labels, plan) -> list:
     """Certified fraction at each preset and time beside the accuracy measured on simulated chips (the
     full analog forward, and the chip's weights in digital arithmetic: what the certificate covers)."""
-    from hilt.tasks.train import accuracy
-    from hilt.cim_sim import convert_to_analog, drift_to, parse_time, preset, program
+    from hilt.cim_sim import convert_to_analog, drift_to, evaluate, parse_time, preset, program
 
     rows = []
     times = plan["times"].split(",")
@@ -153,7 +152,7 @@ def cim_rows(model, net, analysis, x, labels, plan) -> list:
             for chip in range(plan["accuracy_chips"]):
                 program(analog, seed=chip)
                 drift_to(analog, t, seed=10_000 + chip)
-                full.append(accuracy(analog, xa, la))
+                full.append(evaluate(analog, (xa, la)).item())
                 weights_only.append(_accuracy(net, xa, la, _weights(net, _chip_weights(analog))))
             rows.append({"preset": name, "time": label, "seconds": t, "certified": cert.fractions(),
                          "eps": [float(e) for e in cert.eps],

@@ -98,18 +98,17 @@ def wait_quiet(tries: int = 5, pause: float = 60.0) -> dict:
 # -- the four ways ---------------------------------------------------------------------------------
 
 def run_digital(model, images, labels, passes: int):
-    from hilt.tasks.train import accuracy
+    from hilt.cim_sim import evaluate
 
     start = time.perf_counter()
     for _ in range(passes):
-        acc = accuracy(model, images, labels)
+        acc = evaluate(model, (images, labels)).item()
     return acc, time.perf_counter() - start
 
 
 def run_hilt_serial(analog, seconds, chips: int, images, labels):
     """program(seed) / drift_to / accuracy, one chip at a time -> (acc[time][chip], seconds)."""
-    from hilt.tasks.train import accuracy
-    from hilt.cim_sim import drift_to, program
+    from hilt.cim_sim import drift_to, evaluate, program
 
     acc = [[0.0] * chips for _ in seconds]
     start = time.perf_counter()
@@ -117,7 +116,7 @@ def run_hilt_serial(analog, seconds, chips: int, images, labels):
         program(analog, seed=chip_seed(k))
         for i, t in enumerate(seconds):
             drift_to(analog, t, seed=read_seed(k, i), gdc="global")
-            acc[i][k] = accuracy(analog, images, labels)
+            acc[i][k] = evaluate(analog, (images, labels)).item()
     return acc, time.perf_counter() - start
 
 
@@ -155,7 +154,7 @@ def run_aihwkit(analog, seconds, chips: int, images, labels):
     """aihwkit's serial loop -> (acc[time][chip], seconds). Its programming and drift draw from
     torch's global generator (seeded per chip and per read here, inside a forked generator state);
     its forward noise comes from its C++ core, which has no seed."""
-    from hilt.tasks.train import accuracy
+    from hilt.cim_sim import evaluate
 
     acc = [[0.0] * chips for _ in seconds]
     with torch.random.fork_rng():
@@ -166,7 +165,7 @@ def run_aihwkit(analog, seconds, chips: int, images, labels):
             for i, t in enumerate(seconds):
                 torch.manual_seed(read_seed(k, i))
                 analog.drift_analog_weights(t)
-                acc[i][k] = accuracy(analog, images, labels)
+                acc[i][k] = evaluate(analog, (images, labels)).item()
         elapsed = time.perf_counter() - start
     return acc, elapsed
 
@@ -279,12 +278,11 @@ def sweep(quick: bool = False, workloads=None) -> dict:
 
 def _warm_up(serial, batched, images, labels, chips: int, batch) -> None:
     """One small pass of each hilt way: compiles the fused passes before any timing."""
-    from hilt.tasks.train import accuracy
     from hilt.cim_sim import drift_to, evaluate, program
 
     program(serial, seed=0)
     drift_to(serial, 1.0, seed=0)
-    accuracy(serial, images[:200], labels[:200])
+    evaluate(serial, (images[:200], labels[:200])).item()
     program(batched, seeds=list(range(chips)))
     drift_to(batched, 1.0, seeds=list(range(chips)))
     n = min(len(labels), 2 * (batch or max(1, 1000 // chips)))

@@ -20,11 +20,11 @@ from hilt.tasks.drift import drift_study
 from hilt.data.fashion_mnist import load_fashion_mnist
 from hilt.tasks.train import (
     DEFAULT_EPOCHS,
-    accuracy,
     load_workload,
     save_workload,
     train,
 )
+from hilt.cim_sim import evaluate
 from hilt.cim_sim.training import NoisyTraining, mismatch_copy
 from hilt.progress import LOG, quiet
 
@@ -56,7 +56,7 @@ def mismatch_sweep(model, images, labels, draws: int, etas=ETAS, seed: int = 0) 
     gen = torch.Generator().manual_seed(seed)
     rows = []
     for eta in etas:
-        accs = torch.tensor([accuracy(mismatch_copy(model, eta, gen), images, labels)
+        accs = torch.tensor([evaluate(mismatch_copy(model, eta, gen), (images, labels)).item()
                              for _ in range(draws if eta > 0 else 1)])
         rows.append({"eta": eta, "mean": float(accs.mean()), "std": float(accs.std()) if len(accs) > 1 else 0.0,
                      "worst": float(accs.min()), "draws": len(accs)})
@@ -82,7 +82,7 @@ def _trained(method: str, cfg: NoisyTraining, plan: dict, quick: bool) -> torch.
     if not quick:
         images, labels = load_fashion_mnist("test")
         meta = {"method": cfg.method, "epochs": plan["epochs"], "seed": 0, "lr": 1e-3, "batch_size": 128,
-                "test_accuracy": accuracy(model, images, labels)}
+                "test_accuracy": evaluate(model, (images, labels)).item()}
         if cfg.method != "standard":
             meta["training"] = dataclasses.asdict(cfg)
         save_workload(model, path, "cnn", meta)

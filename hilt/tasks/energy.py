@@ -14,7 +14,7 @@ import time
 import torch
 
 from hilt.tasks.drift import workload_model
-from hilt.cim_sim import convert_to_analog, preset, program
+from hilt.cim_sim import convert_to_analog, evaluate, preset, program
 from hilt.cim_sim.energy import GPUEnergy, chip, estimate
 from hilt.progress import LOG
 
@@ -51,7 +51,6 @@ def measure_gpu(model, example: torch.Tensor, batch: int, seconds: float = 3.0) 
 def precision_sweep(model, images, labels, bits=ADC_BITS, chips: int = 2, tolerance: float = 0.01) -> dict:
     """Accuracy on the pcm preset (1 s after programming) at each ADC resolution; the lowest that stays
     within ``tolerance`` of the highest's."""
-    from hilt.tasks.train import accuracy
 
     rows = []
     for b in bits:
@@ -59,7 +58,7 @@ def precision_sweep(model, images, labels, bits=ADC_BITS, chips: int = 2, tolera
         accs = []
         for seed in range(chips):
             program(analog, seed=seed)
-            accs.append(accuracy(analog, images, labels))
+            accs.append(evaluate(analog, (images, labels)).item())
         rows.append({"adc_bits": b, "accuracy": sum(accs) / len(accs)})
         LOG.info(f"  ADC {b} bits: accuracy {rows[-1]['accuracy']:.4f} (pcm, 1 s, {chips} chips, {len(labels)} images)")
     best = max(r["accuracy"] for r in rows)

@@ -174,8 +174,7 @@ def export_cim(workload: str, checkpoint, out, preset_name: str = "pcm", time_te
     """A workload programmed on CIM hardware and read ``time_text`` later, frozen into ONNX (images -> logits)."""
     from hilt.tasks.drift import workload_model
     from hilt.data.fashion_mnist import load_fashion_mnist
-    from hilt.tasks.train import accuracy
-    from hilt.cim_sim import convert_to_analog, drift_to, parse_time, preset, program
+    from hilt.cim_sim import convert_to_analog, drift_to, evaluate, parse_time, preset, program
     from hilt.cim_sim.frozen import freeze
 
     out = _check_out(out)
@@ -202,7 +201,7 @@ def export_cim(workload: str, checkpoint, out, preset_name: str = "pcm", time_te
     if not torch.isfinite(logits).all():
         raise HiltError(f"{out}: ONNX Runtime produced NaN or Inf")
     acc_onnx = float((logits.argmax(1) == labels).float().mean())
-    acc_torch = accuracy(frozen, images, labels)
+    acc_torch = evaluate(frozen, (images, labels)).item()
     result = {"kind": "cim", "workload": workload, "checkpoint": path.name, "preset": preset_name, "time": time_text,
               "seconds": seconds, "seed": seed, "gdc": gdc, "onnx": str(out), "onnx_bytes": size,
               "test_images": len(labels), "accuracy_onnx": acc_onnx, "accuracy_torch": acc_torch,

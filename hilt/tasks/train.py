@@ -20,6 +20,7 @@ from torch import nn
 
 from hilt.data.fashion_mnist import load_fashion_mnist
 from hilt.models.classifiers import WORKLOADS, build, check_workload
+from hilt.cim_sim import evaluate
 from hilt.cim_sim.training import NoisyTraining, noisy_loss
 from hilt.errors import HiltError, one_line
 from hilt.progress import Progress
@@ -34,26 +35,6 @@ FORMAT_VERSION = "1"
 # run several times over: both compete for the same OpenMP threads.)
 DEFAULT_EPOCHS = {"mlp": 10, "cnn": 5}
 DEFAULT_LR = 1e-3
-
-
-def accuracy(model: nn.Module, images: torch.Tensor, labels: torch.Tensor, batch_size: int = 1000) -> float:
-    """Fraction of ``images`` whose arg-max prediction equals ``labels``, in [0, 1]."""
-    n = len(labels)
-    if n == 0 or len(images) != n:
-        raise HiltError(f"accuracy needs as many images as labels, at least one (got {len(images)} and {n})")
-    if batch_size < 1:
-        raise HiltError(f"batch size must be at least 1, got {batch_size}")
-    was_training = model.training
-    model.eval()
-    correct = 0
-    try:
-        with torch.inference_mode():
-            for i in range(0, n, batch_size):
-                pred = model(images[i:i + batch_size]).argmax(dim=1)
-                correct += int((pred == labels[i:i + batch_size]).sum())
-    finally:
-        model.train(was_training)
-    return correct / n
 
 
 def _check_positive(what: str, value, kind=int) -> None:
@@ -243,7 +224,7 @@ def train_run(workload: str, training: NoisyTraining | None = None, epochs: int 
                            progress=progress, limit=limit, root=root)
     train_seconds = time.perf_counter() - start
     test_images, test_labels = load_fashion_mnist("test", root=root)
-    acc = accuracy(model, test_images, test_labels)
+    acc = evaluate(model, (test_images, test_labels)).item()
     result = {
         "workload": workload,
         "method": training.method,
