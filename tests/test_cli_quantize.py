@@ -332,26 +332,6 @@ def test_interrupt_then_resume_gives_identical_bytes(tmp_path):
         assert (ref / name).read_bytes() == (dst / name).read_bytes(), name
 
 
-def test_written_safetensors_are_readable_as_the_umask_allows(tmp_path):
-    """safetensors creates owner-only files; checkpoints and importance files follow the umask."""
-    import os
-
-    from hilt.atomic import save_safetensors
-
-    old = os.umask(0o022)
-    try:
-        save_safetensors({"a": torch.zeros(3)}, tmp_path / "x.safetensors")
-    finally:
-        os.umask(old)
-    assert (tmp_path / "x.safetensors").stat().st_mode & 0o777 == 0o644
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["x.safetensors"]  # no temporary left
-    from hilt.errors import HiltError
-
-    with pytest.raises(HiltError, match=r"missing/x.safetensors: cannot write"):
-        save_safetensors({"a": torch.zeros(3)}, tmp_path / "missing" / "x.safetensors")
-    assert not (tmp_path / "missing").exists()
-
-
 def test_write_json_is_whole_or_nothing(tiny_ckpt, tmp_path):
     from hilt.errors import HiltError
     from hilt.atomic import write_json

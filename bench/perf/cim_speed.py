@@ -4,10 +4,10 @@
 from __future__ import annotations
 
 import os
-import time
 
 import torch
 
+from hilt.bench.perf import wall_times
 from hilt.tasks.drift import workload_model
 from hilt.cim_sim import convert_to_analog, drift_to, preset
 from hilt.progress import LOG
@@ -26,13 +26,7 @@ def speed(rounds: int = 7, repeats: int = 20) -> dict:
     from hilt.data.fashion_mnist import load_fashion_mnist
 
     def median_time(fn):
-        fn()
-        times = []
-        for _ in range(repeats):
-            start = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - start)
-        return statistics.median(times)
+        return statistics.median(wall_times(fn, repeats))
 
     x, _ = load_fashion_mnist("test", limit=256)
     rows = []

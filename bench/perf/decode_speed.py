@@ -28,6 +28,7 @@ from pathlib import Path
 
 import torch
 
+from hilt.bench.perf import wall_times
 from hilt.models.hf import gguf_to_hf, require_transformers
 from hilt.quant import QuantConfig, quantize_checkpoint
 from hilt.progress import LOG
@@ -103,13 +104,7 @@ def _compensator(config):
 
 
 def _best_time(fn, repeats: int) -> float:
-    fn()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return min(times)
+    return min(wall_times(fn, repeats))
 
 
 def copy_bandwidth(mbytes: int = 256, repeats: int = 5) -> float:
