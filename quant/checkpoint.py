@@ -182,9 +182,10 @@ class Written:
 
 
 def _check_request(src, dst, config: QuantConfig, importance, compensate, formats, overwrite: bool,
-                   resume: bool) -> tuple[Path | None, dict | None]:
+                   resume: bool) -> tuple[Path | None, dict | None, str | None]:
     """The checks that need no tensor: flag combinations, an already quantized source, the destination.
-    Returns DST.partial (None without a destination) and the model folder's config (None if not one)."""
+    Returns DST.partial (None without a destination), the model folder's config (None if not one) and
+    a warning for a result from_pretrained will not load (None if it will), said once the plan holds."""
     if importance is not None and not config.format.fitted:
         raise HiltError(f"--importance applies to --method {fitted_methods()} only")
     if importance is not None and compensate is not None:
@@ -192,7 +193,7 @@ def _check_request(src, dst, config: QuantConfig, importance, compensate, format
     if formats and (importance is not None or compensate is not None):
         raise HiltError("per-tensor formats (--budget) exclude --importance and --compensate: the formats were "
                         "chosen by the error of plain rounding")
-    model_config = None
+    model_config, warning = None, None
     if hf_folder.is_hf_folder(src):
         model_config = hf_folder.read_config(src)
         if model_config.get("quantization_config"):
@@ -201,15 +202,15 @@ def _check_request(src, dst, config: QuantConfig, importance, compensate, format
                             "quantize its unquantized folder")
         unknown = hf_folder.unknown_model_type(model_config)
         if unknown:
-            LOG.warning(f"{Path(src) / hf_folder.CONFIG}: {unknown}; the quantized folder will not load with "
-                        "from_pretrained (hilt's own loaders still read it)")
+            warning = (f"{Path(src) / hf_folder.CONFIG}: {unknown}; the quantized folder will not load with "
+                       "from_pretrained (hilt's own loaders still read it)")
     elif Path(src).is_dir():
-        LOG.warning(f"{src}: no config.json beside the weights, so the output is a hilt checkpoint that "
-                    "from_pretrained cannot load (hilt's own loaders read it)")
+        warning = (f"{src}: no config.json beside the weights, so the output is a hilt checkpoint that "
+                   "from_pretrained cannot load (hilt's own loaders read it)")
     if (Path(src) / HEADER).is_file():
         raise HiltError(f"{src}: already a hilt quantized checkpoint; quantize the model it came from")
     partial = None if dst is None else _check_destination(Path(dst), overwrite, resume)
-    return partial, model_config
+    return partial, model_config, warning
 
 
 def _plan(source: Source, src, config: QuantConfig, only, ignore, formats, embeddings, weights, importance,
@@ -252,10 +253,13 @@ def plan_checkpoint(src, dst=None, config: QuantConfig | None = None, *, only: s
     makes before writing (the destination's too, given one); reads no tensor data."""
     config = config or QuantConfig()
     formats = formats or {}
-    partial, _ = _check_request(src, dst, config, importance, None, formats, overwrite, resume)
+    partial, _, warning = _check_request(src, dst, config, importance, None, formats, overwrite, resume)
     weights = {} if importance is None else load_importance(importance)
     with open_source(src) as source:
-        return _plan(source, src, config, only, ignore, formats, embeddings, weights, importance, partial, resume)[0]
+        plan = _plan(source, src, config, only, ignore, formats, embeddings, weights, importance, partial, resume)[0]
+    if warning:
+        LOG.warning(warning)
+    return plan
 
 
 def quantize_checkpoint(
@@ -303,12 +307,15 @@ def quantize_checkpoint(
     """
     dst = Path(dst)
     formats = formats or {}
-    partial, model_config = _check_request(src, dst, config, importance, compensate, formats, overwrite, resume)
+    partial, model_config, warning = _check_request(src, dst, config, importance, compensate, formats, overwrite,
+                                                    resume)
     weights = {} if importance is None else load_importance(importance)
     source = open_source(src)
     try:
         plan, per_tensor = _plan(source, src, config, only, ignore, formats, embeddings, weights, importance,
                                  partial, resume)
+        if warning:
+            LOG.warning(warning)
         compensator = None if compensate is None else compensate([n for n in plan.targets if n not in per_tensor])
         settings = {
             "config": asdict(config),
