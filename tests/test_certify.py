@@ -427,7 +427,7 @@ def test_chip_bound_holds_on_a_thousand_chips(workload):
     (their share delta / layers each: binomial, 3 sigma). The largest layers (over CHIP_DEVICES weights)
     are left to docs/results/certify.md's run of 1,000 chips: too slow for a test."""
     from hilt.cim_sim import convert_to_analog, parse_time, preset
-    from hilt.tasks.drift import workload_model
+    from hilt.tasks.train import workload_model
 
     model, _ = workload_model(workload, None)
     delta, chips, times = 0.01, 1000, ("1s", "1d", "1y")

@@ -8,7 +8,7 @@ import os
 import torch
 
 from hilt.bench.perf import wall_times
-from hilt.tasks.drift import workload_model
+from hilt.tasks.train import workload_model
 from hilt.cim_sim import convert_to_analog, drift_to, preset
 from hilt.progress import LOG
 

@@ -33,7 +33,7 @@ from hilt.cim_sim.cert_chip import cim_perturbation, cim_perturbations
 from hilt.progress import LOG, Progress
 from hilt.quant.cert_quant import QuantizedLayer, quantization_perturbation, quantize_layers
 from hilt.tasks.certify import fashion_test_set
-from hilt.tasks.drift import workload_model
+from hilt.tasks.train import workload_model
 
 WORKLOADS = ("mlp", "cnn")
 DEFAULT_TIMES = "1s,1h,1d,1mo,1y"

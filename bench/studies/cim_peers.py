@@ -196,7 +196,7 @@ def agreement(a, b) -> dict:
 def sweep(quick: bool = False, workloads=None) -> dict:
     """The sweep on each workload (default: the budget's), timed four ways; see the module doc."""
     from hilt.data.fashion_mnist import load_fashion_mnist
-    from hilt.tasks.drift import workload_model
+    from hilt.tasks.train import workload_model
     from hilt.cim_sim import PRESETS, convert_to_analog, parse_time, preset
     from hilt.cim_sim.model import GDC_MODES
 

@@ -15,7 +15,7 @@ from hilt.cim_sim.cert_chip import cim_perturbation
 from hilt.errors import HiltError
 from hilt.progress import Progress
 from hilt.quant.cert_quant import quantization_perturbation
-from hilt.tasks.drift import workload_model
+from hilt.tasks.train import workload_model
 
 
 def fashion_test_set(n: int):

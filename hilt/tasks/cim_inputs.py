@@ -38,7 +38,7 @@ def load_model(spec: str, checkpoint=None) -> tuple[nn.Module, dict]:
     """
     if not is_factory(spec):
         from hilt.models.classifiers import check_workload
-        from hilt.tasks.drift import workload_model
+        from hilt.tasks.train import workload_model
 
         check_workload(spec)
         model, path = workload_model(spec, checkpoint)

@@ -7,26 +7,11 @@ from pathlib import Path
 
 import torch
 
-from hilt.models import TRAINED
 from hilt.cim_sim import convert_to_analog, drift_to, parse_time, preset, program
 from hilt.errors import HiltError
 from hilt.progress import LOG, Progress
 
 DEFAULT_TIMES = "1s,1h,1d,1mo,1y"
-
-
-def workload_model(workload: str, checkpoint):
-    from hilt.tasks.train import load_workload
-
-    if checkpoint is None:
-        checkpoint = TRAINED / f"{workload}-standard.safetensors"
-        if not checkpoint.exists():
-            raise HiltError(f"no checkpoint given and {checkpoint} does not exist; "
-                            f"train one with: hilt train --workload {workload} --out {checkpoint}")
-    model, meta = load_workload(checkpoint)
-    if meta.get("workload") not in (None, workload):
-        raise HiltError(f"{checkpoint}: holds workload {meta.get('workload')!r}, not {workload!r}")
-    return model, Path(checkpoint)
 
 
 def drift_study(workload="cnn", checkpoint=None, preset_name="pcm", times=DEFAULT_TIMES, repeats=5,

@@ -13,7 +13,7 @@ import time
 
 import torch
 
-from hilt.tasks.drift import workload_model
+from hilt.tasks.train import workload_model
 from hilt.cim_sim import convert_to_analog, evaluate, preset, program
 from hilt.cim_sim.energy import GPUEnergy, chip, estimate
 from hilt.progress import LOG

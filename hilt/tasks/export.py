@@ -172,7 +172,7 @@ def export_quantized(src, out, sentences: int = 64, overwrite: bool = False, pac
 def export_cim(workload: str, checkpoint, out, preset_name: str = "pcm", time_text: str = "1y", seed: int = 0,
                gdc: str = "global", test_images: int = 10_000, overwrite: bool = False) -> dict:
     """A workload programmed on CIM hardware and read ``time_text`` later, frozen into ONNX (images -> logits)."""
-    from hilt.tasks.drift import workload_model
+    from hilt.tasks.train import workload_model
     from hilt.data.fashion_mnist import load_fashion_mnist
     from hilt.cim_sim import convert_to_analog, drift_to, evaluate, parse_time, preset, program
     from hilt.cim_sim.frozen import freeze

@@ -93,7 +93,7 @@ def load_subject(model: str, checkpoint=None, calibration=None, tokens: int = 20
             raise HiltError("--calibration (a text file) applies to the text models; mlp and cnn calibrate on "
                             "Fashion-MNIST training images (--images)")
         from hilt.data.fashion_mnist import load_fashion_mnist
-        from hilt.tasks.drift import workload_model
+        from hilt.tasks.train import workload_model
 
         net, path = workload_model(model, checkpoint)
         x, _ = load_fashion_mnist("train", limit=images)

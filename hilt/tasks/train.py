@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from hilt.data.fashion_mnist import load_fashion_mnist
+from hilt.models import TRAINED
 from hilt.models.classifiers import WORKLOADS, build, check_workload
 from hilt.cim_sim import evaluate
 from hilt.cim_sim.training import NoisyTraining, noisy_loss
@@ -35,6 +36,20 @@ FORMAT_VERSION = "1"
 # run several times over: both compete for the same OpenMP threads.)
 DEFAULT_EPOCHS = {"mlp": 10, "cnn": 5}
 DEFAULT_LR = 1e-3
+
+
+def workload_model(workload: str, checkpoint=None) -> tuple[nn.Module, Path]:
+    """A built-in workload's trained model: from ``checkpoint``, or by default its standard-trained
+    checkpoint shipped in hilt.models.TRAINED."""
+    if checkpoint is None:
+        checkpoint = TRAINED / f"{workload}-standard.safetensors"
+        if not checkpoint.exists():
+            raise HiltError(f"no checkpoint given and {checkpoint} does not exist; "
+                            f"train one with: hilt train --workload {workload} --out {checkpoint}")
+    model, meta = load_workload(checkpoint)
+    if meta.get("workload") not in (None, workload):
+        raise HiltError(f"{checkpoint}: holds workload {meta.get('workload')!r}, not {workload!r}")
+    return model, Path(checkpoint)
 
 
 def _check_positive(what: str, value, kind=int) -> None:
