@@ -107,7 +107,7 @@ def test_bad_training_settings(change, needle):
         dataclasses.replace(NoisyTraining(), **change).validate()
 
 
-def test_robustness_study_tiny(caplog, monkeypatch):
+def test_robustness_study_tiny(monkeypatch):
     import logging
 
     from hilt.bench.studies import robustness
@@ -119,10 +119,15 @@ def test_robustness_study_tiny(caplog, monkeypatch):
 
     plan = dict(limit=600, epochs=1, draws=2, test_images=200, chips=1, times="1s,1y",
                 ablation_limit=300, ablation_epochs=1, ablation_draws=2)
-    monkeypatch.setattr(LOG, "propagate", True)  # a command run earlier in this process turns it off
-    caplog.set_level(logging.INFO, logger="hilt")
-    result = robustness.study(quick=True, plan=plan, ablation=("dwp (default)", "weighting none"))
-    lines = [r.getMessage() for r in caplog.records if r.name == "hilt"]
+    lines = []  # the hilt logger's lines, read by a handler of its own: whatever earlier tests configured
+    handler = logging.Handler()
+    handler.emit = lambda record: lines.append(record.getMessage())
+    monkeypatch.setattr(LOG, "level", logging.INFO)
+    LOG.addHandler(handler)
+    try:
+        result = robustness.study(quick=True, plan=plan, ablation=("dwp (default)", "weighting none"))
+    finally:
+        LOG.removeHandler(handler)
     # its own line per method on the hilt logger; the drift task's table it runs inside is held back
     assert sum(" mismatch " in m for m in lines) == 3 and not any("programmed chips" in m for m in lines)
     assert list(result["methods"]) == ["standard", "noise", "dwp"]
