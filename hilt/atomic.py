@@ -38,6 +38,16 @@ def make_readable(path) -> None:
     os.chmod(path, 0o666 & ~umask)
 
 
+def check_parent(path) -> None:
+    """Refuse, before any work, a destination whose folder is missing, a file, or not writable."""
+    path = Path(path)
+    parent = path.parent if str(path.parent) else Path(".")
+    if not parent.is_dir():
+        raise HiltError(f"{path}: parent folder {parent} " + ("is a file" if parent.exists() else "does not exist"))
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise HiltError(f"{path}: folder {parent} is not writable")
+
+
 def move_into_place(tmp, path) -> None:
     """Rename a finished ``tmp`` over ``path``; a folder already at ``path`` is moved aside first
     and removed only once the new one is in place."""

@@ -39,7 +39,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from hilt import __version__
-from hilt.atomic import move_into_place, save_safetensors, write_json
+from hilt.atomic import check_parent, move_into_place, save_safetensors, write_json
 from hilt.errors import HiltError, one_line
 from hilt.progress import LOG, Progress
 from hilt.quant import hf_folder
@@ -112,11 +112,7 @@ def embedding_config(bits: int, shape) -> QuantConfig:
 
 def _check_destination(dst: Path, overwrite: bool, resume: bool) -> Path:
     partial = dst.with_name(dst.name + ".partial")
-    parent = dst.parent if str(dst.parent) else Path(".")
-    if not parent.is_dir():
-        raise HiltError(f"{dst}: parent folder {parent} does not exist")
-    if not os.access(parent, os.W_OK | os.X_OK):
-        raise HiltError(f"{dst}: folder {parent} is not writable")
+    check_parent(dst)
     if dst.exists():
         if not overwrite:
             raise HiltError(f"{dst}: already exists; pass --overwrite to replace it")

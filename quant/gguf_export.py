@@ -24,7 +24,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from hilt.atomic import replacing
+from hilt.atomic import check_parent, replacing
 from hilt.errors import HiltError
 from hilt.kernels.packing import unpack_codes
 from hilt.quant.checkpoint import load_checkpoint, read_header
@@ -117,8 +117,7 @@ def export_gguf(dst, out, overwrite: bool = False) -> dict:
         with open(out, "rb") as f:
             if f.read(4) != b"GGUF":
                 raise HiltError(f"{out}: exists and is not a GGUF file; refusing to replace it")
-    if not out.parent.is_dir():
-        raise HiltError(f"{out}: folder {out.parent} does not exist")
+    check_parent(out)
     for name, e in header["tensors"].items():  # refuse before writing anything
         if e["kind"] == "quantized":
             gguf_type(_Meta(e), name)

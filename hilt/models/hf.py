@@ -7,12 +7,12 @@ from a Hugging Face folder loads like any other once ``hilt`` is imported (hilt.
 from __future__ import annotations
 
 import json
-import os
 import shutil
 from pathlib import Path
 
 import torch
 
+from hilt.atomic import check_parent, make_readable, move_into_place
 from hilt.errors import HiltError, one_line
 from hilt.quant.hf_folder import CONFIG, INDEX, WEIGHT_SUFFIXES, is_hf_folder, read_config
 from hilt.quant.sources import read_gguf
@@ -39,11 +39,7 @@ def gguf_to_hf(src, dst, dtype: torch.dtype = torch.bfloat16, overwrite: bool = 
     src, dst = Path(src), Path(dst)
     # the destination first: a conversion takes seconds to minutes, and its failure to write would
     # otherwise surface as transformers' error about the source
-    parent = dst.parent if str(dst.parent) else Path(".")
-    if not parent.is_dir():
-        raise HiltError(f"{dst}: parent folder {parent} " + ("is a file" if parent.exists() else "does not exist"))
-    if not os.access(parent, os.W_OK | os.X_OK):
-        raise HiltError(f"{dst}: folder {parent} is not writable")
+    check_parent(dst)
     if dst.exists() and not (overwrite and is_hf_folder(dst)):
         raise HiltError(f"{dst}: already exists" + ("; pass --overwrite to replace it" if not overwrite else
                                                      " and is not a model folder; refusing to replace it"))
@@ -71,10 +67,8 @@ def gguf_to_hf(src, dst, dtype: torch.dtype = torch.bfloat16, overwrite: bool = 
         tokenizer = transformers.AutoTokenizer.from_pretrained(str(src.parent), gguf_file=src.name)
         tokenizer.save_pretrained(partial)  # tokenizer_config, special tokens, chat template
         GGUFTokenizer.from_gguf(src, reader).tk.save(str(partial / "tokenizer.json"))
-        umask = os.umask(0)
-        os.umask(umask)
         for f in partial.iterdir():  # safetensors writes owner-only files
-            f.chmod(0o666 & ~umask)
+            make_readable(f)
     except BaseException as e:  # an interrupted or failed conversion leaves nothing behind
         shutil.rmtree(partial, ignore_errors=True)
         if isinstance(e, HiltError) or not isinstance(e, Exception):
@@ -84,9 +78,7 @@ def gguf_to_hf(src, dst, dtype: torch.dtype = torch.bfloat16, overwrite: bool = 
             raise HiltError(f"{dst}: cannot write {Path(failed.filename).name} "
                             f"({failed.strerror or one_line(failed)})") from None
         raise HiltError(f"{src}: transformers could not convert it ({one_line(e)})") from None
-    if dst.exists():
-        shutil.rmtree(dst)
-    os.replace(partial, dst)
+    move_into_place(partial, dst)  # an old DST (--overwrite) is removed only once the new one is in place
     return dst
 
 

@@ -17,14 +17,13 @@ then checked with onnx.checker and run in ONNX Runtime against PyTorch on real i
 from __future__ import annotations
 
 import logging
-import os
 import time
 import warnings
 from pathlib import Path
 
 import torch
 
-from hilt.atomic import replacing
+from hilt.atomic import check_parent, replacing
 from hilt.errors import HiltError
 from hilt.progress import LOG
 
@@ -61,10 +60,7 @@ def _check_out(out) -> Path:
     out = Path(out)
     if out.suffix != ".onnx":
         raise HiltError(f"{out}: the output file must end in .onnx")
-    if not out.parent.is_dir():
-        raise HiltError(f"{out}: folder {out.parent} does not exist")
-    if not os.access(out.parent, os.W_OK | os.X_OK):  # before the minutes of work, not after
-        raise HiltError(f"{out}: folder {out.parent} is not writable")
+    check_parent(out)  # before the minutes of work, not after
     return out
 
 
