@@ -5,4 +5,6 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 export TRITON_INTERPRET=1
-exec .venv/bin/python -m pytest "$@"
+# One pytest worker per core, at most 4 (pytest-xdist; HILT_TEST_WORKERS=0 runs them in this process).
+workers=$(nproc); [ "$workers" -gt 4 ] && workers=4
+exec .venv/bin/python -m pytest -n "${HILT_TEST_WORKERS:-$workers}" "$@"

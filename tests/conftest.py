@@ -11,7 +11,9 @@ from helpers import make_checkpoint
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
-torch.set_num_threads(min(2, torch.get_num_threads()))
+# Under pytest-xdist (scripts/test.sh runs one worker per core) each worker keeps to one thread, so
+# the workers do not oversubscribe the cores; alone, the tests use up to two.
+torch.set_num_threads(1 if os.environ.get("PYTEST_XDIST_WORKER") else min(2, torch.get_num_threads()))
 
 
 @pytest.fixture(scope="session")
