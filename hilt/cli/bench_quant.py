@@ -143,7 +143,7 @@ def register(bsub) -> None:
                  "and error-compensated int and k-means at 4/3/2 bits on SmolLM2 and MiniLM",
                  "hilt bench ptq --out report/", [OUTPUT])
     bp.add_argument("--out", default="report", metavar="DIR", help="folder for ptq.json, ptq.md, ptq.png")
-    bp.add_argument("--quick", action="store_true", help="MiniLM at 3 bits only (about a minute)")
+    bp.add_argument("--quick", action="store_true", help="MiniLM at 3 bits, its first two layers quantized (under a minute)")
     bp.add_argument("--models", nargs="+", choices=["smollm2", "minilm"], help="default: both (--quick: minilm)")
     bp.add_argument("--bits", type=integer(2, 8), nargs="+", help="default: 4 3 2 (--quick: 3)")
     bp.set_defaults(func=cmd_bench_ptq)
