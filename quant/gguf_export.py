@@ -13,8 +13,9 @@ does not is refused, so the file's dequantization equals hilt's bit for bit. k-m
 GGUF has no learned-codebook block type. Dense tensors are written as stored (F32, F16; bf16 as
 F32, which holds it exactly).
 
-Metadata, tokenizer and tensor names come from the GGUF file the checkpoint was quantized from:
-hilt's names for a GGUF source are its tensor names.
+Metadata, tokenizer and tensor names come from the GGUF file the checkpoint was quantized from
+(hilt's names for a GGUF source are its tensor names), or, for a checkpoint quantized from a Hugging
+Face Llama folder, from its config.json and tokenizer files (hilt.quant.gguf_hf).
 """
 
 from __future__ import annotations
@@ -98,16 +99,22 @@ def _copy_metadata(reader, writer) -> None:
 
 
 def export_gguf(dst, out, overwrite: bool = False) -> dict:
-    """Write the hilt checkpoint ``dst`` (quantized from a GGUF file) as the GGUF file ``out``."""
+    """Write the hilt checkpoint ``dst`` as the GGUF file ``out``: quantized from a GGUF file (its metadata,
+    vocabulary and names copied), or from a Hugging Face Llama folder (built by hilt.quant.gguf_hf)."""
     import gguf
 
-    out = Path(out)
+    from hilt.quant.gguf_hf import TensorLayout, write_hf_metadata
+    from hilt.quant.hf_folder import is_hf_folder
+
+    out, dst = Path(out), Path(dst)
     header = read_header(dst)
     source = Path(header["source"]["path"])
-    if header["source"]["format"] != "gguf":
+    from_gguf = header["source"]["format"] == "gguf"
+    if not from_gguf and not is_hf_folder(dst):
         raise HiltError(f"{dst}: quantized from a {header['source']['format']} file; `hilt export gguf` takes its "
-                        "metadata and tokenizer from the GGUF the checkpoint came from")
-    if not source.is_file():
+                        "metadata and tokenizer from the GGUF the checkpoint came from, or from a Hugging Face "
+                        "folder's config and tokenizer")
+    if from_gguf and not source.is_file():
         raise HiltError(f"{dst}: its source {source} is gone; the GGUF export needs its metadata and tokenizer")
     if out.is_dir():
         raise HiltError(f"{out}: is a folder; give the GGUF file's name")
@@ -121,33 +128,41 @@ def export_gguf(dst, out, overwrite: bool = False) -> dict:
     for name, e in header["tensors"].items():  # refuse before writing anything
         if e["kind"] == "quantized":
             gguf_type(_Meta(e), name)
-    reader = read_gguf(source)
-    arch = reader.fields["general.architecture"].contents()
+    if from_gguf:
+        reader = read_gguf(source)
+        arch = reader.fields["general.architecture"].contents()
+    else:
+        arch, layout = "llama", None
     tensors = load_checkpoint(dst)
     counts: dict[str, int] = {}
     with replacing(out, ".partial") as tmp:
         writer = gguf.GGUFWriter(str(tmp), arch)
-        _copy_metadata(reader, writer)
+        if from_gguf:
+            _copy_metadata(reader, writer)
+        else:
+            layout = TensorLayout(write_hf_metadata(dst, writer, dst.name))
         for name, value in tensors.items():
             if isinstance(value, QuantizedWeight):
-                blocks, kind = gguf_blocks(value, name)
-                writer.add_tensor(name, blocks, raw_dtype=kind)
-                counts[kind.name] = counts.get(kind.name, 0) + 1
+                data, kind = gguf_blocks(value, name)
             elif value.dtype == torch.bfloat16:  # numpy has no bfloat16: its bytes, typed BF16
-                writer.add_tensor(name, value.contiguous().view(torch.uint8).numpy(),
-                                  raw_dtype=gguf.GGMLQuantizationType.BF16)
-                counts["BF16"] = counts.get("BF16", 0) + 1
+                data, kind = value.contiguous().view(torch.uint8).numpy(), gguf.GGMLQuantizationType.BF16
             else:
-                arr = value.contiguous().numpy()
-                writer.add_tensor(name, arr)
-                kind = {np.dtype(np.float32): "F32", np.dtype(np.float16): "F16"}.get(arr.dtype, str(arr.dtype))
-                counts[kind] = counts.get(kind, 0) + 1
+                data, kind = value.contiguous().numpy(), None
+            if layout is not None:
+                order = layout.rows(name, data.shape[0])
+                name = layout.name(name)
+                if order is not None:  # whole rows (of blocks) move: exact
+                    data = np.ascontiguousarray(data[order])
+            writer.add_tensor(name, data, raw_dtype=kind)
+            label = kind.name if kind is not None else {np.dtype(np.float32): "F32", np.dtype(np.float16): "F16"}.get(
+                data.dtype, str(data.dtype))
+            counts[label] = counts.get(label, 0) + 1
         writer.write_header_to_file()
         writer.write_kv_data_to_file()
         writer.write_tensors_to_file()
         writer.close()
-    return {"out": str(out), "source": str(source), "tensors": len(tensors), "types": counts,
-            "bytes": out.stat().st_size}
+    return {"out": str(out), "source": str(source) if from_gguf else f"{dst / 'config.json'} and its tokenizer files",
+            "tensors": len(tensors), "types": counts, "bytes": out.stat().st_size}
 
 
 class _Meta:

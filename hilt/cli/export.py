@@ -43,8 +43,20 @@ def cmd_export_gguf(args) -> int:
     return 0
 
 
+def cmd_export_compressed_tensors(args) -> int:
+    from hilt.quant.ct_export import export_compressed_tensors
+
+    r = export_compressed_tensors(args.src, args.out, overwrite=args.overwrite)
+    kinds = "; ".join(f"{w['num_bits']}-bit {'symmetric' if w['symmetric'] else 'asymmetric'} groups of "
+                      f"{w['group_size']}" for w in r["groups"].values())
+    print(f"wrote {r['out']}: {r['quantized_modules']} Linear weights {r['format']} ({kinds}), "
+          f"{r['bytes'] / 1e6:.1f} MB; transformers and vLLM read it through compressed-tensors")
+    write_json(args, r)
+    return 0
+
+
 def register(sub) -> None:
-    xsub = group(sub, "export", "export to ONNX that onnxruntime runs", "format")
+    xsub = group(sub, "export", "export to ONNX, GGUF or compressed-tensors", "format")
     xo = command(xsub, "onnx", "a quantized MiniLM checkpoint, or a workload on CIM hardware frozen at a time after "
                  "programming, as ONNX (checked with onnx.checker and onnxruntime)",
                  "hilt export onnx minilm-4bit minilm-4bit.onnx\n"
@@ -67,3 +79,10 @@ def register(sub) -> None:
     xg.add_argument("out", help="the .gguf file to write")
     xg.add_argument("--overwrite", action="store_true")
     xg.set_defaults(func=cmd_export_gguf)
+    xc = command(xsub, "compressed-tensors", "a checkpoint of int weights quantized from a Hugging Face folder as "
+                 "a compressed-tensors folder (pack-quantized, llm-compressor's format, which vLLM serves); "
+                 "needs hilt[ct]", "hilt export compressed-tensors smol-hf-int4 smol-ct-int4", [OUTPUT])
+    xc.add_argument("src", help="hilt checkpoint folder quantized from a Hugging Face folder (int, 2-8 bits)")
+    xc.add_argument("out", help="the folder to write")
+    xc.add_argument("--overwrite", action="store_true")
+    xc.set_defaults(func=cmd_export_compressed_tensors)
