@@ -400,7 +400,7 @@ def quantize_one(source, name: str, config: QuantConfig, importance, codebook) -
     parts, the fields of its header entry that depend on the values, and the seconds it took. One job
     of the writer, run on a thread of this process or as a Ray task (hilt/tasks/quantize_ray.py)."""
     if not isinstance(source, Source):
-        source = _opened(str(source))
+        source = _opened(str(source), os.stat(source).st_mtime_ns)
     t0 = time.perf_counter()
     w = source.get(name)
     read = time.perf_counter() - t0
@@ -412,8 +412,8 @@ def quantize_one(source, name: str, config: QuantConfig, importance, codebook) -
 
 
 @functools.lru_cache(maxsize=1)
-def _opened(path: str) -> Source:
-    return open_source(path)  # kept open for the next job of the same run
+def _opened(path: str, mtime_ns: int) -> Source:
+    return open_source(path)  # kept open for the next job of the same run (a changed file is opened again)
 
 
 def _stream(source, targets, importance, codebooks, compensator, config, formats, dense_dtype, partial, state,

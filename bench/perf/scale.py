@@ -34,7 +34,7 @@ from hilt.progress import LOG
 
 # Llama shapes: hidden, layers, MLP width, attention heads, key/value heads, vocabulary, shard size.
 SHAPES = {
-    "quick": dict(hidden=256, layers=2, intermediate=768, heads=4, kv_heads=2, vocab=512, shard_mb=2),
+    "quick": dict(hidden=128, layers=2, intermediate=384, heads=4, kv_heads=2, vocab=256, shard_mb=1),
     "1b": dict(hidden=2048, layers=16, intermediate=8192, heads=16, kv_heads=4, vocab=32000, shard_mb=600),
     "8b": dict(hidden=4096, layers=32, intermediate=14336, heads=32, kv_heads=8, vocab=128256, shard_mb=5000),
 }
