@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import os
+import socket
 
 from hilt.errors import HiltError
 from hilt.progress import LOG
@@ -26,6 +27,19 @@ def import_ray():
     except ImportError:
         raise HiltError("--ray needs Ray: pip install 'hilt[ray]'") from None
     return ray
+
+
+def check_reachable(address: str, seconds: float = 3.0) -> None:
+    """Refuse a RAY_ADDRESS nothing answers at, at once: ray.init would wait minutes on it."""
+    if address in ("auto", "local"):
+        return
+    host, _, port = address.removeprefix("ray://").rstrip("/").rpartition(":")
+    try:
+        socket.create_connection((host or "127.0.0.1", int(port)), timeout=seconds).close()
+    except ValueError:
+        raise HiltError(f"RAY_ADDRESS={address}: not HOST:PORT") from None
+    except OSError as e:
+        raise HiltError(f"cannot reach the Ray cluster at RAY_ADDRESS={address} ({e.strerror or e})") from None
 
 
 def _run_job(fn, path, threads, *args):
@@ -67,6 +81,8 @@ class RayPool:
         ray = self._ray = import_ray()
         if not ray.is_initialized():
             address = os.environ.get("RAY_ADDRESS")
+            if address:
+                check_reachable(address)
             try:
                 if address:
                     ray.init(address=address, logging_level=logging.ERROR, log_to_driver=False)
