@@ -37,13 +37,20 @@ def pack_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:
         raise HiltError(f"a code does not fit in {bits} bits (max {int(codes.max())})")
     *lead, n = codes.shape
     pad = -n % codes_per_group
-    c = codes.to(torch.int64)
+    # the narrowest integer that holds a group: 1, 2, 4, 8 bits fill one byte, 3 and 6 bits three
+    wide = torch.uint8 if bytes_per_group == 1 else torch.int32 if bytes_per_group <= 3 else torch.int64
+    c = codes.to(wide)
     if pad:
         c = torch.nn.functional.pad(c, (0, pad))
     c = c.reshape(*lead, -1, codes_per_group)
-    shifts = torch.arange(codes_per_group, dtype=torch.int64, device=c.device) * bits
-    group = (c << shifts).sum(-1)  # at most 56 bits: fits int64
-    byte_shifts = torch.arange(bytes_per_group, dtype=torch.int64, device=c.device) * 8
+    if codes_per_group == 2:  # 4 bits: two codes per byte, OR-ed in place
+        return (c[..., 0] | (c[..., 1] << bits)).reshape(*lead, -1)
+    if bytes_per_group == 1:  # the codes of a byte hold disjoint bits: their sum fits the byte
+        shifts = torch.arange(codes_per_group, dtype=wide, device=c.device) * bits
+        return (c << shifts).sum(-1, dtype=wide).reshape(*lead, -1)
+    shifts = torch.arange(codes_per_group, dtype=wide, device=c.device) * bits
+    group = (c << shifts).sum(-1, dtype=wide)  # at most 56 bits: fits int64
+    byte_shifts = torch.arange(bytes_per_group, dtype=wide, device=c.device) * 8
     out = (group.unsqueeze(-1) >> byte_shifts) & 0xFF
     return out.reshape(*lead, -1).to(torch.uint8)
 

@@ -25,12 +25,14 @@ an uninterrupted run.
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import math
 import os
 import re
 import shutil
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Iterable
@@ -45,7 +47,7 @@ from hilt.progress import LOG, Progress
 from hilt.quant import hf_folder
 from hilt.quant.formats import fitted_methods
 from hilt.quant.quantize import (
-    QuantConfig, check_quantizable, expected_bits_per_weight, quantize_tensor, relative_error,
+    QuantConfig, check_quantizable, expected_bits_per_weight, quantize_measured, relative_error,
 )
 from hilt.quant.qweight import QuantizedWeight
 from hilt.quant.sources import Source, open_source
@@ -277,6 +279,8 @@ def quantize_checkpoint(
     dense_dtype: torch.dtype | None = None,
     on_tensor: Callable[[dict], None] | None = None,
     progress: bool = False,
+    threads: int | None = None,
+    executor=None,
 ) -> Written:
     """Quantize the selected tensors of ``src`` into a hilt checkpoint at ``dst``.
 
@@ -300,6 +304,10 @@ def quantize_checkpoint(
     Returns what was written (:class:`Written`; its ``header`` is DST/hilt.json). ``on_tensor`` is
     called with each tensor's entry (name, kind, bits_per_weight, rel_error, ...); ``progress``
     shows a bar on a terminal, a line per quantized tensor on the ``hilt`` logger otherwise.
+
+    ``threads``: tensors quantized at once on threads of this process (default: one per CPU, at most 2;
+    torch's own threads work inside each); ``executor``: a pool with ``submit`` that runs the jobs
+    instead (hilt/tasks/quantize_ray.py's Ray cluster). The bytes written are the same either way.
     """
     dst = Path(dst)
     formats = formats or {}
@@ -330,13 +338,15 @@ def quantize_checkpoint(
             state = _start_or_resume(partial, settings, resume)
         except OSError as e:
             raise HiltError(f"{dst}: cannot write there ({e.strerror})") from None
-        seconds = dict.fromkeys(("read", "quantize", "error", "write"), 0.0)
+        seconds = dict.fromkeys(("read", "quantize", "fit", "pack", "error", "write"), 0.0)
         start = time.perf_counter()
+        threads = threads or min(2, os.cpu_count() or 1)
+        pool = None if executor is not None or threads < 2 else ThreadPoolExecutor(threads, "hilt-quantize")
         try:
             with Progress(len(plan.targets), "quantize", "tensor", initial=plan.resumed, echo=True,
-                          enabled=progress) as bar:
+                          enabled=progress) as bar, pool or contextlib.nullcontext():
                 _stream(source, set(plan.targets), weights, codebooks or {}, compensator, config, per_tensor,
-                        dense_dtype, partial, state, shard_bytes, on_tensor, bar, seconds)
+                        dense_dtype, partial, state, shard_bytes, on_tensor, bar, seconds, executor or pool)
             t0 = time.perf_counter()
             _name_shards(partial, state)
             header = {
@@ -385,54 +395,90 @@ def _start_or_resume(partial: Path, settings: dict, resume: bool) -> dict:
     return state
 
 
+def quantize_one(source, name: str, config: QuantConfig, importance, codebook) -> tuple[dict, dict, dict]:
+    """Read and quantize the tensor ``name`` of ``source`` (a Source, or a path opened here): its shard
+    parts, the fields of its header entry that depend on the values, and the seconds it took. One job
+    of the writer, run on a thread of this process or as a Ray task (hilt/tasks/quantize_ray.py)."""
+    if not isinstance(source, Source):
+        source = _opened(str(source), os.stat(source).st_mtime_ns)
+    t0 = time.perf_counter()
+    w = source.get(name)
+    read = time.perf_counter() - t0
+    q, error, seconds = quantize_measured(w, config, name=name, importance=importance, codebook=codebook)
+    fields = {"method": q.method, "bits": q.bits, "block_size": q.block_size, "codebook": q.codebook_scope,
+              "shape": list(q.shape), "dtype": str(q.dtype).removeprefix("torch."),
+              "bits_per_weight": round(q.bits_per_weight, 6), "rel_error": round(error, 6)}
+    return _tensor_parts(name, q), fields, {"read": read, **seconds}
+
+
+@functools.lru_cache(maxsize=1)
+def _opened(path: str, mtime_ns: int) -> Source:
+    return open_source(path)  # kept open for the next job of the same run (a changed file is opened again)
+
+
 def _stream(source, targets, importance, codebooks, compensator, config, formats, dense_dtype, partial, state,
-            shard_bytes, on_tensor, bar: Progress, seconds: dict):
+            shard_bytes, on_tensor, bar: Progress, seconds: dict, executor=None):
+    """Every tensor not yet written, in file order, into shards of ``shard_bytes``. Quantized tensors are
+    jobs (:func:`quantize_one`) on ``executor`` (a concurrent.futures-like pool; None: this thread), a
+    few ahead of the one being written, so reading, fitting and writing overlap; their results are
+    taken in file order, so the shards are the same whatever ran them."""
     done = set(state["tensors"])
     todo = [n for n in source.names() if n not in done]
     buffer: dict[str, torch.Tensor] = {}
     entries: dict[str, dict] = {}
     size = 0
     requantized = sorted({source.stored_type(n) for n in targets if source.is_block_quantized(n)})
+    jobs = [n for n in todo if n in targets and not (compensator is not None and compensator.covers(n))]
+    ahead = 0 if executor is None else getattr(executor, "jobs_ahead", 2)
+    pending: dict[str, object] = {}
+
+    def submit_until():  # keep ``ahead`` jobs in flight: memory holds that many tensors, not the model
+        while jobs and len(pending) < ahead:
+            n = jobs.pop(0)
+            pending[n] = executor.submit(quantize_one, source, n, formats.get(n, config), importance.get(n),
+                                         codebooks.get(n))
+
     for name in todo:
+        submit_until()
         t0 = time.perf_counter()
         if name in targets:
-            w = source.get(name)
-            t1 = time.perf_counter()
-            seconds["read"] += t1 - t0
-            if requantized and source.is_block_quantized(name):  # once, when the first such tensor has been read
-                LOG.warning(f"{source.path}: its weights are already quantized ({', '.join(requantized)}); they are "
-                            "dequantized and quantized again, so their errors add up")
-                requantized = None
             extra = {}
             if compensator is not None and compensator.covers(name):
+                w = source.get(name)
+                t1 = time.perf_counter()
+                seconds["read"] += t1 - t0
+
                 def written(names):  # a resumed run: the tensors already in finished shards
                     return _read_tensors(partial, state["tensors"], [n for n in names if n in state["tensors"]])
                 q = compensator.quantized(name, known=written)
                 extra = {"compensated": compensator.stats[name]["compensated"],
                          **{k: round(v, 6) for k, v in compensator.stats[name].items() if k.startswith("output")}}
+                parts = _tensor_parts(name, q)
+                t2 = time.perf_counter()
+                seconds["quantize"] += t2 - t1
+                fields = {"method": q.method, "bits": q.bits, "block_size": q.block_size,
+                          "codebook": q.codebook_scope, "shape": list(q.shape),
+                          "dtype": str(q.dtype).removeprefix("torch."), "bits_per_weight": round(q.bits_per_weight, 6),
+                          "rel_error": round(relative_error(w, q), 6)}
+                seconds["error"] += time.perf_counter() - t2
+                del w
             else:
-                q = quantize_tensor(w, formats.get(name, config), name=name, importance=importance.get(name),
-                                    codebook=codebooks.get(name))
-            parts = _tensor_parts(name, q)
-            t2 = time.perf_counter()
-            seconds["quantize"] += t2 - t1
-            error = round(relative_error(w, q), 6)
-            seconds["error"] += time.perf_counter() - t2
-            entry = {
-                "kind": "quantized",
-                "importance_weighted": name in importance,
-                "method": q.method,
-                "bits": q.bits,
-                "block_size": q.block_size,
-                "codebook": q.codebook_scope,
-                "shape": list(q.shape),
-                "dtype": str(q.dtype).removeprefix("torch."),
-                "stored_type": source.stored_type(name),
-                "bits_per_weight": round(q.bits_per_weight, 6),
-                "rel_error": error,
-                **extra,
-            }
-            del w
+                job = pending.pop(name, None)
+                if job is None:
+                    parts, fields, spent = quantize_one(source, name, formats.get(name, config), importance.get(name),
+                                                        codebooks.get(name))
+                else:
+                    parts, fields, spent = job.result()
+                for k, v in spent.items():
+                    seconds[k] = seconds.get(k, 0.0) + v
+                seconds["quantize"] += spent["fit"] + spent["pack"]
+            if requantized and source.is_block_quantized(name):  # once, when the first such tensor has been read
+                LOG.warning(f"{source.path}: its weights are already quantized ({', '.join(requantized)}); they are "
+                            "dequantized and quantized again, so their errors add up")
+                requantized = None
+            entry = {"kind": "quantized", "importance_weighted": name in importance, **fields,
+                     "stored_type": source.stored_type(name), **extra}
+            entry = {k: entry[k] for k in ENTRY_ORDER if k in entry} | entry
         else:
             t = source.get_stored(name)
             seconds["read"] += time.perf_counter() - t0
@@ -450,6 +496,7 @@ def _stream(source, targets, importance, codebooks, compensator, config, formats
             bar.done(name, _detail(entry))
         if size >= shard_bytes:
             t0 = time.perf_counter()
+            submit_until()  # the next jobs run while this shard is written
             _flush(partial, state, buffer, entries)
             seconds["write"] += time.perf_counter() - t0
             buffer, entries, size = {}, {}, 0
@@ -457,6 +504,11 @@ def _stream(source, targets, importance, codebooks, compensator, config, formats
         t0 = time.perf_counter()
         _flush(partial, state, buffer, entries)
         seconds["write"] += time.perf_counter() - t0
+
+
+# the order of a quantized tensor's header entry (the progress file keeps it; hilt.json sorts its keys)
+ENTRY_ORDER = ("kind", "importance_weighted", "method", "bits", "block_size", "codebook", "shape", "dtype",
+               "stored_type", "bits_per_weight", "rel_error")
 
 
 def _detail(entry: dict) -> str:

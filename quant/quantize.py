@@ -9,6 +9,7 @@ Stored scales, offsets and codebooks are rounded to their storage dtypes
 
 from __future__ import annotations
 
+import time
 import zlib
 from dataclasses import dataclass
 
@@ -106,7 +107,24 @@ def quantize_tensor(
     importance: torch.Tensor | None = None,
     codebook: torch.Tensor | None = None,
 ) -> QuantizedWeight:
-    """Quantize a 2-D weight (out_features, in_features).
+    """Quantize a 2-D weight (out_features, in_features); see :func:`quantize_measured`."""
+    return quantize_measured(w, config, name, importance, codebook, measure=False)[0]
+
+
+def quantize_measured(
+    w: torch.Tensor,
+    config: QuantConfig,
+    name: str = "tensor",
+    importance: torch.Tensor | None = None,
+    codebook: torch.Tensor | None = None,
+    measure: bool = True,
+) -> tuple[QuantizedWeight, float | None, dict[str, float]]:
+    """(the quantized weight, its :func:`relative_error` (None unless ``measure``), seconds spent on
+    "fit": block scales and codebook, "pack": codes, "error": the error statistics). The error is
+    summed band by band as the codes are made, from the same values :func:`relative_error` rebuilds,
+    so it is that function's number without dequantizing the weight a second time.
+
+    Quantize a 2-D weight (out_features, in_features).
 
     ``importance`` (k-means only): non-negative per-weight importance,
     broadcastable to ``w``, typically the mean squared input activation of each
@@ -118,6 +136,7 @@ def quantize_tensor(
     ``codebook`` (k-means, one per layer): use these 2**bits levels instead of fitting them
     (a QAT export keeps the codebook the model was trained with).
     """
+    t0 = time.perf_counter()
     check_quantizable(name, w.shape, config)
     if not torch.isfinite(w).all():
         raise HiltError(f"tensor '{name}' contains NaN or Inf values")
@@ -173,19 +192,51 @@ def quantize_tensor(
     else:
         codebook = codebook.to(torch.float16)
 
+    seconds = {"fit": time.perf_counter() - t0, "pack": 0.0, "error": 0.0}
     codes = torch.empty(n, packed_row_bytes(k, config.bits), dtype=torch.uint8)
-    rows = max(1, _ROWS_BYTES // (k * 8))
+    rows = max(1, _ROWS_BYTES // (k * 8))  # the bands of relative_error: the same sums in the same order
     book = codebook.double()
+    unit = _unit_grid(book)
+    book32 = codebook.float()
+    diff2 = ref2 = 0.0
     for r in range(0, n, rows):
-        ur = _normalised(w[r : r + rows], scales[r : r + rows], None if offsets is None else offsets[r : r + rows], B)
-        if book.ndim == 1:
+        t0 = time.perf_counter()
+        off = None if offsets is None else offsets[r : r + rows]
+        ur = _normalised(w[r : r + rows], scales[r : r + rows], off, B)
+        if unit is not None:  # integer levels one apart: the nearest by arithmetic, as bucketize would pick it
+            idx = (ur.double() - unit).ceil_().clamp_(0, levels - 1).to(torch.uint8)
+        elif book.ndim == 1:
             idx = kmeans.assign(ur, book)
         else:  # per-block codebooks: nearest of each block's own sorted levels
             br = book[r : r + rows]
             mids = ((br[..., 1:] + br[..., :-1]) / 2).to(ur.dtype)
             idx = torch.searchsorted(mids.contiguous(), ur.contiguous())
+        del ur
         codes[r : r + rows] = pack_codes(idx.reshape(idx.shape[0], k), config.bits)
-    return QuantizedWeight(codes, codebook, scales, offsets, (n, k), w.dtype, config.bits, B, config.method)
+        t1 = time.perf_counter()
+        seconds["pack"] += t1 - t0
+        if measure:  # dequantize_lut's operations on these codes
+            idx = idx.reshape(-1, k // B, B).long()
+            values = book32[idx] if book32.ndim == 1 else torch.gather(book32[r : r + rows], 2, idx)
+            d = values * scales[r : r + rows].float().unsqueeze(-1)
+            if off is not None:
+                d = d + off.float().unsqueeze(-1)
+            band = w[r : r + rows].float()
+            diff2 += float(((band - d.view(-1, k)) ** 2).sum(dtype=torch.float64))
+            ref2 += float((band**2).sum(dtype=torch.float64))
+            seconds["error"] += time.perf_counter() - t1
+    q = QuantizedWeight(codes, codebook, scales, offsets, (n, k), w.dtype, config.bits, B, config.method)
+    error = None if not measure else (diff2 / ref2) ** 0.5 if ref2 > 0 else diff2**0.5
+    return q, error, seconds
+
+
+def _unit_grid(book: torch.Tensor) -> float | None:
+    """For one codebook of integer levels one apart (the int grids): the first midpoint, so that the
+    nearest level of x is ceil(x - it), clamped; None for any other codebook. In float64, x - it is
+    exact for a float32 x, so the code is the one torch.bucketize finds on the float32 midpoints."""
+    if book.ndim != 1 or book.numel() < 2 or not bool((book.diff() == 1).all()) or book[0] != book[0].round():
+        return None
+    return float(book[0]) + 0.5
 
 
 def relative_error(w: torch.Tensor, q: QuantizedWeight) -> float:

@@ -1,6 +1,6 @@
 from __future__ import annotations
 
-from hilt.cli import bench_cim, bench_quant
+from hilt.cli import bench_cim, bench_quant, bench_scale
 from hilt.cli.common import OUTPUT, command, group
 from hilt.cli.output import write_json
 from hilt.errors import HiltError
@@ -35,4 +35,5 @@ def register(sub) -> None:
     bs.add_argument("--repeats", type=int, default=7, help="timed runs of each (default 7), after one warm-up")
     bs.set_defaults(func=cmd_bench_startup)
     bench_quant.register(bsub)
+    bench_scale.register(bsub)
     bench_cim.register(bsub)

@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+import contextlib
+
 from hilt.cli.common import (
     DENSE_DTYPES, LOG, OUTPUT, POSITIVE, POSITIVE_NUMBER, QUANT_METHODS, SEED, UsageError, command, integer,
     number, resolve_bits,
@@ -40,11 +42,20 @@ def cmd_quantize(args) -> int:
         write_json(args, {"dry_run": True, "tensors": rows, **({"mixed": budget["mixed"]} if budget else {})})
         return 0
 
-    written = quantize_checkpoint(args.src, args.dst, config, only=args.only, ignore=args.ignore,
-                                  overwrite=args.overwrite, resume=args.resume, importance=args.importance,
-                                  shard_bytes=int(args.shard_size * (1 << 20)), compensate=compensate,
-                                  formats=formats, mixed=budget and budget["mixed"], embeddings=args.embeddings,
-                                  dense_dtype=args.dense_dtype and getattr(torch, args.dense_dtype), progress=True)
+    if args.workers is not None and not args.ray:
+        raise UsageError("--workers applies with --ray only")
+    pool = contextlib.nullcontext()
+    if args.ray:  # the Ray module is imported only here: a local run's path does not cross it
+        from hilt.tasks.quantize_ray import RayPool
+
+        pool = RayPool(args.workers)
+    with pool as executor:
+        written = quantize_checkpoint(args.src, args.dst, config, only=args.only, ignore=args.ignore,
+                                      overwrite=args.overwrite, resume=args.resume, importance=args.importance,
+                                      shard_bytes=int(args.shard_size * (1 << 20)), compensate=compensate,
+                                      formats=formats, mixed=budget and budget["mixed"], embeddings=args.embeddings,
+                                      dense_dtype=args.dense_dtype and getattr(torch, args.dense_dtype), progress=True,
+                                      executor=executor)
     header, totals = written.header, written.header["totals"]
     what = "mixed formats under the budget" if budget else f"{config.method}, {config.bits} bits, block {config.block_size}"
     print(f"wrote {args.dst}: {totals['quantized_tensors']} of {totals['tensors']} tensors quantized "
@@ -177,4 +188,7 @@ def register(sub) -> None:
                    help="dtype of every floating tensor left unquantized (default: as stored; GGUF block types bfloat16)")
     q.add_argument("--shard-size", type=POSITIVE_NUMBER, default=256, metavar="MB",
                    help="output shard size (default 256 MB; memory holds one shard)")
+    q.add_argument("--ray", action="store_true",
+                   help="quantize the tensors as Ray tasks: on the cluster at RAY_ADDRESS, or a local one (same bytes)")
+    q.add_argument("--workers", type=POSITIVE, metavar="N", help="with --ray: tensors at a time (default: every CPU)")
     q.set_defaults(func=cmd_quantize)

@@ -1,0 +1,93 @@
+"""The scale benchmark's synthetic Llama folder, the threaded writer, and a full disk."""
+
+import json
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+
+from hilt.bench.perf import scale
+from hilt.cli import main
+from hilt.quant import QuantConfig, quantize_checkpoint
+
+
+@pytest.fixture(scope="session")
+def synthetic(tmp_path_factory) -> Path:
+    folder = tmp_path_factory.mktemp("scale") / "llama"
+    made = scale.write_synthetic(folder, "quick")
+    assert made["shards"] > 1 and (folder / "model.safetensors.index.json").exists()
+    return folder
+
+
+def files(folder: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted(folder.iterdir())}
+
+
+def test_synthetic_weights_have_the_measured_spread_and_tails():
+    g = torch.Generator().manual_seed(1)
+    w = scale.synthetic_weight((2048, 1024), "q_proj", g).double()
+    std, row_sigma, col_sigma, nu = scale.SMOLLM2_STATS["q_proj"]
+    rows = w.std(1)
+    z = w / rows[:, None]
+    cols = z.std(0)
+    z = z / cols
+    assert abs(float(w.std()) / std - 1) < 0.01
+    assert abs(float(rows.log().std()) / row_sigma - 1) < 0.1
+    assert abs(float(cols.log().std()) / col_sigma - 1) < 0.15
+    kurtosis = float((z**4).mean() / z.var() ** 2)
+    assert 3 + 6 / (nu - 4) * 0.5 < kurtosis < 3 + 6 / (nu - 4) * 2  # heavier than a Gaussian, as measured
+    assert torch.isfinite(w).all()
+
+
+def test_synthetic_folder_loads_in_transformers_and_quantizes(synthetic, tmp_path):
+    transformers = pytest.importorskip("transformers")
+    model = transformers.AutoModelForCausalLM.from_pretrained(synthetic)
+    assert model.config.num_hidden_layers == scale.SHAPES["quick"]["layers"]
+    up = model.model.layers[0].mlp.up_proj.weight
+    assert up.dtype == torch.bfloat16 and float(up.float().std()) > 0
+    out = model(torch.tensor([[1, 2, 3]])).logits
+    assert torch.isfinite(out).all()
+    written = quantize_checkpoint(synthetic, tmp_path / "q", QuantConfig("int", 4))
+    assert written.header["totals"]["quantized_tensors"] == 7 * scale.SHAPES["quick"]["layers"]
+    assert set(written.seconds) >= {"read", "fit", "pack", "error", "write"}
+
+
+def test_threaded_writer_writes_the_bytes_of_one_thread(synthetic, tmp_path):
+    for method in ("kmeans", "int"):
+        one = quantize_checkpoint(synthetic, tmp_path / f"{method}1", QuantConfig(method, 3), threads=1,
+                                  shard_bytes=100_000)
+        two = quantize_checkpoint(synthetic, tmp_path / f"{method}2", QuantConfig(method, 3), threads=2,
+                                  shard_bytes=100_000)
+        assert len(one.header["shards"]) > 2
+        assert files(tmp_path / f"{method}1") == files(tmp_path / f"{method}2")
+        assert one.header["totals"] == two.header["totals"]
+
+
+def test_bench_scale_quick(tmp_path, capsys):
+    out = tmp_path / "scale.json"
+    assert main(["bench", "scale", "--quick", "--runs", "int4", "--work", str(tmp_path / "w"), "--json", str(out)]) == 0
+    r = json.loads(out.read_text())
+    (run,) = r["runs"]
+    assert run["run"] == "int4" and run["wall_s"] > 0 and run["cpu_s"] > 0
+    assert 50 << 20 < run["peak_rss_bytes"] < 4 << 30
+    assert run["linear_weights_per_s"] == pytest.approx(r["model"]["linear_weights"] / run["wall_s"])
+    assert {"read", "fit", "pack", "error", "write"} <= set(run["split_s"])
+    assert r["read"]["bytes"] > r["model"]["bytes"]  # every shard read whole: its tensors and its header
+    assert not (tmp_path / "w" / "llama-quick").exists()  # removed without --keep
+    assert "int4" in capsys.readouterr().out
+
+
+def test_full_disk_is_one_line_and_leaves_nothing(synthetic, tmp_path, capsys):
+    mnt = tmp_path / "small"
+    mnt.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=200k", "tmpfs", str(mnt)],
+                      capture_output=True).returncode != 0:
+        pytest.skip("cannot mount a small tmpfs here")
+    try:
+        assert main(["quantize", str(synthetic), str(mnt / "q"), "--quiet"]) == 1
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1 and err.startswith("hilt: error:") and "cannot write there" in err, err
+        assert list(mnt.iterdir()) == []
+    finally:
+        subprocess.run(["umount", str(mnt)], check=True)
