@@ -13,7 +13,7 @@ What llama.cpp needs and where it comes from:
   control tokens, other added tokens user-defined, the rest normal), the special token ids and
   add_bos/add_eos from tokenizer_config.json, the chat template;
 * ``tokenizer.ggml.pre``, the name of the pre-tokenizer llama.cpp applies, read from the
-  tokenizer.json's pre-tokenizer structure: ByteLevel with its regex alone is "gpt2", individual
+  tokenizer.json's pre-tokenizer structure: ByteLevel with its regex alone is "gpt-2", individual
   digits then ByteLevel is "smollm"; any other structure is refused rather than guessed;
 * tensor names through the ``gguf`` package's own map of Hugging Face names; q_proj and k_proj rows
   reordered from Hugging Face's rotate-half layout to llama.cpp's interleaved rope pairs (within each
@@ -52,7 +52,7 @@ def _pre_tokenizer(pre: dict | None, where: Path) -> str:
     byte_level = steps[-1] if kinds and kinds[-1] == "ByteLevel" else None
     if byte_level is not None and byte_level.get("use_regex", True) and not byte_level.get("add_prefix_space"):
         if kinds == ["ByteLevel"]:
-            return "gpt2"
+            return "gpt-2"
         if kinds == ["Digits", "ByteLevel"] and steps[0].get("individual_digits"):
             return "smollm"
     raise HiltError(f"{where}: pre-tokenizer {' + '.join(map(str, kinds))} has no llama.cpp equivalent known "
