@@ -128,11 +128,12 @@ def export_gguf(dst, out, overwrite: bool = False) -> dict:
     for name, e in header["tensors"].items():  # refuse before writing anything
         if e["kind"] == "quantized":
             gguf_type(_Meta(e), name)
+    layout = None
     if from_gguf:
         reader = read_gguf(source)
         arch = reader.fields["general.architecture"].contents()
     else:
-        arch, layout = "llama", None
+        arch = "llama"
     tensors = load_checkpoint(dst)
     counts: dict[str, int] = {}
     with replacing(out, ".partial") as tmp:

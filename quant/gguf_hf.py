@@ -13,7 +13,7 @@ What llama.cpp needs and where it comes from:
   control tokens, other added tokens user-defined, the rest normal), the special token ids and
   add_bos/add_eos from tokenizer_config.json, the chat template;
 * ``tokenizer.ggml.pre``, the name of the pre-tokenizer llama.cpp applies, read from the
-  tokenizer.json's pre-tokenizer structure: ByteLevel with its regex alone is "gpt2", individual
+  tokenizer.json's pre-tokenizer structure: ByteLevel with its regex alone is "gpt-2", individual
   digits then ByteLevel is "smollm"; any other structure is refused rather than guessed;
 * tensor names through the ``gguf`` package's own map of Hugging Face names; q_proj and k_proj rows
   reordered from Hugging Face's rotate-half layout to llama.cpp's interleaved rope pairs (within each
@@ -52,7 +52,7 @@ def _pre_tokenizer(pre: dict | None, where: Path) -> str:
     byte_level = steps[-1] if kinds and kinds[-1] == "ByteLevel" else None
     if byte_level is not None and byte_level.get("use_regex", True) and not byte_level.get("add_prefix_space"):
         if kinds == ["ByteLevel"]:
-            return "gpt2"
+            return "gpt-2"
         if kinds == ["Digits", "ByteLevel"] and steps[0].get("individual_digits"):
             return "smollm"
     raise HiltError(f"{where}: pre-tokenizer {' + '.join(map(str, kinds))} has no llama.cpp equivalent known "
@@ -81,26 +81,29 @@ def write_hf_metadata(folder, writer, name_hint: str) -> dict:
     try:
         n_head = int(config["num_attention_heads"])
         hidden = int(config["hidden_size"])
-        writer.add_name(config.get("_name_or_path") and Path(str(config["_name_or_path"])).name or name_hint)
+        named = config.get("_name_or_path") or config.get("_model_name_or_path")
+        writer.add_name(Path(str(named)).name if named else name_hint)
         writer.add_block_count(int(config["num_hidden_layers"]))
         writer.add_context_length(int(config.get("max_position_embeddings", 2048)))
         writer.add_embedding_length(hidden)
         writer.add_feed_forward_length(int(config["intermediate_size"]))
         writer.add_head_count(n_head)
         writer.add_head_count_kv(int(config.get("num_key_value_heads") or n_head))
-        writer.add_rope_freq_base(float(config.get("rope_theta", 10000.0)))
+        # transformers 5 keeps rope settings under rope_parameters, 4.x at the top level
+        rope = dict(config.get("rope_scaling") or {}) | dict(config.get("rope_parameters") or {})
+        writer.add_rope_freq_base(float(rope.get("rope_theta", config.get("rope_theta", 10000.0))))
         writer.add_layer_norm_rms_eps(float(config.get("rms_norm_eps", 1e-6)))
         writer.add_rope_dimension_count(int(config.get("head_dim") or hidden // n_head))
         writer.add_vocab_size(int(config["vocab_size"]))
     except (KeyError, TypeError, ValueError) as e:
         raise HiltError(f"{where}: not a Llama config ({type(e).__name__}: {e})") from None
-    scaling = config.get("rope_scaling")
-    if scaling and scaling.get("rope_type", scaling.get("type")) not in (None, "default"):
-        kind = scaling.get("rope_type", scaling.get("type"))
+    kind = rope.get("rope_type", rope.get("type"))
+    if kind not in (None, "default"):
         if kind != "linear":
             raise HiltError(f"{where}: rope scaling {kind!r} is not written to GGUF here (linear only)")
         writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
-        writer.add_rope_scaling_factor(float(scaling["factor"]))
+        writer.add_rope_scaling_factor(float(rope["factor"]))
+    writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
 
     tok_path = folder / "tokenizer.json"
     tok = _read_json(tok_path)
