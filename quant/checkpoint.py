@@ -14,8 +14,9 @@ A quantized checkpoint is a folder (documented in docs/format.md):
                                    config with a "quantization_config" (quant_method
                                    "hilt") that transformers loads (hilt.quant.hf_quantizer)
 
-Writing streams tensor by tensor, so memory follows the largest tensor plus
-one shard. Everything is written under ``DST.partial/``, each shard to a
+Writing streams tensor by tensor, so memory follows the few largest tensors in
+flight (two jobs ahead of the one being written) plus one output shard, not the
+model. Everything is written under ``DST.partial/``, each shard to a
 temporary name renamed when complete; the folder becomes DST only when the
 header is written. An interrupted run leaves ``DST.partial/`` (never a
 half-written DST) and ``resume=True`` continues it, giving the same bytes as

@@ -68,7 +68,8 @@ class SortedValues:
             if bool((self.w < 0).any()):
                 raise ValueError("importance weights must be non-negative")
         self.n = self.x.numel()
-        self._coarse = [self._coarse_prefix(kind) for kind in range(3)]
+        # unweighted, the weight before index i is i itself (``weight``): no prefix sums of ones
+        self._coarse = [None if kind == 0 and self.w is None else self._coarse_prefix(kind) for kind in range(3)]
 
     def _terms(self, start: int, stop: int, kind: int) -> torch.Tensor:
         """float64 w, w*x or w*x^2 (kind 0, 1, 2) of the sorted values [start, stop)."""

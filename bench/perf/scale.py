@@ -34,9 +34,9 @@ from hilt.progress import LOG
 
 # Llama shapes: hidden, layers, MLP width, attention heads, key/value heads, vocabulary, shard size.
 SHAPES = {
-    "quick": dict(hidden=128, layers=2, intermediate=384, heads=4, kv_heads=2, vocab=256, shard_mb=1),
-    "1b": dict(hidden=2048, layers=16, intermediate=8192, heads=16, kv_heads=4, vocab=32000, shard_mb=600),
-    "8b": dict(hidden=4096, layers=32, intermediate=14336, heads=32, kv_heads=8, vocab=128256, shard_mb=5000),
+    "quick": dict(hidden=128, layers=2, intermediate=384, heads=4, kv_heads=2, vocab=256, shard_bytes=400_000),
+    "1b": dict(hidden=2048, layers=16, intermediate=8192, heads=16, kv_heads=4, vocab=32000, shard_bytes=600 << 20),
+    "8b": dict(hidden=4096, layers=32, intermediate=14336, heads=32, kv_heads=8, vocab=128256, shard_bytes=5000 << 20),
 }
 
 # Per projection kind, from SmolLM2-135M-Instruct (its Q4_1 GGUF, dequantized; `measure_stats`):
@@ -133,7 +133,7 @@ def write_synthetic(folder, shape_name: str, seed: int = 0) -> dict:
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     g = torch.Generator().manual_seed(seed)
-    limit = shape["shard_mb"] << 20
+    limit = shape["shard_bytes"]
     shards: list[dict[str, torch.Tensor]] = [{}]
     names = tensor_shapes(shape)
     count = -(-sum(math.prod(s) * 2 for _, s, _ in names) // limit)  # the shard count, for their names
