@@ -136,7 +136,7 @@ static void setup(Wt *t, const LutWeight *w, int isa) {
     t->cpw = w->bits == 3 ? 4 : (w->bits >= 1 && w->bits <= 4 ? 8 / w->bits : 1);
     const int64_t chunk = 32 * (int64_t)t->cpw, B = w->block;
     if (isa >= 3 && !w->per_block && w->bits >= 1 && w->bits <= 4 && B % (2 * t->cpw) == 0 &&
-        (B % chunk == 0 || chunk % B == 0) && w->K % chunk == 0) {
+        (B % chunk == 0 || chunk % B == 0)) {
         int exact = 1;
         for (int c = 0; c < t->levels; c++) exact &= bf16_to_f32(f32_to_bf16(t->book[c])) == t->book[c];
         t->bf = !w->offsets || exact;
@@ -483,12 +483,13 @@ INLINE TBF __m512i codesbf(const uint8_t *p, const int BITS) {
 
 /* float32 lane l: the scale of block b0 + l * G / 16 (G blocks in the chunk) */
 INLINE TBF __m512 chunk_scales(const Wt *w, int64_t n, int64_t b0, const int G) {
-    if (G == 1) return _mm512_set1_ps(scale_at(w, n, b0));
-    float s[16];
-    for (int g = 0; g < G; g++) s[g] = scale_at(w, n, b0 + g);
-    const __m512i spread = _mm512_srli_epi32(
-        _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15), _mm512_set1_epi32(G)), 4);
-    return _mm512_permutexvar_ps(spread, _mm512_maskz_loadu_ps((__mmask16)((1u << G) - 1), s));
+    /* in registers: a masked load of scalars just stored would wait on store forwarding; a tail chunk's
+     * blocks past the row's end get scale 0 (their x is 0) */
+    __m512 r = _mm512_set1_ps(scale_at(w, n, b0));
+    for (int g = 1; g < G; g++)
+        r = _mm512_mask_mov_ps(r, (__mmask16)(0xFFFFu << (g * 16 / G)),
+                               _mm512_set1_ps(b0 + g < w->w.nb ? scale_at(w, n, b0 + g) : 0.0f));
+    return r;
 }
 
 INLINE TBF void bodybf(const Wt *w, int64_t n, const uint16_t *xp, int64_t ldx, const float *xsum, float *res,
@@ -501,7 +502,13 @@ INLINE TBF void bodybf(const Wt *w, int64_t n, const uint16_t *xp, int64_t ldx, 
     for (int m = 0; m < MT; m++) acc[m] = _mm512_setzero_ps();
     for (int64_t k0 = 0; k0 < K; k0 += chunk) {
         if (G > 1 || k0 % B == 0) sv = chunk_scales(w, n, k0 / B, G);
-        __m512i v = codesbf(row + ((k0 * BITS) >> 3), BITS);
+        __m512i v;
+        if (k0 + chunk <= K) v = codesbf(row + ((k0 * BITS) >> 3), BITS);
+        else { /* the row's last, partial chunk (blocks smaller than a chunk): its codes zero-padded */
+            uint8_t tail[64] = {0};
+            memcpy(tail, row + ((k0 * BITS) >> 3), (size_t)(((K - k0) * BITS) >> 3));
+            v = codesbf(tail, BITS);
+        }
         __m512 blk[4];
         for (int m = 0; m < MT; m++) blk[m] = _mm512_setzero_ps();
 #pragma GCC unroll 8
@@ -613,7 +620,8 @@ static void store_out(void *out, int out_dt, int64_t i, float v) {
 /* the bfloat16 path (w->bf): x bfloat16 (M, K) reordered into word lanes, sums of x per block for offsets */
 static int matmul_bf16(const Wt *w, const uint16_t *x, int64_t M, const float *bias, void *out, int out_dt, int threads) {
     const int64_t K = w->w.K, N = w->w.N, nb = w->w.nb, B = w->w.block, chunk = 32 * (int64_t)w->cpw;
-    uint16_t *xp = (uint16_t *)malloc(sizeof(uint16_t) * (size_t)(M * K > 0 ? M * K : 1));
+    const int64_t Kp = (K + chunk - 1) / chunk * chunk; /* rows of xp padded with zeros to whole chunks */
+    uint16_t *xp = (uint16_t *)calloc((size_t)(M * Kp > 0 ? M * Kp : 1), sizeof(uint16_t));
     float *xsum = (float *)malloc(sizeof(float) * (size_t)(M * nb > 0 ? M * nb : 1));
     if (!xp || !xsum) {
         free(xp);
@@ -623,7 +631,8 @@ static int matmul_bf16(const Wt *w, const uint16_t *x, int64_t M, const float *b
     for (int64_t m = 0; m < M; m++) {
         for (int64_t c = 0; c < K; c += chunk)
             for (int64_t i = 0; i < 32; i++)
-                for (int64_t j = 0; j < w->cpw; j++) xp[m * K + c + j * 32 + i] = x[m * K + c + i * w->cpw + j];
+                for (int64_t j = 0; j < w->cpw; j++)
+                    if (c + i * w->cpw + j < K) xp[m * Kp + c + j * 32 + i] = x[m * K + c + i * w->cpw + j];
         for (int64_t b = 0; b < nb; b++) {
             float s = 0.0f;
             for (int64_t k = b * B; k < (b + 1) * B; k++) s += bf16_to_f32(x[m * K + k]);
@@ -640,7 +649,7 @@ static int matmul_bf16(const Wt *w, const uint16_t *x, int64_t M, const float *b
         float res[4];
         for (int64_t m0 = 0; m0 < M; m0 += 4) {
             int64_t h = M - m0 < 4 ? M - m0 : 4;
-            TILESBF[h](w, n, xp + m0 * K, K, xsum + m0 * nb, res);
+            TILESBF[h](w, n, xp + m0 * Kp, Kp, xsum + m0 * nb, res);
             for (int64_t m = 0; m < h; m++) store_out(out, out_dt, (m0 + m) * N + n, res[m] + (bias ? bias[n] : 0.0f));
         }
     }
