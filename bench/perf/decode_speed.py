@@ -209,13 +209,14 @@ def _tiny_llama(folder: Path, transformers) -> Path:
     return folder
 
 
-def run(quick: bool = False, work=None, threads: int = 2, gemv: bool = True) -> dict:
+def run(quick: bool = False, work=None, threads: int = 2, gemv: bool = True, new_tokens: int | None = None,
+        repeats: int | None = None) -> dict:
     """``quick``: a tiny random Llama, dense and k-means 4-bit, 4 tokens; SmolLM2's layer alone in the GEMV table."""
     from hilt.models.llama import GGUF_FILE, smollm2_path
 
     transformers = require_transformers()
     torch.set_num_threads(threads)
-    new_tokens, repeats = (4, 1) if quick else (64, 3)
+    new_tokens, repeats = new_tokens or (4 if quick else 64), repeats or (1 if quick else 3)
     bandwidth = copy_bandwidth(16 if quick else 256)
     LOG.info(f"copy bandwidth: {bandwidth:.1f} GB/s")
     gemv_rows = []

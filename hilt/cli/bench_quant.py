@@ -63,7 +63,8 @@ def cmd_bench_mixed(args) -> int:
 def cmd_bench_decode(args) -> int:
     from hilt.bench.perf import decode_speed
 
-    r = decode_speed.run(quick=args.quick, work=args.work, threads=args.threads)
+    r = decode_speed.run(quick=args.quick, work=args.work, threads=args.threads, new_tokens=args.tokens,
+                         repeats=args.repeats)
     print(r["table"])
     if args.out:
         from hilt.atomic import write_json as write_json_file
@@ -164,6 +165,8 @@ def register(bsub) -> None:
     bdec.add_argument("--quick", action="store_true", help="a tiny random Llama, dense and k-means 4-bit, 4 tokens, "
                       "one GEMV row: checks the pipeline in seconds, not the speeds")
     bdec.add_argument("--threads", type=POSITIVE, default=2, help="torch threads (default 2)")
+    bdec.add_argument("--tokens", type=POSITIVE, help="new tokens per timed generate (default 64; --quick 4)")
+    bdec.add_argument("--repeats", type=POSITIVE, help="timed generates per model, the median kept (default 3)")
     bdec.add_argument("--work", metavar="DIR", help="where the converted and quantized folders go while it runs")
     bdec.add_argument("--out", metavar="DIR", help="write decode.json and decode.md there")
     bdec.set_defaults(func=cmd_bench_decode)
