@@ -50,6 +50,9 @@ typedef struct {
     float base, step;
     float tab16[16];  /* codebook replicated to 16 entries (entry i: level i mod levels) */
     float book[256];  /* per-layer codebook as float32 */
+    /* the bfloat16 path (bfloat16 x, AVX-512 BF16): see "bfloat16 path" below */
+    int bf, cpw, bf_groups;
+    uint16_t tab32[32]; /* per-layer codebook as bfloat16, entry i: level i mod levels */
 } Wt;
 
 static inline float f16_to_f32(uint16_t h) {
@@ -125,6 +128,21 @@ static void setup(Wt *t, const LutWeight *w, int isa) {
     if (vec && isa >= 2 && w->block % (16 * t->cpb) == 0) t->lanes = 16;
     else if (vec && isa >= 1 && w->block % (8 * t->cpb) == 0) t->lanes = 8;
     if (t->lanes == 1) t->cpb = 1;
+    /* bfloat16 path: one codebook per layer, 1-4 bits, chunks of 32 word lanes that split into whole
+     * blocks (or lie in one), each block a whole number of float32 lanes (2 * cpw codes). With offsets,
+     * only a codebook exact in bfloat16 (integers): the offset term is added apart, so a rounded level
+     * would be compared with |W|, not with the larger |level * scale|. */
+    t->bf = 0;
+    t->cpw = w->bits == 3 ? 4 : (w->bits >= 1 && w->bits <= 4 ? 8 / w->bits : 1);
+    const int64_t chunk = 32 * (int64_t)t->cpw, B = w->block;
+    if (isa >= 3 && !w->per_block && w->bits >= 1 && w->bits <= 4 && B % (2 * t->cpw) == 0 &&
+        (B % chunk == 0 || chunk % B == 0)) {
+        int exact = 1;
+        for (int c = 0; c < t->levels; c++) exact &= bf16_to_f32(f32_to_bf16(t->book[c])) == t->book[c];
+        t->bf = !w->offsets || exact;
+        t->bf_groups = chunk > B ? (int)(chunk / B) : 1;
+        for (int i = 0; i < 32; i++) t->tab32[i] = f32_to_bf16(t->book[i & (t->levels - 1)]);
+    }
 }
 
 /* ---------------------------------------------------------------- portable path (any format) */
@@ -442,13 +460,107 @@ static T512 void dequant512(const Wt *w, int64_t n, float *out) { BITS_SWITCH(dq
 static T256 void dequant256(const Wt *w, int64_t n, float *out) { BITS_SWITCH(dq256, w, n, out) }
 #endif
 
+#ifdef HILT_X86
+/* ---------------------------------------------------------------- bfloat16 path
+ * For bfloat16 x on CPUs with AVX-512 BF16, per-layer codebooks of 1-4 bits. The codebook, rounded to
+ * bfloat16 (a relative error of at most 2^-8 per weight, which error_ratio's bound for bfloat16 x
+ * allows), is one register of 32 words, and 32 weights are looked up by one vpermw and multiplied
+ * and added by one vdpbf16ps: half the instructions per weight of the float32 path. Word lane i holds
+ * code byte i of a chunk (3 bits: 4 codes of a 24-bit group), phase j its j-th code; vpermw reads the
+ * low 5 bits of a lane and the table repeats every `levels` entries, so higher codes need no mask. The
+ * block scale is applied to the chunk's float32 sums (float32 lane l: word lanes 2l, 2l + 1), one
+ * scale per group of lanes when a chunk spans several blocks; offsets add offset * sum(x over the
+ * block) at the end of the row. */
+#define TBF __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16,avx2,fma,f16c")))
+
+INLINE TBF __m512i codesbf(const uint8_t *p, const int BITS) {
+    if (BITS == 3) { /* 16 dwords of 8 codes: low word codes 0-3 (bits 0-11), high word codes 4-7 */
+        __m512i v = _mm512_inserti64x4(_mm512_castsi256_si512(load3_8(p)), load3_8(p + 24), 1);
+        return _mm512_mask_blend_epi16(0xAAAAAAAAu, v, _mm512_slli_epi32(v, 4));
+    }
+    return _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)p));
+}
+
+/* float32 lane l: the scale of block b0 + l * G / 16 (G blocks in the chunk) */
+INLINE TBF __m512 chunk_scales(const Wt *w, int64_t n, int64_t b0, const int G) {
+    /* in registers: a masked load of scalars just stored would wait on store forwarding; a tail chunk's
+     * blocks past the row's end get scale 0 (their x is 0) */
+    __m512 r = _mm512_set1_ps(scale_at(w, n, b0));
+    for (int g = 1; g < G; g++)
+        r = _mm512_mask_mov_ps(r, (__mmask16)(0xFFFFu << (g * 16 / G)),
+                               _mm512_set1_ps(b0 + g < w->w.nb ? scale_at(w, n, b0 + g) : 0.0f));
+    return r;
+}
+
+INLINE TBF void bodybf(const Wt *w, int64_t n, const uint16_t *xp, int64_t ldx, const float *xsum, float *res,
+                       const int MT, const int BITS, const int G) {
+    const int cpw = BITS == 3 ? 4 : 8 / BITS, chunk = 32 * cpw;
+    const int64_t K = w->w.K, B = w->w.block;
+    const uint8_t *row = w->w.codes + n * w->w.row_bytes;
+    const __m512i tab = _mm512_loadu_si512((const void *)w->tab32);
+    __m512 acc[4], sv = _mm512_setzero_ps();
+    for (int m = 0; m < MT; m++) acc[m] = _mm512_setzero_ps();
+    for (int64_t k0 = 0; k0 < K; k0 += chunk) {
+        if (G > 1 || k0 % B == 0) sv = chunk_scales(w, n, k0 / B, G);
+        __m512i v;
+        if (k0 + chunk <= K) v = codesbf(row + ((k0 * BITS) >> 3), BITS);
+        else { /* the row's last, partial chunk (blocks smaller than a chunk): its codes zero-padded */
+            uint8_t tail[64] = {0};
+            memcpy(tail, row + ((k0 * BITS) >> 3), (size_t)(((K - k0) * BITS) >> 3));
+            v = codesbf(tail, BITS);
+        }
+        __m512 blk[4];
+        for (int m = 0; m < MT; m++) blk[m] = _mm512_setzero_ps();
+#pragma GCC unroll 8
+        for (int j = 0; j < cpw; j++) {
+            __m512i wv = _mm512_permutexvar_epi16(j ? _mm512_srli_epi16(v, j * BITS) : v, tab);
+#pragma GCC unroll 4
+            for (int m = 0; m < MT; m++)
+                blk[m] = _mm512_dpbf16_ps(blk[m], (__m512bh)wv,
+                                          (__m512bh)_mm512_loadu_si512((const void *)(xp + m * ldx + k0 + j * 32)));
+        }
+        for (int m = 0; m < MT; m++) acc[m] = _mm512_fmadd_ps(blk[m], sv, acc[m]);
+    }
+    for (int m = 0; m < MT; m++) {
+        float r = _mm512_reduce_add_ps(acc[m]);
+        if (w->w.offsets)
+            for (int64_t b = 0; b < w->w.nb; b++) r += offset_at(w, n, b) * xsum[m * w->w.nb + b];
+        res[m] = r;
+    }
+}
+
+#define GROUPS_SWITCH(MT, BITS)                                                      \
+    switch (w->bf_groups) {                                                          \
+    case 1: bodybf(w, n, xp, ldx, xsum, res, MT, BITS, 1); break;                   \
+    case 2: bodybf(w, n, xp, ldx, xsum, res, MT, BITS, 2); break;                   \
+    case 4: bodybf(w, n, xp, ldx, xsum, res, MT, BITS, 4); break;                   \
+    default: bodybf(w, n, xp, ldx, xsum, res, MT, BITS, w->bf_groups); break;       \
+    }
+#define TILEBF(MT)                                                                                      \
+    static TBF void tilebf_##MT(const Wt *w, int64_t n, const uint16_t *xp, int64_t ldx, const float *xsum, \
+                                float *res) {                                                           \
+        switch (w->w.bits) {                                                                            \
+        case 1: GROUPS_SWITCH(MT, 1) break;                                                             \
+        case 2: GROUPS_SWITCH(MT, 2) break;                                                             \
+        case 3: GROUPS_SWITCH(MT, 3) break;                                                             \
+        default: GROUPS_SWITCH(MT, 4) break;                                                            \
+        }                                                                                               \
+    }
+TILEBF(1) TILEBF(2) TILEBF(3) TILEBF(4)
+typedef void (*TileBfFn)(const Wt *, int64_t, const uint16_t *, int64_t, const float *, float *);
+static const TileBfFn TILESBF[5] = {0, tilebf_1, tilebf_2, tilebf_3, tilebf_4};
+#endif
+
 /* ---------------------------------------------------------------- entry points */
 
-/* The widest vector path this CPU runs: 2 AVX-512, 1 AVX2 (with FMA and F16C), 0 neither. */
+/* The widest vector path this CPU runs: 3 AVX-512 with BF16 (and BW, VL), 2 AVX-512, 1 AVX2 (with FMA and F16C), 0 neither. */
 int hilt_lut_isa(void) {
 #ifdef HILT_X86
     __builtin_cpu_init();
     int base = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
+    if (base && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+        __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512bf16"))
+        return 3;
     if (base && __builtin_cpu_supports("avx512f")) return 2;
     if (base) return 1;
 #endif
@@ -465,6 +577,13 @@ int hilt_lut_layout(const LutWeight *lw, int isa, int *cpb) {
     setup(&w, lw, isa);
     *cpb = w.cpb;
     return w.lanes;
+}
+
+/* 1 where bfloat16 x takes the bfloat16 path under isa (one vpermw and one vdpbf16ps per 32 weights) */
+int hilt_lut_bf16_path(const LutWeight *lw, int isa) {
+    Wt w;
+    setup(&w, lw, isa);
+    return w.bf;
 }
 
 /* xp (M, K) float32 = x (M, K) reordered for lanes and cpb (see the top), converted from x_dt */
@@ -492,6 +611,54 @@ static void row_any(const Wt *w, int64_t n, const float *xp, int64_t K, int64_t 
     for (int64_t m0 = 0; m0 < M; m0 += 16) row_scalar(w, n, xp + m0 * K, K, M - m0 < 16 ? M - m0 : 16, res + m0);
 }
 
+#ifdef HILT_X86
+static void store_out(void *out, int out_dt, int64_t i, float v) {
+    if (out_dt == DT_BF16) ((uint16_t *)out)[i] = f32_to_bf16(v);
+    else ((float *)out)[i] = v;
+}
+
+/* the bfloat16 path (w->bf): x bfloat16 (M, K) reordered into word lanes, sums of x per block for offsets */
+static int matmul_bf16(const Wt *w, const uint16_t *x, int64_t M, const float *bias, void *out, int out_dt, int threads) {
+    const int64_t K = w->w.K, N = w->w.N, nb = w->w.nb, B = w->w.block, chunk = 32 * (int64_t)w->cpw;
+    const int64_t Kp = (K + chunk - 1) / chunk * chunk; /* rows of xp padded with zeros to whole chunks */
+    uint16_t *xp = (uint16_t *)calloc((size_t)(M * Kp > 0 ? M * Kp : 1), sizeof(uint16_t));
+    float *xsum = (float *)malloc(sizeof(float) * (size_t)(M * nb > 0 ? M * nb : 1));
+    if (!xp || !xsum) {
+        free(xp);
+        free(xsum);
+        return 1;
+    }
+    for (int64_t m = 0; m < M; m++) {
+        for (int64_t c = 0; c < K; c += chunk)
+            for (int64_t i = 0; i < 32; i++)
+                for (int64_t j = 0; j < w->cpw; j++)
+                    if (c + i * w->cpw + j < K) xp[m * Kp + c + j * 32 + i] = x[m * K + c + i * w->cpw + j];
+        for (int64_t b = 0; b < nb; b++) {
+            float s = 0.0f;
+            for (int64_t k = b * B; k < (b + 1) * B; k++) s += bf16_to_f32(x[m * K + k]);
+            xsum[m * nb + b] = s;
+        }
+    }
+    int64_t work = N * K * (M < 4 ? M : 4);
+    (void)threads;
+    (void)work;
+#ifdef _OPENMP
+#pragma omp parallel for schedule(static) num_threads(threads) if (work >= 65536 && threads > 1)
+#endif
+    for (int64_t n = 0; n < N; n++) {
+        float res[4];
+        for (int64_t m0 = 0; m0 < M; m0 += 4) {
+            int64_t h = M - m0 < 4 ? M - m0 : 4;
+            TILESBF[h](w, n, xp + m0 * Kp, Kp, xsum + m0 * nb, res);
+            for (int64_t m = 0; m < h; m++) store_out(out, out_dt, (m0 + m) * N + n, res[m] + (bias ? bias[n] : 0.0f));
+        }
+    }
+    free(xp);
+    free(xsum);
+    return 0;
+}
+#endif
+
 /* out (M, N) in out_dt = x (M, K) in x_dt @ W.T (+ bias float32 (N,)); rows of W on `threads`
  * threads. Returns 0, or 1 when scratch memory could not be had. */
 int hilt_lut_matmul(const LutWeight *lw, const void *x, int x_dt, int64_t M, const float *bias, void *out, int out_dt,
@@ -499,6 +666,9 @@ int hilt_lut_matmul(const LutWeight *lw, const void *x, int x_dt, int64_t M, con
     Wt w;
     setup(&w, lw, isa);
     const int64_t K = lw->K, N = lw->N;
+#ifdef HILT_X86
+    if (w.bf && x_dt == DT_BF16) return matmul_bf16(&w, (const uint16_t *)x, M, bias, out, out_dt, threads);
+#endif
     float *xp = (float *)malloc(sizeof(float) * (size_t)(M * K > 0 ? M * K : 1));
     if (!xp) return 1;
     hilt_lut_prepare_x(x, x_dt, M, K, w.lanes, w.cpb, xp);

@@ -3,8 +3,10 @@
 Built on first use by the system's C compiler into the per-user cache (kernels.cbuild), with OpenMP
 where the compiler has it (rows of W on torch's threads). The vector path, AVX-512 or AVX2, is chosen
 at run time from the CPU and from the weight (a chunk of 16 or 8 lanes' codes must lie in one block);
-the portable scalar path takes every format on every CPU. ``HILT_LUT_ISA=scalar|avx2|avx512`` (or
-``isa=``) caps the path, as the tests do to check each one.
+the portable scalar path takes every format on every CPU. Where the CPU has AVX-512 BF16, bfloat16 x
+takes a path of its own (:func:`bf16_path`: the codebook rounded to bfloat16, which the error bound
+for bfloat16 x allows). ``HILT_LUT_ISA=scalar|avx2|avx512|avx512bf16`` (or ``isa=``) caps the path,
+as the tests do to check each one.
 
 M <= 16 rows of x (decode): the kernel itself, weights dequantized in registers, nothing else
 allocated but x reordered. More rows (prefill): bands of rows dequantized by the kernel into float32
@@ -26,7 +28,7 @@ from hilt.kernels.lut_matmul import PackedWeight, check_input
 
 SOURCE = Path(__file__).with_name("lut_cpu.c")
 FLAGS = ["-O2", "-fPIC", "-shared"]
-ISAS = {"scalar": 0, "avx2": 1, "avx512": 2}
+ISAS = {"scalar": 0, "avx2": 1, "avx512": 2, "avx512bf16": 3}
 SMALL_M = 16  # rows of x the kernel runs itself; beyond, dequantized bands and BLAS
 BAND_FLOATS = 1 << 21  # 8 MB of float32 weights per band in the prefill path
 _DTYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
@@ -47,7 +49,7 @@ def library():
     """The loaded kernel, or None where it cannot be built (no compiler, no write access)."""
     lib = cbuild.load(SOURCE, [FLAGS + ["-fopenmp"], FLAGS],
                       ("hilt_lut_matmul", "hilt_lut_dequant", "hilt_lut_isa", "hilt_lut_layout", "hilt_lut_prepare_x",
-                                     "hilt_lut_struct_size"))
+                                     "hilt_lut_struct_size", "hilt_lut_bf16_path"))
     if lib is None:
         return None
     lib.hilt_lut_struct_size.restype = ctypes.c_int64
@@ -59,6 +61,8 @@ def library():
     lib.hilt_lut_isa.argtypes = []
     lib.hilt_lut_layout.restype = i32
     lib.hilt_lut_layout.argtypes = [weight, i32, ctypes.POINTER(ctypes.c_int)]
+    lib.hilt_lut_bf16_path.restype = i32
+    lib.hilt_lut_bf16_path.argtypes = [weight, i32]
     lib.hilt_lut_prepare_x.restype = None
     lib.hilt_lut_prepare_x.argtypes = [p, i32, i64, i64, i32, i32, p]
     lib.hilt_lut_matmul.restype = i32
@@ -117,6 +121,17 @@ def layout(w: PackedWeight, isa=None) -> tuple[int, int]:
     cpb = ctypes.c_int()
     lanes = lib.hilt_lut_layout(ctypes.byref(s), resolve_isa(isa), ctypes.byref(cpb))
     return lanes, cpb.value
+
+
+def bf16_path(w: PackedWeight, isa=None) -> bool:
+    """Whether bfloat16 x at M <= SMALL_M takes the bfloat16 path (AVX-512 BF16: the codebook as
+    bfloat16, one vpermw and one vdpbf16ps per 32 weights): one codebook per layer, 1-4 bits, blocks
+    the chunks of 32 lanes tile, and with offsets only a codebook exact in bfloat16."""
+    lib = library()
+    if lib is None:
+        return False
+    s, _keep = _weight_struct(w)
+    return bool(lib.hilt_lut_bf16_path(ctypes.byref(s), resolve_isa(isa)))
 
 
 def _threads() -> int:

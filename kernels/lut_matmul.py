@@ -36,8 +36,8 @@ Dispatch: :func:`lut_matmul` runs CUDA tensors through Triton and CPU tensors th
 kernel of kernels.lut_cpu (every format; the reference where no compiler builds it), except
 bfloat16 inputs to symmetric int4 and row-wise int8 weights when the caller passes PyTorch's packed
 copy (``cpu_pack``, kernels.int_cpu): QuantLinear does, because those kernels are measured faster
-(at M = 1 on a 4096x14336 layer, 34 G weights/s against the LUT kernel's 15; docs/results/kernels.md),
-at the cost of that second copy of the weight. On the CPU the Triton code itself runs under
+(at M = 1, ahead of the LUT kernel's bfloat16 path on SmolLM2's layers; docs/results/kernels.md), at
+the cost of that second copy of the weight. On the CPU the Triton code itself runs under
 Triton's interpreter (``kernels.backends.triton_kernels("lut_matmul_triton",
 interpret=True).lut_matmul_triton``): that is how the tests check it.
 """
@@ -146,8 +146,9 @@ _ROUNDING = {torch.float16: 2.0**-10, torch.bfloat16: 2.0**-7, torch.float32: 2.
 
 
 def error_ratio(y: torch.Tensor, x: torch.Tensor, ref: torch.Tensor, w_abs: torch.Tensor) -> float:
-    """Largest |y - ref| over the error the kernel may make: output rounding plus, on tensor cores,
-    weights rounded to x's dtype, ``eps * (|x| @ |W|.T + |ref|) + 1e-6`` (``w_abs``: |W|, ``ref``:
+    """Largest |y - ref| over the error the kernel may make: output rounding plus, on tensor cores and
+    on the CPU kernel's bfloat16 path, weights rounded to x's dtype (a relative 2^-8 for bfloat16, half
+    its eps), ``eps * (|x| @ |W|.T + |ref|) + 1e-6`` (``w_abs``: |W|, ``ref``:
     :func:`lut_matmul_reference` in float64). At most 1 for a correct kernel; inf when y has a NaN
     or infinity."""
     if not torch.isfinite(y).all():

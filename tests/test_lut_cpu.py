@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 from hilt.errors import HiltError
 from hilt.kernels import lut_cpu
-from hilt.kernels.lut_matmul import error_ratio, lut_matmul, lut_matmul_reference
+from hilt.kernels.lut_matmul import dequantize_lut, error_ratio, lut_matmul, lut_matmul_reference
 from hilt.quant import QuantConfig, QuantLinear, quantize_tensor
 from hilt.quant.formats import method_for_bits
 
@@ -191,3 +191,37 @@ def test_quant_linear_keeps_no_second_copy(method, bits):
 
 def test_struct_matches_the_c_side():
     assert lut_cpu.library().hilt_lut_struct_size() == ctypes.sizeof(lut_cpu.LutWeight)
+
+
+@pytest.mark.skipif(lut_cpu.machine_isa() < 3, reason="no AVX-512 BF16 on this CPU")
+def test_bf16_path_rounds_the_codebook_to_bfloat16_within_the_bound_near_its_edge():
+    """Levels halfway between two bfloat16 values (2^e (1 + 2^-8), rounded to 2^e), all positive, x all
+    ones: every weight's rounding error has the same sign, the largest the path can make (2^-8 relative),
+    half the bound's 2^-7 for bfloat16 x. The result is the sum of the rounded weights, rounded once."""
+    from hilt.kernels.lut_matmul import PackedWeight
+
+    n, k = 33, 576  # 576: a partial last chunk at 2 bits
+    for bits in (2, 4):
+        book = 2.0 ** (torch.arange(1 << bits) % 4 - 2.0) * (1 + 2**-8)
+        codes = torch.randint(0, 256, (n, k * bits // 8), generator=torch.Generator().manual_seed(bits), dtype=torch.uint8)
+        w = PackedWeight(codes, book, torch.ones(n, k // 64, dtype=torch.bfloat16), None, bits, 64, k)
+        assert lut_cpu.bf16_path(w) and not lut_cpu.bf16_path(w, isa="avx512")
+        x = torch.ones(3, k, dtype=torch.bfloat16)
+        ref = lut_matmul_reference(x.double(), w).double()
+        y = lut_cpu.lut_matmul_cpu(x, w)
+        ratio = error_ratio(y, x, ref, dequantize_lut(w).double().abs())
+        assert 0.2 < ratio <= 1.0, ratio
+        rounded = dataclasses.replace(w, codebook=book.to(torch.bfloat16).float())
+        assert torch.equal(y, lut_matmul_reference(x.float(), rounded).to(torch.bfloat16))
+        # float32 x is never rounded so: the float32 path, exact weights
+        assert error_ratio(lut_cpu.lut_matmul_cpu(x.float(), w), x.float(), ref, dequantize_lut(w).double().abs()) < 0.01
+
+
+@pytest.mark.skipif(lut_cpu.machine_isa() < 3, reason="no AVX-512 BF16 on this CPU")
+def test_bf16_path_takes_the_formats_it_claims():
+    assert lut_cpu.bf16_path(_weights(8, 256, "kmeans-layer", 4, 64, 0).packed)
+    assert lut_cpu.bf16_path(_weights(8, 576, "kmeans-layer", 2, 64, 0).packed)  # a partial last chunk
+    assert lut_cpu.bf16_path(_weights(8, 256, "int-asym", 4, 64, 0).packed)  # integer levels: exact in bfloat16
+    assert not lut_cpu.bf16_path(_weights(8, 256, "kmeans-block", 4, 64, 0).packed)  # per-block codebooks
+    assert not lut_cpu.bf16_path(_weights(8, 256, "kmeans-layer", 8, 64, 0).packed)
+    assert not lut_cpu.bf16_path(_weights(8, 96, "kmeans-layer", 4, 32, 0).packed, isa="avx512")

@@ -11,14 +11,21 @@ memory against the bytes of its weights.
 The one-layer GEMV table (M = 1, bfloat16 x) separates the kernel from the per-token framework
 overhead: GB/s of weight bytes read, against the copy bandwidth measured in the same run (a 256 MB
 ``copy_``, read and written bytes counted, as STREAM does). Each layer is cycled through enough
-copies to exceed the last-level cache, so the weights come from memory. llama.cpp is not built
-here: its row says so (`llama-bench` from the llama-cpp-python sdist's sources is a documented,
-optional step).
+copies to exceed the last-level cache, so the weights come from memory.
+
+llama.cpp: where `llama-bench` is built (scripts/build_llama_cpp.sh, from the llama-cpp-python sdist's
+sources, into ``${HILT_LLAMA_CPP:-~/.cache/hilt/llama.cpp}/bin``), its token-generation rate on hilt's
+own Q4_0 and Q8_0 exports of SmolLM2 (`hilt export gguf`) is measured in the same run; otherwise its
+row says "not built".
+
+``--quick`` (the test's): a tiny random Llama in place of SmolLM2, dense and k-means 4-bit, a few
+tokens, SmolLM2's layer alone in the GEMV table; it checks that the pipeline runs, not the speeds.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -43,6 +50,8 @@ FORMATS = {"hilt int4 (block 64)": (QuantConfig("int", 4, 64), None),
            "hilt binary (block 64)": (QuantConfig("binary", 1, 64), None),
            "hilt k-means 4 compensated": (QuantConfig("kmeans", 4, 64), "compensate")}
 QUICK_FORMATS = ("hilt k-means 4 (block 64)",)
+# the llama.cpp rows: hilt's GGUF exports (llama.cpp's blocks are 32 weights)
+LLAMA_CPP_FORMATS = {"Q4_0": QuantConfig("int", 4, 32), "Q8_0": QuantConfig("int", 8, 32)}
 # (in_features, out_features): SmolLM2's up projection, and an 8B model's
 GEMV_SHAPES = [(576, 1536), (4096, 14336)]
 GEMV_FORMATS = [("k-means 4", QuantConfig("kmeans", 4, 64)), ("k-means 3", QuantConfig("kmeans", 3, 64)),
@@ -114,7 +123,7 @@ def copy_bandwidth(mbytes: int = 256, repeats: int = 5) -> float:
     return 2 * a.numel() * 4 / _best_time(lambda: b.copy_(a), repeats) / 1e9
 
 
-def gemv_table(shapes=None, repeats: int = 10) -> list[dict]:
+def gemv_table(shapes=None, repeats: int = 10, formats=None, past_bytes: int = 96 << 20) -> list[dict]:
     """One layer at M = 1, bfloat16 x: GB/s of weight bytes read, per format, the dense bf16 matmul and
     PyTorch's int4 kernel beside hilt's. Weights cycled through copies past the last-level cache."""
     from hilt.kernels import int_cpu, lut_cpu
@@ -128,7 +137,7 @@ def gemv_table(shapes=None, repeats: int = 10) -> list[dict]:
         x = torch.randn(1, k, generator=g).to(torch.bfloat16)
 
         def cycled(nbytes, make, call):
-            copies = [make() for _ in range(max(2, -(-(96 << 20) // nbytes)))]  # past a 32 MB L3
+            copies = [make() for _ in range(max(2, -(-past_bytes // nbytes)))]  # 96 MB: past a 32 MB L3
 
             def step():
                 for c in copies:
@@ -139,13 +148,14 @@ def gemv_table(shapes=None, repeats: int = 10) -> list[dict]:
         t = cycled(dense.numel() * 2, dense.clone, lambda d: x @ d.T)
         rows.append({"shape": f"{k}x{n}", "format": "dense bf16 (torch)", "bytes": dense.numel() * 2,
                      "us": t * 1e6, "gb_per_s": dense.numel() * 2 / t / 1e9})
-        for label, config in GEMV_FORMATS:
+        for label, config in formats or GEMV_FORMATS:
             q = quantize_tensor(w, config)
             p = q.packed
             mk = lambda p=p: type(p)(**{f: (v.clone() if isinstance(v, torch.Tensor) else v)  # noqa: E731
                                         for f, v in vars(p).items()})
             t = cycled(p.nbytes, mk, lambda c: lut_matmul(x, c))
-            rows.append({"shape": f"{k}x{n}", "format": f"hilt {label} (lut_cpu, {lut_cpu.layout(p)[0]} lanes)",
+            kind = "bf16 path" if lut_cpu.bf16_path(p) else f"{lut_cpu.layout(p)[0]} lanes"
+            rows.append({"shape": f"{k}x{n}", "format": f"hilt {label} (lut_cpu, {kind})",
                          "bytes": p.nbytes, "us": t * 1e6, "gb_per_s": p.nbytes / t / 1e9})
             if int_cpu.supports(p):  # symmetric integer levels the int4/int8 kernels take
                 t = cycled(p.nbytes, lambda: (p, int_cpu.prepack(p)), lambda c: int_cpu.int_matmul(x, c[0], c[1]))
@@ -155,23 +165,79 @@ def gemv_table(shapes=None, repeats: int = 10) -> list[dict]:
     return rows
 
 
-def run(quick: bool = False, work=None, threads: int = 2, gemv: bool = True) -> dict:
-    """``quick``: k-means 4-bit and dense only, 8 tokens, SmolLM2's layer in the GEMV table."""
+def llama_cpp_tool(name: str) -> Path | None:
+    """llama.cpp's tool ``name`` (llama-bench, ...) where scripts/build_llama_cpp.sh built it, else None."""
+    root = os.environ.get("HILT_LLAMA_CPP") or Path.home() / ".cache" / "hilt" / "llama.cpp"
+    tool = Path(root) / "bin" / name
+    return tool if tool.is_file() and os.access(tool, os.X_OK) else None
+
+
+def _llama_cpp_rows(tmp: Path, threads: int, new_tokens: int, repeats: int) -> list[dict]:
+    """llama-bench's token generation on hilt's Q4_0 and Q8_0 GGUF exports of SmolLM2."""
+    from hilt.models.llama import smollm2_path
+    from hilt.quant.gguf_export import export_gguf
+
+    bench = llama_cpp_tool("llama-bench")
+    if bench is None:
+        return [{"model": "llama.cpp llama-bench (Q4_0, Q8_0 exports)", "tokens_per_second": None,
+                 "note": "not built"}]
+    rows = []
+    for kind, config in LLAMA_CPP_FORMATS.items():
+        label = f"llama.cpp llama-bench, hilt's {kind} export"
+        try:
+            folder, gguf_file = tmp / f"llama-{kind}", tmp / f"smollm2-{kind}.gguf"
+            quantize_checkpoint(smollm2_path(), folder, config)
+            export_gguf(folder, gguf_file)
+            r = subprocess.run([str(bench), "-m", str(gguf_file), "-p", "0", "-n", str(new_tokens), "-t", str(threads),
+                                "-r", str(repeats), "-o", "json"], capture_output=True, text=True, timeout=600)
+            if r.returncode != 0:
+                raise RuntimeError((r.stderr.strip().splitlines() or ["failed"])[-1])
+            result = next(t for t in json.loads(r.stdout) if t.get("n_gen"))
+            rows.append({"model": label, "tokens_per_second": round(float(result["avg_ts"]), 2),
+                         "weight_bytes": gguf_file.stat().st_size})
+        except Exception as e:  # noqa: BLE001 (the row says why; the others stand)
+            rows.append({"model": label, "tokens_per_second": None, "note": f"failed: {type(e).__name__}: {e}"})
+    return rows
+
+
+def _tiny_llama(folder: Path, transformers) -> Path:
+    """A random 2-layer Llama as a Hugging Face folder (bfloat16): the quick mode's model."""
+    config = transformers.LlamaConfig(vocab_size=512, hidden_size=128, intermediate_size=384, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
+    torch.manual_seed(0)
+    transformers.LlamaForCausalLM(config).to(torch.bfloat16).save_pretrained(folder)
+    return folder
+
+
+def run(quick: bool = False, work=None, threads: int = 2, gemv: bool = True, new_tokens: int | None = None,
+        repeats: int | None = None) -> dict:
+    """``quick``: a tiny random Llama, dense and k-means 4-bit, 4 tokens; SmolLM2's layer alone in the GEMV table."""
     from hilt.models.llama import GGUF_FILE, smollm2_path
 
     transformers = require_transformers()
     torch.set_num_threads(threads)
-    new_tokens, repeats = (8, 1) if quick else (64, 3)
-    bandwidth = copy_bandwidth(64 if quick else 256)
+    new_tokens, repeats = new_tokens or (4 if quick else 64), repeats or (1 if quick else 3)
+    bandwidth = copy_bandwidth(16 if quick else 256)
     LOG.info(f"copy bandwidth: {bandwidth:.1f} GB/s")
-    gemv_rows = gemv_table(GEMV_SHAPES[:1] if quick else None, 3 if quick else 10) if gemv else []
+    gemv_rows = []
+    if gemv:
+        gemv_rows = (gemv_table(GEMV_SHAPES[:1], 2, GEMV_FORMATS[:1], past_bytes=4 << 20) if quick
+                     else gemv_table(None, 10))
     for r in gemv_rows:
         r["of_copy_bandwidth"] = round(r["gb_per_s"] / bandwidth, 3)
     formats = {k: v for k, v in FORMATS.items() if not quick or k in QUICK_FORMATS}
     with tempfile.TemporaryDirectory(dir=work) as tmp:
         tmp = Path(tmp)
-        LOG.info("converting SmolLM2's GGUF to a Hugging Face folder (bfloat16)")
-        dense = gguf_to_hf(smollm2_path(), tmp / "smollm2-hf")
+        if quick:
+            dense = _tiny_llama(tmp / "tiny-llama", transformers)
+            ids = torch.arange(1, 9).unsqueeze(0)
+            decode_text = lambda tokens: " ".join(map(str, tokens))  # noqa: E731 (no tokenizer: the ids)
+        else:
+            LOG.info("converting SmolLM2's GGUF to a Hugging Face folder (bfloat16)")
+            dense = gguf_to_hf(smollm2_path(), tmp / "smollm2-hf")
+            tokenizer = transformers.AutoTokenizer.from_pretrained(str(dense))
+            ids = tokenizer(PROMPT, return_tensors="pt", add_special_tokens=False)["input_ids"]
+            decode_text = tokenizer.decode
         folders = {"dense bf16": dense}
         for i, (label, (config, extra)) in enumerate(formats.items()):
             LOG.info(f"quantizing: {label}")
@@ -184,8 +250,6 @@ def run(quick: bool = False, work=None, threads: int = 2, gemv: bool = True) -> 
             except Exception as e:  # noqa: BLE001 (one row fails, the others are measured)
                 LOG.warning(f"{label}: {type(e).__name__}: {e}")
                 del folders[label]
-        tokenizer = transformers.AutoTokenizer.from_pretrained(str(dense))
-        ids = tokenizer(PROMPT, return_tensors="pt", add_special_tokens=False)["input_ids"]
         rows = []
         gguf_kwargs = {"gguf_file": GGUF_FILE}
         cases = [(label, folder, {}) for label, folder in folders.items()]
@@ -197,10 +261,15 @@ def run(quick: bool = False, work=None, threads: int = 2, gemv: bool = True) -> 
             speed, tokens = _tokens_per_second(model.eval(), ids, new_tokens, repeats)
             del model
             weights = smollm2_path().stat().st_size if kwargs else _weight_bytes(folder)
-            memory = _load_memory(folder, kwargs) if not quick or label != "dense bf16" else {}
+            memory = {} if quick else _load_memory(folder, kwargs)  # the probe's fresh process: seconds
             rows.append({"model": label, "tokens_per_second": round(speed, 2), "weight_bytes": weights,
-                         "text": tokenizer.decode(tokens[:12]), **{f"rss_{k}": v for k, v in memory.items()}})
-    base = rows[0]["tokens_per_second"]
+                         "text": decode_text(tokens[:12]), **{f"rss_{k}": v for k, v in memory.items()}})
+        base = rows[0]["tokens_per_second"]
+        if quick:
+            rows.append({"model": "llama.cpp llama-bench (Q4_0, Q8_0 exports)", "tokens_per_second": None,
+                         "note": "not run in --quick" if llama_cpp_tool("llama-bench") else "not built"})
+        else:
+            rows += _llama_cpp_rows(tmp, threads, new_tokens, repeats)
     for r in rows:
         if r.get("tokens_per_second") is None:
             continue
@@ -208,9 +277,8 @@ def run(quick: bool = False, work=None, threads: int = 2, gemv: bool = True) -> 
         if "rss_loaded" in r:
             r["loaded_over_weights"] = round((r["rss_loaded"] - r["rss_baseline"]) / r["weight_bytes"], 3)
             r["decoding_over_weights"] = round((r["rss_decoding"] - r["rss_baseline"]) / r["weight_bytes"], 3)
-    rows.append({"model": "llama.cpp llama-bench (Q4_0, Q8_0 exports)", "tokens_per_second": None,
-                 "note": "not built"})
-    return {"threads": threads, "new_tokens": new_tokens, "repeats": repeats, "prompt": PROMPT,
+    return {"threads": threads, "new_tokens": new_tokens, "repeats": repeats, "prompt": None if quick else PROMPT,
+            "model": "tiny random Llama (quick)" if quick else "SmolLM2-135M-Instruct",
             "device": "cpu", "torch": torch.__version__, "transformers": transformers.__version__,
             "cpu_flags": _cpu_flags(), "copy_gb_per_s": round(bandwidth, 2), "rows": rows, "gemv": gemv_rows,
             "table": table(rows) + ("\n\n" + gemv_markdown(gemv_rows, bandwidth) if gemv_rows else "")}
@@ -242,6 +310,7 @@ def table(rows: list[dict]) -> str:
             continue
         memory = (f"{r['loaded_over_weights']:.2f}x / {r['decoding_over_weights']:.2f}x" if "loaded_over_weights" in r
                   else r.get("rss_error", "n/a"))
-        lines.append(f"| {r['model']} | {r['tokens_per_second']:.2f} | {r['vs_dense_bf16']:.2f}x | "
+        vs = f"{r['vs_dense_bf16']:.2f}x" if "vs_dense_bf16" in r else "n/a"
+        lines.append(f"| {r['model']} | {r['tokens_per_second']:.2f} | {vs} | "
                      f"{r['weight_bytes'] / 1e6:.1f} | {memory} |")
     return "\n".join(lines)

@@ -1,0 +1,43 @@
+"""`hilt bench decode --quick`: the whole pipeline (quantize, from_pretrained, generate through the CPU
+kernel, the GEMV table, the llama.cpp row) on a tiny random Llama, in seconds."""
+
+import json
+import stat
+
+import pytest
+
+from hilt.bench.perf import decode_speed
+from hilt.cli import main
+from hilt.kernels import lut_cpu
+
+pytest.importorskip("transformers")
+
+
+def test_quick_decode_runs_every_part(tmp_path, capsys):
+    assert main(["bench", "decode", "--quick", "--work", str(tmp_path), "--out", str(tmp_path / "out")]) == 0
+    r = json.loads((tmp_path / "out" / "decode.json").read_text())
+    rows = {row["model"]: row for row in r["rows"]}
+    assert rows["dense bf16"]["tokens_per_second"] > 0 and rows["dense bf16"]["vs_dense_bf16"] == 1.0
+    km = rows["hilt k-means 4 (block 64)"]
+    assert km["tokens_per_second"] > 0 and km["weight_bytes"] < rows["dense bf16"]["weight_bytes"]
+    assert rows["llama.cpp llama-bench (Q4_0, Q8_0 exports)"]["note"] in ("not built", "not run in --quick")
+    formats = [g["format"] for g in r["gemv"]]
+    assert formats[0] == "dense bf16 (torch)" and formats[1].startswith("hilt k-means 4 (lut_cpu")
+    if lut_cpu.machine_isa() >= 3:
+        assert "bf16 path" in formats[1]
+    assert all(g["gb_per_s"] > 0 and g["of_copy_bandwidth"] > 0 for g in r["gemv"])
+    assert r["copy_gb_per_s"] > 0 and "| hilt k-means 4 (block 64) |" in capsys.readouterr().out
+    assert not list(tmp_path.glob("tmp*"))  # the work folder is cleaned up
+
+
+def test_llama_cpp_tool_is_found_only_where_built(tmp_path, monkeypatch):
+    monkeypatch.setenv("HILT_LLAMA_CPP", str(tmp_path))
+    assert decode_speed.llama_cpp_tool("llama-bench") is None
+    (tmp_path / "bin").mkdir()
+    tool = tmp_path / "bin" / "llama-bench"
+    tool.write_text("#!/bin/sh\n")
+    assert decode_speed.llama_cpp_tool("llama-bench") is None  # not executable
+    tool.chmod(tool.stat().st_mode | stat.S_IXUSR)
+    assert decode_speed.llama_cpp_tool("llama-bench") == tool
+    monkeypatch.setenv("HILT_LLAMA_CPP", str(tmp_path / "elsewhere"))
+    assert decode_speed._llama_cpp_rows(tmp_path, 1, 4, 1)[0]["note"] == "not built"
