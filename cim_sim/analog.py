@@ -369,7 +369,7 @@ class AnalogMixin:
         c = self.config
         in_step, out_step = self.converter_steps()
         as_int8 = self.integer_product
-        if c.input_range == "static":
+        if c.input_range == "static" and self.input_ranges is not None:  # (until calibrated: dynamic)
             xq, x_scale = self._static_input(x, array, in_step, as_int8)
         elif c.dac_bits is not None:
             # one shape family (3-D, contiguous) for the compiled pass, so that it compiles once
@@ -414,9 +414,6 @@ class AnalogMixin:
     def _static_input(self, x, array: HeldArray, in_step: float, as_int8: bool):
         """Static input ranges: every row of the array's slice over the array's calibrated range, clipped
         at +-inp_bound (and through the DAC) -> (x in DAC steps, per-row scale: the range)."""
-        if self.input_ranges is None:
-            raise HiltError(f"analog layer {self.path or type(self).__name__}: input_range='static' needs calibrated "
-                            "ranges; call hilt.cim_sim.calibrate_input_ranges(model, run) first")
         r = float(self.input_ranges[array.k0])
         c = self.config
         xq = (x * (1 / (r * in_step))).clamp(-c.inp_bound / in_step, c.inp_bound / in_step)
@@ -554,6 +551,9 @@ class AnalogLinear(AnalogMixin, nn.Module):
         if self.is_ideal or self.calibrating:  # exactly the digital layer's arithmetic
             y = F.linear(x, self.w_digital.to(x.dtype), None if self.bias is None else self.bias.to(x.dtype))
             return self._repeat_for_chips(y, x)
+        if self.config.input_range == "static" and self.input_ranges is None:
+            raise HiltError(f"analog layer {self.path or type(self).__name__}: input_range='static' needs calibrated "
+                            "ranges; call hilt.cim_sim.calibrate_input_ranges(model, run), then program")
         per_chip = self.chip_rows(x)
         flat = x.reshape(self.chips, -1, self.in_features) if per_chip else x.reshape(-1, self.in_features)
         y = self.mvm(flat.float(), self.gdc_scale, self.bias)

@@ -163,7 +163,8 @@ def calibrate_input_ranges(model: nn.Module, run, percentile: float | None = Non
     """Static input ranges: ``run(model)`` drives calibration forwards (one chip's worth of inputs,
     not stacked) while every analog layer computes digitally and records its inputs; each array's
     range is then the ``percentile``-th percentile (default the layer config's input_percentile) of
-    |x| over its inputs. Sets ``layer.input_ranges``; returns {layer path: [range per array]}."""
+    |x| over its inputs. Sets ``layer.input_ranges`` (program the chips after it: their drift-compensation
+    references read through the ranges); returns {layer path: [range per array]}."""
     _require_analog(model, "calibrate_input_ranges")
     seen, hooks = {}, []
     layers = analog_layers(model)

@@ -193,6 +193,7 @@ def lm_drift_study(model="smollm2", preset_name="pcm", times="1s,1h,1d,1mo,1y", 
         if unknown:
             raise HiltError(f"--set {', '.join(sorted(unknown))}: not a field of AnalogConfig")
         config = dataclasses.replace(config, **overrides)
+    _read_text(text)  # an unreadable or empty text before the model loads
     lm = lm or load_language_model(model)
     data, data_name = eval_data(lm, text, tokens, context, sentences)
     metric = "perplexity" if lm.kind == "causal" else "cosine"
