@@ -15,9 +15,9 @@ def drift_model(text: str) -> str:
         return text
     try:
         return model_spec(text)
-    except argparse.ArgumentTypeError:
-        raise argparse.ArgumentTypeError(f"expected mlp, cnn, PKG.MODULE:FACTORY, smollm2, minilm, a .gguf file or a "
-                                         f"model folder, got {text!r}") from None
+    except argparse.ArgumentTypeError as e:
+        raise argparse.ArgumentTypeError(f"{e} (or a language model: smollm2, minilm, a .gguf file or a model "
+                                         "folder)") from None
 
 
 def config_overrides(items) -> dict:
