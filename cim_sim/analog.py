@@ -101,10 +101,33 @@ class AnalogConfig:
     # True: each layer's weights scaled to abs-max 1 on the arrays, the scale applied digitally
     # (aihwkit's weight_scaling_omega=1)
     weight_scaling: bool = False
+    # Weight mapping (programming): "layer" maps the layer's abs-max weight to g_max; "column" maps
+    # each output column's own abs-max to g_max (its scale applied digitally, so output noise and ADC
+    # step are relative to that column's largest weight, as aihwkit's columnwise weight scaling).
+    weight_mapping: str = "layer"
+    # Outliers clipped per output column before mapping (0 = off): at clip_std times the column's
+    # weight std, or at the clip_percentile-th percentile of its |w| (e.g. 99.9).
+    clip_std: float = 0.0
+    clip_percentile: float = 0.0
+    # Input ranges: "dynamic" divides each input row by its abs-max (noise management, with bound
+    # management on the outputs); "static" divides every row by one range per array, calibrated as
+    # the input_percentile-th percentile of |x| on calibration data (calibrate_input_ranges), and
+    # clips what lies beyond it.
+    input_range: str = "dynamic"
+    input_percentile: float = 99.99
 
     def device_model(self):
         if self.device not in ("ideal", "pcm", "rram"):
             raise HiltError(f"unknown device {self.device!r}; choose ideal, pcm or rram")
+        if self.weight_mapping not in ("layer", "column"):
+            raise HiltError(f"unknown weight_mapping {self.weight_mapping!r}; choose layer or column")
+        if self.input_range not in ("dynamic", "static"):
+            raise HiltError(f"unknown input_range {self.input_range!r}; choose dynamic or static")
+        if self.clip_std < 0 or not 0 <= self.clip_percentile <= 100 or not 0 < self.input_percentile <= 100:
+            raise HiltError(f"clip_std must be >= 0 and clip_percentile 0 to 100, input_percentile in (0, 100]; got "
+                            f"{self.clip_std}, {self.clip_percentile}, {self.input_percentile}")
+        if self.clip_std and self.clip_percentile:
+            raise HiltError("clip_std and clip_percentile exclude each other: set one of them")
         if not 0 <= self.stuck_at_rate <= 1:
             raise HiltError(f"stuck_at_rate is a fraction of the devices, 0 to 1; got {self.stuck_at_rate}")
         kw = dict(prog_noise_scale=self.prog_noise_scale, read_noise_scale=self.read_noise_scale,
@@ -231,6 +254,32 @@ class AnalogMixin:
         self.gens = [torch.Generator().manual_seed(0)]
         self.chip_forward = None  # the forward under way (ChipForward), set by cim_sim.model before each
         self.path = ""  # where the model holds this layer, for messages (set by cim_sim.model.program)
+        self.column_unit = None  # weight_mapping="column": per output column, the weight mapped to g_max
+        self.w_target = None  # the weights as mapped where clipping changed them (else w_digital)
+        self.clipped_share = 0.0  # the share of this layer's weights clipped by the mapping
+        self.input_ranges = None  # input_range="static": one calibrated range per array (calibrate_input_ranges)
+        self.calibrating = False  # True while calibrate_input_ranges records inputs: the layer computes digitally
+        if config.clip_std or config.clip_percentile or config.weight_mapping == "column":
+            self._map_weights(w)
+
+    def _map_weights(self, w: torch.Tensor) -> None:
+        """The mapping options: outliers clipped per output column, then the layer's or each column's
+        abs-max taken as g_max."""
+        c = self.config
+        if c.clip_std or c.clip_percentile:
+            if c.clip_std:
+                limit = c.clip_std * w.std(1, keepdim=True, correction=0)
+            else:
+                k = max(1, min(w.shape[1], math.ceil(c.clip_percentile / 100 * w.shape[1])))
+                limit = w.abs().kthvalue(k, dim=1, keepdim=True).values
+            limit = torch.where(limit > 0, limit, w.abs().amax(1, keepdim=True))  # a constant column stays whole
+            self.clipped_share = float((w.abs() > limit).double().mean())
+            w = torch.maximum(torch.minimum(w, limit), -limit)
+            self.w_target = w
+        if c.weight_mapping == "column":
+            self.column_unit = w.abs().amax(1).clamp_min(1e-30)
+        else:
+            self.w_max = float(w.abs().max()) or 1.0
 
     # -- device life cycle ------------------------------------------------------------------
 
@@ -246,13 +295,14 @@ class AnalogMixin:
         self.chips = len(gens)
         self.gens = [torch.Generator().manual_seed(int(torch.randint(2**62, (1,), generator=g))) for g in gens]
         dev = self.device_model
+        mapped = self.w_digital if self.w_target is None else self.w_target
         if dev is None:
-            w = self.w_digital.clone()
+            w = mapped.clone()
             self.set_weights(w if self.chips == 1 else w.expand(self.chips, *w.shape))
             return None
-        scale = dev.g_max / self.w_max
+        scale = dev.g_max / (self.w_max if self.column_unit is None else self.column_unit.view(-1, 1))
         # G+ and G- stacked: one tensor op per step for both devices of every pair
-        g_target = torch.stack([(self.w_digital * scale).clamp(0, dev.g_max), (-self.w_digital * scale).clamp(0, dev.g_max)])
+        g_target = torch.stack([(mapped * scale).clamp(0, dev.g_max), (-mapped * scale).clamp(0, dev.g_max)])
         chips = []
         for gen in gens:  # in each chip's generator, the draws of a one-chip programming
             g_prog = stuck_at(dev.program(g_target, gen), self.config.stuck_at_rate, dev.g_max, gen)
@@ -304,6 +354,8 @@ class AnalogMixin:
                     x_scale = x_scale * tile_scale[:, i].view(-1, 1, 1)
                 y = part.mul_(x_scale) if y is None else y.addcmul_(part, x_scale)
         factor = 1.0 if self.is_ideal else self.w_unit * self.converter_steps()[1]  # ADC steps -> weights x inputs
+        if self.column_unit is not None and not self.is_ideal:  # the arrays hold each column over its unit
+            factor = self.column_unit.view(1, 1, -1) * factor
         if column_scale is not None:
             factor = column_scale.view(self.chips, 1, -1) * factor
         if bias is None:
@@ -317,7 +369,9 @@ class AnalogMixin:
         c = self.config
         in_step, out_step = self.converter_steps()
         as_int8 = self.integer_product
-        if c.dac_bits is not None:
+        if c.input_range == "static" and self.input_ranges is not None:  # (until calibrated: dynamic)
+            xq, x_scale = self._static_input(x, array, in_step, as_int8)
+        elif c.dac_bits is not None:
             # one shape family (3-D, contiguous) for the compiled pass, so that it compiles once
             x3 = (x if x.dim() == 3 else x.unsqueeze(0)).contiguous()
             stage = _input_stage if fused else _input_stage_eager
@@ -356,6 +410,16 @@ class AnalogMixin:
             still = retry_peak[slot, pos] >= bound
             chip_of, row_of = chip_of[still], row_of[still]
         return part, x_scale
+
+    def _static_input(self, x, array: HeldArray, in_step: float, as_int8: bool):
+        """Static input ranges: every row of the array's slice over the array's calibrated range, clipped
+        at +-inp_bound (and through the DAC) -> (x in DAC steps, per-row scale: the range)."""
+        r = float(self.input_ranges[array.k0])
+        c = self.config
+        xq = (x * (1 / (r * in_step))).clamp(-c.inp_bound / in_step, c.inp_bound / in_step)
+        if c.dac_bits is not None:
+            xq = xq.round()
+        return (xq.to(torch.int8) if as_int8 else xq), torch.full((*x.shape[:-1], 1), r)
 
     def _read_out(self, xq: torch.Tensor, array: HeldArray, chip_ids: list[int], fused: bool = True,
                   real_rows: list[int] | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -440,6 +504,8 @@ class AnalogMixin:
         key = (id(self.w_eff), self.w_eff._version)  # set_weights also resets it; the version counts in-place writes
         if getattr(self, "_tiles_of", None) != key:
             w = self.w_eff.view(self.chips, *self.w_digital.shape)
+            if self.column_unit is not None:
+                w = w / self.column_unit.view(1, -1, 1)
             self._tile_list = [HeldArray.of(w[..., k0:k1], k0, k1) for k0, k1 in self.tile_bounds()]
             self._tiles_of = key
         return self._tile_list
@@ -458,13 +524,15 @@ class AnalogMixin:
     @property
     def w_unit(self) -> float:
         """The weight the arrays hold as 1: the layer's abs-max with weight scaling, else 1."""
+        if self.column_unit is not None:
+            return 1.0  # each column over its own unit already
         return self.w_max if self.config.weight_scaling else 1.0
 
     @property
     def is_ideal(self) -> bool:
         c = self.config
         return c.device == "ideal" and c.dac_bits is None and c.adc_bits is None and not c.out_noise \
-            and not c.w_noise and not c.ir_drop
+            and not c.w_noise and not c.ir_drop and self.w_target is None and c.input_range == "dynamic"
 
     def _repeat_for_chips(self, y: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """The ideal layer's output for every chip (they are all the digital layer)."""
@@ -480,9 +548,12 @@ class AnalogLinear(AnalogMixin, nn.Module):
         self._init_analog(linear.weight, linear.bias, config)
 
     def forward(self, x):
-        if self.is_ideal:  # exactly the digital layer's arithmetic
+        if self.is_ideal or self.calibrating:  # exactly the digital layer's arithmetic
             y = F.linear(x, self.w_digital.to(x.dtype), None if self.bias is None else self.bias.to(x.dtype))
             return self._repeat_for_chips(y, x)
+        if self.config.input_range == "static" and self.input_ranges is None:
+            raise HiltError(f"analog layer {self.path or type(self).__name__}: input_range='static' needs calibrated "
+                            "ranges; call hilt.cim_sim.calibrate_input_ranges(model, run), then program")
         per_chip = self.chip_rows(x)
         flat = x.reshape(self.chips, -1, self.in_features) if per_chip else x.reshape(-1, self.in_features)
         y = self.mvm(flat.float(), self.gdc_scale, self.bias)

@@ -21,7 +21,9 @@ Drift compensation (``gdc``), computed per layer from a fixed probe input:
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import math
 import re
 
 import torch
@@ -50,12 +52,18 @@ def analog_layers(model: nn.Module) -> list[tuple[str, AnalogMixin]]:
     return [(n, m) for n, m in model.named_modules() if isinstance(m, AnalogMixin)]
 
 
-def convert_to_analog(model: nn.Module, config: AnalogConfig | str, inplace: bool = False) -> nn.Module:
+def convert_to_analog(model: nn.Module, config: AnalogConfig | str, inplace: bool = False, lm_head: bool = False,
+                      layers: str | None = None) -> nn.Module:
     """Replace every nn.Linear, nn.Conv1d and nn.Conv2d by its analog counterpart (on a copy unless ``inplace``).
     ``config``: an AnalogConfig or a preset's name.
 
     Other layers stay digital; ``model.digital_layers`` lists them. The copy is
     programmed once with seed 0; call :func:`program` to draw another chip.
+
+    Language models: embeddings, norms and the attention products (softmax, QK^T, AV) are no
+    Linear and stay digital; a Linear named ``lm_head`` (a transformers model's output layer) stays
+    digital too unless ``lm_head``. ``layers``: a regular expression; only the Linear/Conv layers
+    whose path it matches (re.search) go analog, the others stay digital (listed with the rest).
     """
     if isinstance(config, str):
         config = preset(config)
@@ -65,9 +73,15 @@ def convert_to_analog(model: nn.Module, config: AnalogConfig | str, inplace: boo
     model = model if inplace else copy.deepcopy(model)
     digital = []
 
+    pattern = None if layers is None else re.compile(layers)
+
     def analog(name, module):
         if any(name.startswith(f"{d}.") for d in digital):
             return None  # inside a layer kept digital whole
+        if isinstance(module, (nn.Linear, nn.Conv1d, nn.Conv2d)) and name and (
+                (not lm_head and name.rsplit(".", 1)[-1] == "lm_head") or (pattern and not pattern.search(name))):
+            digital.append(name)
+            return None
         if isinstance(module, nn.MultiheadAttention):
             digital.append(name)  # it reads its projections' weights itself, so they stay digital with it
             return None
@@ -120,8 +134,82 @@ def _record_batch(model: nn.Module, args, kwargs) -> None:
     several chips knows a shared batch from one stacked per chip."""
     x = next((a for a in (*args, *kwargs.values()) if torch.is_tensor(a)), None)
     forward = None if x is None or x.dim() == 0 else ChipForward(x.shape[0])
+    chips = getattr(model, "chips", 1)
+    if forward is not None and getattr(model, "inputs_stacked", False) and chips > 1:
+        if x.shape[0] % chips:
+            raise HiltError(f"stacked_chips: the model's input has {x.shape[0]} rows, not a multiple of its {chips} chips")
+        forward = ChipForward(x.shape[0] // chips)
+        forward.stacked = True  # every analog layer's input is one batch per chip, chip-major
     for _, layer in analog_layers(model):
         layer.chip_forward = forward
+
+
+@contextlib.contextmanager
+def stacked_chips(model: nn.Module):
+    """Within: the model's inputs hold one batch per chip, chip-major (chips x batch rows), from its
+    first layer on. For models that cannot broadcast a shared batch against per-chip activations
+    (a residual stream, an attention mask, reshapes by the input's batch size: language models):
+    feed ``x.repeat(chips, ...)`` and read chip k's outputs from rows k*batch:(k+1)*batch."""
+    before = getattr(model, "inputs_stacked", False)
+    model.inputs_stacked = True
+    try:
+        yield model
+    finally:
+        model.inputs_stacked = before
+
+
+@torch.no_grad()
+def calibrate_input_ranges(model: nn.Module, run, percentile: float | None = None) -> dict:
+    """Static input ranges: ``run(model)`` drives calibration forwards (one chip's worth of inputs,
+    not stacked) while every analog layer computes digitally and records its inputs; each array's
+    range is then the ``percentile``-th percentile (default the layer config's input_percentile) of
+    |x| over its inputs. Sets ``layer.input_ranges`` (program the chips after it: their drift-compensation
+    references read through the ranges); returns {layer path: [range per array]}."""
+    _require_analog(model, "calibrate_input_ranges")
+    seen, hooks = {}, []
+    layers = analog_layers(model)
+    for name, layer in layers:
+        layer.calibrating = True
+        hooks.append(layer.register_forward_pre_hook(
+            lambda mod, args, name=name: seen.setdefault(name, []).append(args[0].detach().reshape(-1, args[0].shape[-1]).float())))
+    try:
+        run(model)
+    finally:
+        for h in hooks:
+            h.remove()
+        for _, layer in layers:
+            layer.calibrating = False
+    ranges = {}
+    for name, layer in layers:
+        if name not in seen:
+            raise HiltError(f"calibrate_input_ranges: layer {name} saw no input in the calibration run")
+        x = torch.cat(seen.pop(name)).abs()
+        p = layer.config.input_percentile if percentile is None else percentile
+        layer.input_ranges = {}
+        for k0, k1 in layer.tile_bounds():
+            flat = x[:, k0:k1].reshape(-1)
+            k = max(1, min(flat.numel(), math.ceil(p / 100 * flat.numel())))
+            layer.input_ranges[k0] = max(float(flat.kthvalue(k).values), 1e-12)
+        ranges[name] = list(layer.input_ranges.values())
+    return ranges
+
+
+def chip_memory(model: nn.Module) -> dict:
+    """Bytes the simulator holds per programmed chip: the devices (conductance pairs, drift exponents,
+    read-noise coefficients) and the weights as read (float, and the arrays' int8 codes)."""
+    chips = getattr(model, "chips", 1)
+    devices = sum(t.numel() * t.element_size() for pool in getattr(model, "device_pools", []) for t in
+                  (pool["g"], pool["nu"], pool["q"])) // chips
+    weights = sum(layer.w_digital.numel() for _, layer in analog_layers(model))
+    return {"device_bytes": devices, "weight_bytes": weights * (4 + 2), "analog_weights": weights,
+            "bytes_per_chip": devices + weights * 6}
+
+
+def clipped_share(model: nn.Module) -> float:
+    """The share of all analog weights that the mapping's clipping (clip_std / clip_percentile) changed."""
+    layers = [layer for _, layer in analog_layers(model)]
+    n = sum(layer.w_digital.numel() for layer in layers)
+    return sum(layer.clipped_share * layer.w_digital.numel() for layer in layers) / max(n, 1)
 
 
 @torch.no_grad()

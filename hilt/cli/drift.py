@@ -1,36 +1,92 @@
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
-from hilt.cli.common import CIM_PRESETS, DRIFT_COMPENSATION, OUTPUT, PLOT, POSITIVE, command, model_spec
+from hilt.cli.common import CIM_PRESETS, DRIFT_COMPENSATION, OUTPUT, PLOT, POSITIVE, UsageError, command, model_spec
 from hilt.cli.output import write_outputs
+
+LANGUAGE_MODELS = ("smollm2", "minilm")  # as hilt.tasks.drift_lm (not imported here: no torch for --help)
+
+
+def drift_model(text: str) -> str:
+    """A workload, a factory, or a language model: smollm2, minilm, a .gguf file or a model folder."""
+    if text in LANGUAGE_MODELS or text.endswith(".gguf") or Path(text).is_dir():
+        return text
+    try:
+        return model_spec(text)
+    except argparse.ArgumentTypeError as e:
+        raise argparse.ArgumentTypeError(f"{e} (or a language model: smollm2, minilm, a .gguf file or a model "
+                                         "folder)") from None
+
+
+def config_overrides(items) -> dict:
+    """--set FIELD=VALUE (AnalogConfig fields) -> {field: value}, values read as JSON where they parse."""
+    import json
+
+    out = {}
+    for item in items or []:
+        field, sep, value = item.partition("=")
+        if not sep or not field:
+            raise UsageError(f"--set {item}: expected FIELD=VALUE, e.g. --set weight_mapping=column")
+        try:
+            out[field] = json.loads(value)
+        except ValueError:
+            out[field] = value
+    return out
 
 
 def cmd_drift(args) -> int:
     from hilt.tasks import drift
 
-    result = drift.drift_study(args.model, args.checkpoint, args.preset, args.times, args.repeats, args.gdc,
-                               args.test_images, progress=True, data=args.data)
+    lm = args.model in LANGUAGE_MODELS or args.model.endswith(".gguf") or Path(args.model).is_dir()
+    chips = args.chips or args.repeats
+    if lm:
+        if args.checkpoint or args.data or args.test_images:
+            raise UsageError("--checkpoint, --data and --test-images apply to mlp/cnn/factory models; a language "
+                             "model reads --text")
+        from hilt.tasks import drift_lm
+
+        result = drift_lm.lm_drift_study(args.model, args.preset, args.times, chips or 2, args.gdc, args.text,
+                                         args.tokens, args.context, args.sentences, config_overrides(args.set),
+                                         progress=True)
+    else:
+        for flag, value in (("--text", args.text), ("--set", args.set)):
+            if value:
+                raise UsageError(f"{flag} applies to a language model (--model smollm2, minilm or a folder)")
+        result = drift.drift_study(args.model, args.checkpoint, args.preset, args.times, chips or 5, args.gdc,
+                                   args.test_images or 10_000, progress=True, data=args.data)
     write_outputs(args, result, drift.plot_drift)
     return 0
 
 
 def register(sub) -> None:
-    d = command(sub, "drift", "accuracy on simulated CIM hardware over time after programming",
+    d = command(sub, "drift", "accuracy (or a language model's perplexity / embedding cosine) on simulated CIM "
+                "hardware over time after programming",
                 "hilt drift --model cnn --preset pcm --times 1s,1h,1d,1mo,1y --repeats 5 --plot drift.png\n  "
-                "hilt drift --model mynets:resnet8 --checkpoint resnet8.safetensors --data test.npz --repeats 10",
-                [OUTPUT, PLOT], plot="accuracy against log time, bands over chips")
-    d.add_argument("--model", default="cnn", type=model_spec, metavar="NAME|PKG.MODULE:FACTORY",
-                   help="a built-in workload (mlp, cnn; default cnn) or a function building your nn.Module")
-    d.add_argument("--workload", dest="model", type=model_spec, default=argparse.SUPPRESS, help=argparse.SUPPRESS)
+                "hilt drift --model mynets:resnet8 --checkpoint resnet8.safetensors --data test.npz --repeats 10\n  "
+                "hilt drift --model smollm2 --preset pcm --chips 2 --set weight_mapping=column --set clip_std=3",
+                [OUTPUT, PLOT], plot="the metric against log time, bands over chips")
+    d.add_argument("--model", default="cnn", type=drift_model, metavar="NAME|PKG.MODULE:FACTORY|FOLDER",
+                   help="a built-in workload (mlp, cnn; default cnn), a function building your nn.Module, or a "
+                        "language model: smollm2, minilm, a Llama .gguf, a BERT or transformers model folder")
+    d.add_argument("--workload", dest="model", type=drift_model, default=argparse.SUPPRESS, help=argparse.SUPPRESS)
     d.add_argument("--checkpoint", metavar="FILE", help="safetensors weights: from `hilt train` for a workload "
                    "(default: hilt/models/trained/WORKLOAD-standard.safetensors), your state dict for a factory")
     d.add_argument("--data", metavar="FILE", help="a .safetensors or .npz file of `inputs` and `labels` "
                    "(default: the Fashion-MNIST test split)")
     d.add_argument("--preset", default="pcm", choices=CIM_PRESETS, help="the CIM device preset (default pcm)")
+    d.add_argument("--set", action="append", metavar="FIELD=VALUE",
+                   help="language model: an AnalogConfig field over the preset (repeatable), e.g. weight_mapping=column, "
+                        "clip_std=3, input_range=static, adc_bits=10")
     d.add_argument("--times", default="1s,1h,1d,1mo,1y", help="comma-separated times after programming")
-    d.add_argument("--repeats", type=POSITIVE, default=5, help="programmed chips (default 5)")
+    d.add_argument("--repeats", type=POSITIVE, help="programmed chips (default 5; a language model 2)")
+    d.add_argument("--chips", type=POSITIVE, help="the same as --repeats")
     d.add_argument("--gdc", default="global", choices=DRIFT_COMPENSATION,
                    help="drift compensation compared with none (default global)")
-    d.add_argument("--test-images", type=POSITIVE, default=10_000, help="test examples per evaluation (default 10000)")
+    d.add_argument("--test-images", type=POSITIVE, help="test examples per evaluation (default 10000)")
+    d.add_argument("--text", metavar="FILE", help="language model: the evaluation text (default Hamlet)")
+    d.add_argument("--tokens", type=POSITIVE, default=256, help="causal LM: tokens evaluated (default 256)")
+    d.add_argument("--context", type=POSITIVE, default=128, help="causal LM: tokens per window (default 128)")
+    d.add_argument("--sentences", type=POSITIVE, default=64, help="encoder: sentences embedded (default 64)")
     d.set_defaults(func=cmd_drift)

@@ -106,10 +106,14 @@ def plot_drift(result: dict, path) -> None:
         ax.plot(t, mean, "o-", color=color, label=label)
         ax.fill_between(t, mean - std, mean + std, color=color, alpha=0.2)
         ax.plot(t, [r["worst"] for r in rows], ":", color=color, lw=1)
-    ax.axhline(result["digital_accuracy"], color="gray", ls="--", lw=1, label="digital")
+    metric = result.get("metric", "accuracy")
+    ax.axhline(result.get("digital", result.get("digital_accuracy")), color="gray", ls="--", lw=1, label="digital")
     ax.set_xscale("log")
+    if metric == "perplexity":
+        ax.set_yscale("log")
     ax.set_xlabel("time after programming (s)")
-    ax.set_ylabel("test accuracy (mean ± std; dotted: worst chip)")
+    ax.set_ylabel({"accuracy": "test accuracy", "perplexity": "perplexity",
+                   "cosine": "cosine to the digital embeddings"}[metric] + " (mean ± std; dotted: worst chip)")
     name = result["workload"].upper() if result["workload"] in ("mlp", "cnn") else result["workload"]
     ax.set_title(f"{name} on {result.get('data', 'fashion-mnist')}, {result['preset']} preset, {result['repeats']} chips")
     ax.grid(alpha=0.3)

@@ -1,0 +1,242 @@
+"""`hilt drift --model smollm2|minilm|FOLDER`: a language model on CIM hardware over time after programming.
+
+Every Linear of the decoder blocks / encoder layers goes on analog arrays (embeddings, norms, the
+attention products and SmolLM2's tied LM head stay digital); all chips are programmed at once and
+read in one pass per time, the inputs stacked one copy per chip (cim_sim.stacked_chips).
+
+- a causal LM (SmolLM2, a Llama GGUF, a transformers causal-LM folder): perplexity per chip on
+  ``tokens`` tokens of the text (default Hamlet) in windows of ``context`` tokens;
+- an encoder (MiniLM, a BERT folder): the mean cosine similarity per chip of its sentence
+  embeddings to the digital model's, on ``sentences`` Hamlet sentences.
+
+Static input ranges (``input_range="static"``) are calibrated on Macbeth, never on Hamlet.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from hilt.errors import HiltError
+from hilt.progress import LOG, Progress
+
+LANGUAGE_MODELS = ("smollm2", "minilm")
+
+
+@dataclass
+class LanguageModel:
+    kind: str  # causal | encoder
+    model: nn.Module
+    name: str
+    encode: Callable  # text -> token ids (causal) / sentences -> (ids, mask) (encoder)
+    logits: Callable | None = None  # causal: (model, ids (B, T)) -> logits (B, T, vocab)
+    hidden: Callable | None = None  # encoder: (model, ids, mask) -> last hidden states (B, T, d)
+
+
+def is_language_model(spec: str) -> bool:
+    """Whether ``--model`` names a language model (a built-in one, a GGUF file or a folder)."""
+    return spec in LANGUAGE_MODELS or spec.endswith(".gguf") or Path(spec).is_dir()
+
+
+def load_language_model(spec: str) -> LanguageModel:
+    """smollm2, minilm, a Llama GGUF file, a BERT folder hilt runs (config model_type bert) or a
+    transformers causal-LM / encoder folder."""
+    from hilt.models import bert, llama
+
+    path = Path(spec)
+    if spec == "smollm2" or spec.endswith(".gguf"):
+        if spec != "smollm2" and not path.is_file():
+            raise HiltError(f"{spec}: no such GGUF file")
+        net, tok = llama.load_llama(None if spec == "smollm2" else path)
+        return LanguageModel("causal", net, spec, tok.encode, logits=lambda m, ids: m(ids))
+    if spec != "minilm" and not path.is_dir():
+        raise HiltError(f"--model {spec}: not smollm2, minilm, a .gguf file or a model folder")
+    if spec != "minilm" and not (path / "config.json").is_file():
+        raise HiltError(f"{path}: not a model folder (no config.json)")
+    import json
+
+    config = {} if spec == "minilm" else json.loads((path / "config.json").read_text())
+    if spec == "minilm" or (config.get("model_type") == "bert" and (path / "tokenizer.json").is_file()):
+        net, tok = bert.load_minilm(None if spec == "minilm" else path)
+
+        def encode(sentences):
+            encs = tok.encode_batch(sentences)
+            return (torch.tensor([e.ids for e in encs]), torch.tensor([e.attention_mask for e in encs]))
+
+        return LanguageModel("encoder", net, spec, encode, hidden=lambda m, ids, mask: m(ids, mask))
+    from hilt.models import hf
+
+    checked = hf.check_folder(path)
+    archs = " ".join(checked.get("architectures") or [])
+    if "CausalLM" in archs or "LMHead" in archs:
+        net, tok = hf.load_causal_lm(path)
+        return LanguageModel("causal", net, str(path), lambda t: tok(t, add_special_tokens=False)["input_ids"],
+                             logits=lambda m, ids: m(ids).logits)
+    net, tok = hf.load_encoder(path)
+
+    def encode_hf(sentences):
+        enc = tok(sentences, padding=True, truncation=True, max_length=256, return_tensors="pt")
+        return enc["input_ids"], enc["attention_mask"]
+
+    return LanguageModel("encoder", net, str(path), encode_hf,
+                         hidden=lambda m, ids, mask: m(input_ids=ids, attention_mask=mask).last_hidden_state)
+
+
+def _read_text(text) -> tuple[str, str]:
+    from hilt.data.text import shakespeare_text
+
+    if text is None:
+        return shakespeare_text("hamlet"), "Hamlet"
+    try:
+        body = Path(text).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise HiltError(f"--text {text}: cannot read it ({e})") from None
+    if not body.strip():
+        raise HiltError(f"--text {text}: the file is empty")
+    return body, str(text)
+
+
+def eval_data(lm: LanguageModel, text=None, tokens: int = 256, context: int = 128, sentences: int = 64):
+    """The evaluation inputs: windows of token ids (causal) or batches of (ids, mask) (encoder)."""
+    body, name = _read_text(text)
+    if lm.kind == "causal":
+        if context < 2:
+            raise HiltError(f"--context must be at least 2 tokens, got {context}")
+        ids = torch.tensor(lm.encode(body)[:tokens], dtype=torch.long)
+        if len(ids) < min(tokens, 2):
+            raise HiltError(f"{name}: only {len(ids)} tokens, need at least 2")
+        windows = [w for w in ids.split(context) if w.numel() >= 2]
+        return windows, f"{name}, {len(ids)} tokens in windows of {context}"
+    from hilt.data.text import _all_sentences, sentences as hamlet_sentences
+
+    batch = hamlet_sentences(sentences) if text is None else _all_sentences(body, 6, 40)[:sentences]
+    if not batch:
+        raise HiltError(f"{name}: no sentence of 6 to 40 words in it")
+    return [lm.encode(batch[i:i + 32]) for i in range(0, len(batch), 32)], f"{name}, {len(batch)} sentences"
+
+
+@torch.no_grad()
+def chip_metric(lm: LanguageModel, model: nn.Module, data, reference=None) -> list[float]:
+    """One number per chip the model holds: perplexity (causal) or mean cosine to ``reference`` (the
+    digital embeddings, encoder). Every chip's copy of the inputs goes through one forward."""
+    from hilt.cim_sim import stacked_chips
+    from hilt.models.bert import mean_pool
+
+    chips = getattr(model, "chips", 1)
+    with stacked_chips(model):
+        if lm.kind == "causal":
+            nll, count = torch.zeros(chips, dtype=torch.float64), 0
+            for w in data:
+                logits = lm.logits(model, w.view(1, -1).repeat(chips, 1))[:, :-1].float()
+                target = w[1:].repeat(chips)
+                nll += F.cross_entropy(logits.reshape(-1, logits.shape[-1]), target, reduction="none").view(chips, -1) \
+                    .double().sum(1)
+                count += w.numel() - 1
+            return [math.exp(v) for v in (nll / count).tolist()]
+        embs = []
+        for ids, mask in data:
+            hidden = lm.hidden(model, ids.repeat(chips, 1), mask.repeat(chips, 1))
+            embs.append(mean_pool(hidden, mask.repeat(chips, 1)).view(chips, len(ids), -1))
+        emb = torch.cat(embs, 1)
+    if reference is None:
+        return emb
+    return F.cosine_similarity(emb.double(), reference.double().unsqueeze(0), dim=-1).mean(1).tolist()
+
+
+def calibrate(lm: LanguageModel, analog: nn.Module, tokens: int = 256, context: int = 128) -> None:
+    """Static input ranges from Macbeth (causal: ``tokens`` tokens; encoder: 64 sentences)."""
+    from hilt.cim_sim import calibrate_input_ranges
+    from hilt.data.text import sentences as play_sentences, shakespeare_text
+
+    if lm.kind == "causal":
+        ids = torch.tensor(lm.encode(shakespeare_text("macbeth"))[:tokens], dtype=torch.long)
+
+        def run(m):
+            for w in ids.split(context):
+                lm.logits(m, w.view(1, -1))
+    else:
+        batch = play_sentences(64, work="macbeth")
+
+        def run(m):
+            lm.hidden(m, *lm.encode(batch))
+    saved = getattr(analog, "chips", 1)
+    calibrate_input_ranges(analog, run)
+    assert getattr(analog, "chips", 1) == saved
+
+
+def lm_drift_study(model="smollm2", preset_name="pcm", times="1s,1h,1d,1mo,1y", chips=2, gdc="global", text=None,
+                   tokens=256, context=128, sentences=64, overrides: dict | None = None, progress=False,
+                   lm: LanguageModel | None = None) -> dict:
+    """The metric at each time after programming over ``chips`` chips, with and without ``gdc``.
+    ``overrides``: AnalogConfig fields replacing the preset's. Chip k is programmed with seed k and
+    read with seed 10000 k + (time index), as for the classifiers."""
+    from hilt.cim_sim import (analog_layers, chip_memory, clipped_share, convert_to_analog, drift_to, parse_time,
+                              preset, program)
+
+    labels = times.split(",") if isinstance(times, str) else [str(t) for t in times]
+    seconds = [parse_time(t) for t in labels]
+    if len(set(seconds)) != len(seconds):
+        raise HiltError(f"--times {','.join(labels)}: a time is listed twice")
+    if chips < 1:
+        raise HiltError(f"--chips must be at least 1, got {chips}")
+    config = preset(preset_name)
+    if overrides:
+        unknown = set(overrides) - {f.name for f in dataclasses.fields(config)}
+        if unknown:
+            raise HiltError(f"--set {', '.join(sorted(unknown))}: not a field of AnalogConfig")
+        config = dataclasses.replace(config, **overrides)
+    _read_text(text)  # an unreadable or empty text before the model loads
+    lm = lm or load_language_model(model)
+    data, data_name = eval_data(lm, text, tokens, context, sentences)
+    metric = "perplexity" if lm.kind == "causal" else "cosine"
+    reference = None
+    if lm.kind == "encoder":
+        reference = chip_metric(lm, lm.model, data)[0]
+        digital = 1.0
+    else:
+        digital = chip_metric(lm, lm.model, data)[0]
+    analog = convert_to_analog(lm.model, config)
+    if config.input_range == "static":
+        calibrate(lm, analog)
+    start = time.perf_counter()
+    program(analog, seeds=range(chips))
+    memory = chip_memory(analog)
+    modes = ["none"] if gdc == "none" else ["none", gdc]
+    values = {m: [] for m in modes}
+    steps = Progress(len(seconds), "drift", "time", steps=len(modes), enabled=progress)
+    for i, t in enumerate(seconds):
+        for m in modes:
+            drift_to(analog, t, seeds=[10_000 * k + i for k in range(chips)], gdc=m)
+            values[m].append(chip_metric(lm, analog, data, reference))
+            steps.tick()
+        steps.done(labels[i], f"{chips} chips, mean {metric}: "
+                   + ", ".join(f"{m} {sum(values[m][i]) / chips:.4g}" for m in modes))
+    steps.close()
+    worst = max if metric == "perplexity" else min
+    rows = []
+    for m in modes:
+        for i, t in enumerate(seconds):
+            v = torch.tensor(values[m][i], dtype=torch.float64)
+            rows.append({"gdc": m, "time": labels[i], "seconds": t, "metric": metric, "mean": float(v.mean()),
+                         "std": float(v.std()) if chips > 1 else 0.0, "worst": float(worst(values[m][i])),
+                         "all": values[m][i]})
+    result = {"workload": lm.name, "model": lm.name, "kind": lm.kind, "metric": metric, "data": data_name,
+              "preset": preset_name, "config": dataclasses.asdict(config), "repeats": chips, "chips": chips,
+              "digital": digital, "analog_layers": len(analog_layers(analog)),
+              "digital_layers": analog.digital_layers, "clipped_share": clipped_share(analog),
+              "memory_per_chip": memory, "seconds": round(time.perf_counter() - start, 1), "rows": rows}
+    LOG.info(f"{lm.name} on {preset_name}: digital {metric} {digital:.4g} on {data_name}; {chips} chips, "
+             f"{len(analog_layers(analog))} analog layers, {memory['bytes_per_chip'] / 2**20:.0f} MiB per chip"
+             + (f", {100 * result['clipped_share']:.3f}% of weights clipped" if result["clipped_share"] else ""))
+    for t in labels:
+        LOG.info(f"{t:>6} " + "".join(f"{r['gdc']:>8} {r['mean']:>10.4g} ±{r['std']:<8.3g} worst {r['worst']:<10.4g}"
+                                      for r in rows if r["time"] == t))
+    return result

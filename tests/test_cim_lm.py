@@ -1,0 +1,130 @@
+"""Language models on the CIM simulator: tiny random Llama and BERT converted, programmed, drifted,
+evaluated; chips in one pass equal one at a time; the mapping and input-range options do what they say."""
+
+import dataclasses
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from hilt.cim_sim import (analog_layers, calibrate_input_ranges, clipped_share, convert_to_analog, drift_to, preset,
+                          program, stacked_chips)
+from hilt.errors import HiltError
+from hilt.models.bert import Bert, BertConfig
+from hilt.models.llama import Llama, LlamaConfig
+
+
+@pytest.fixture(scope="module")
+def tiny_llama():
+    torch.manual_seed(0)
+    return Llama(LlamaConfig(vocab_size=61, dim=48, n_layers=2, n_heads=6, n_kv_heads=2, ffn_dim=80,
+                             max_seq_len=64)).eval()
+
+
+def _chip(model, config, program_seed, read_seed, t=3600.0):
+    one = convert_to_analog(model, config)
+    program(one, seeds=[program_seed])
+    return drift_to(one, t, seeds=[read_seed])
+
+
+def test_llama_chips_in_one_pass_equal_one_at_a_time(tiny_llama):
+    ids = torch.randint(0, 61, (1, 20), generator=torch.Generator().manual_seed(1))
+    analog = convert_to_analog(tiny_llama, "pcm")
+    assert {n for n, _ in analog_layers(analog)} == {f"blk.{i}.{p}" for i in range(2) for p in
+                                                     ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate",
+                                                      "ffn_up", "ffn_down")}
+    assert "token_embd" in analog.digital_layers and "output_norm" in analog.digital_layers
+    program(analog, seeds=[0, 1, 2])
+    drift_to(analog, 3600, seeds=[5, 6, 7])
+    with stacked_chips(analog), torch.no_grad():
+        out = analog(ids.repeat(3, 1))
+    with torch.no_grad():
+        alone = _chip(tiny_llama, "pcm", 1, 6)(ids)
+        digital = tiny_llama(ids)
+    assert torch.equal(out[1], alone[0])
+    assert not torch.equal(out[0], out[1]) and not torch.equal(out[1], digital[0])
+    assert torch.isfinite(out).all()
+
+
+def test_bert_chips_in_one_pass_equal_one_at_a_time():
+    torch.manual_seed(0)
+    bert = Bert(BertConfig(vocab_size=50, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                           intermediate_size=64, max_position_embeddings=32)).eval()
+    ids = torch.randint(0, 50, (3, 10))
+    mask = torch.ones_like(ids)
+    mask[0, 7:] = 0
+    analog = convert_to_analog(bert, "pcm")
+    assert len(analog_layers(analog)) == 12
+    program(analog, seeds=[0, 1])
+    drift_to(analog, 60, seeds=[3, 4])
+    with stacked_chips(analog), torch.no_grad():
+        out = analog(ids.repeat(2, 1), mask.repeat(2, 1))
+        alone = _chip(bert, "pcm", 1, 4, t=60)(ids, mask)
+    assert torch.equal(out[3:], alone)
+
+
+def test_lm_head_stays_digital_unless_asked():
+    net = torch.nn.Sequential()
+    net.add_module("body", torch.nn.Linear(4, 4))
+    net.add_module("lm_head", torch.nn.Linear(4, 7))
+    assert [n for n, _ in analog_layers(convert_to_analog(net, "pcm"))] == ["body"]
+    assert [n for n, _ in analog_layers(convert_to_analog(net, "pcm", lm_head=True))] == ["body", "lm_head"]
+    assert [n for n, _ in analog_layers(convert_to_analog(net, "pcm", lm_head=True, layers="head"))] == ["lm_head"]
+    with pytest.raises(HiltError, match="no Linear"):
+        convert_to_analog(torch.nn.Sequential(torch.nn.ReLU()), "pcm")
+
+
+def test_clipping_clips_what_it_says():
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(200, 8, bias=False)
+    with torch.no_grad():
+        lin.weight[0, 0] = 5.0  # an outlier
+    x = torch.randn(16, 200)
+    ideal = dataclasses.replace(preset("ideal"), clip_std=3.0)
+    analog = convert_to_analog(lin, ideal)
+    w = lin.weight.detach()
+    limit = 3 * w.std(1, keepdim=True, correction=0)
+    assert clipped_share(analog) == pytest.approx(float((w.abs() > limit).double().mean()))
+    assert 0 < clipped_share(analog) < 0.01
+    with torch.no_grad():
+        assert torch.allclose(analog(x), x @ w.clamp(-limit, limit).T, atol=1e-3)  # arrays hold to 1/64516
+        assert not torch.allclose(analog(x), lin(x), atol=0.1)
+    pct = convert_to_analog(lin, dataclasses.replace(preset("ideal"), clip_percentile=50.0))
+    assert clipped_share(pct) == pytest.approx(0.5, abs=0.01)
+    # column mapping on a chip: the row with the outlier keeps its own scale, the others are mapped finer
+    pcm_layer = convert_to_analog(lin, "pcm")
+    col = convert_to_analog(lin, dataclasses.replace(preset("pcm"), weight_mapping="column"))
+    err = [((a.w_eff - w)[1:].abs().mean() / w[1:].abs().mean()).item() for a in (pcm_layer, col)]
+    assert err[1] < 0.5 * err[0]
+
+
+def test_static_input_ranges_are_calibrated_and_clip():
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(64, 8, bias=False)
+    x = torch.randn(32, 64)
+    config = dataclasses.replace(preset("pcm"), input_range="static", input_percentile=50.0, out_noise=0.0)
+    analog = convert_to_analog(lin, config)
+    with pytest.raises(HiltError, match="calibrate_input_ranges"), torch.no_grad():
+        analog(x)
+    ranges = calibrate_input_ranges(analog, lambda m: m(x))
+    program(analog, seed=0)
+    assert ranges[""] == [pytest.approx(float(x.abs().flatten().kthvalue(32 * 32).values))]
+    with torch.no_grad():
+        y = analog(x)
+        clipped = x.clamp(-ranges[""][0], ranges[""][0]) @ analog.w_eff.T
+        assert (y - clipped).abs().max() < 0.1 * (y - lin(x)).abs().max()  # the clipping is what moved it
+
+
+def test_drift_command_bad_input_is_one_line(tmp_path):
+    empty = tmp_path / "empty.txt"
+    empty.write_text("  \n")
+    cases = [(["--model", str(tmp_path), "--times", "1s"], "no config.json"),
+             (["--model", "smollm2", "--times", "1x"], "cannot read time"),
+             (["--model", "smollm2", "--text", str(empty)], "empty")]
+    for extra, message in cases:
+        r = subprocess.run([sys.executable, "-m", "hilt", "drift", *extra, "--json", str(tmp_path / "out.json")],
+                           capture_output=True, text=True)
+        assert r.returncode == 1, r.stderr
+        assert message in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
+    assert not (tmp_path / "out.json").exists()
