@@ -611,12 +611,12 @@ static void row_any(const Wt *w, int64_t n, const float *xp, int64_t K, int64_t 
     for (int64_t m0 = 0; m0 < M; m0 += 16) row_scalar(w, n, xp + m0 * K, K, M - m0 < 16 ? M - m0 : 16, res + m0);
 }
 
-#ifdef HILT_X86
 static void store_out(void *out, int out_dt, int64_t i, float v) {
     if (out_dt == DT_BF16) ((uint16_t *)out)[i] = f32_to_bf16(v);
     else ((float *)out)[i] = v;
 }
 
+#ifdef HILT_X86
 /* the bfloat16 path (w->bf): x bfloat16 (M, K) reordered into word lanes, sums of x per block for offsets */
 static int matmul_bf16(const Wt *w, const uint16_t *x, int64_t M, const float *bias, void *out, int out_dt, int threads) {
     const int64_t K = w->w.K, N = w->w.N, nb = w->w.nb, B = w->w.block, chunk = 32 * (int64_t)w->cpw;
@@ -683,11 +683,7 @@ int hilt_lut_matmul(const LutWeight *lw, const void *x, int x_dt, int64_t M, con
         for (int64_t m0 = 0; m0 < M; m0 += 64) {
             int64_t h = M - m0 < 64 ? M - m0 : 64;
             row_any(&w, n, xp + m0 * K, K, h, res);
-            for (int64_t m = 0; m < h; m++) {
-                float v = res[m] + (bias ? bias[n] : 0.0f);
-                if (out_dt == DT_BF16) ((uint16_t *)out)[(m0 + m) * N + n] = f32_to_bf16(v);
-                else ((float *)out)[(m0 + m) * N + n] = v;
-            }
+            for (int64_t m = 0; m < h; m++) store_out(out, out_dt, (m0 + m) * N + n, res[m] + (bias ? bias[n] : 0.0f));
         }
     }
     free(xp);
