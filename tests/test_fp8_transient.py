@@ -22,7 +22,7 @@ def test_gpt_hook_sees_causal_logits_and_changes_nothing_when_it_returns_them():
 
 def test_geometry_scales_never_overflow_where_delayed_scaling_does():
     plan = {"pretrain": 20, "before": 2, "after": 3, "spike": 1}
-    result = fp8_transient.study(plan=plan)
+    result = fp8_transient.study(plan=plan, shape={"block_size": 64, "n_layer": 2, "n_head": 2, "n_embd": 64})
     runs = {(r["scenario"], r["recipe"]): r for r in result["runs"]}
     assert len(runs) == len(fp8_transient.SCENARIOS) * len(fp8_transient.RECIPES)
     assert all(runs[(s, "geometry")]["overflow_logits"] == 0 for s in fp8_transient.SCENARIOS)

@@ -166,13 +166,14 @@ def _run(pretrained, scenario: str, recipe_name: str, plan: dict, seed: int, gam
     return rows
 
 
-def study(quick: bool = False, seed: int = 0, plan: dict | None = None) -> dict:
+def study(quick: bool = False, seed: int = 0, plan: dict | None = None, shape: dict | None = None) -> dict:
+    """The study; ``shape`` overrides the GPT's size (GPTConfig fields), for smoke runs."""
     from hilt.models.gpt import GPT, GPTConfig, corpus, evaluate, train
 
     plan = plan or (QUICK if quick else FULL)
     alphabet, _, val = corpus()
     torch.manual_seed(seed)
-    pretrained = GPT(GPTConfig(len(alphabet)))
+    pretrained = GPT(GPTConfig(len(alphabet), **(shape or {})))
     LOG.info(f"pretraining a {sum(p.numel() for p in pretrained.parameters()) / 1e6:.2f} M-parameter character GPT "
              f"on Shakespeare for {plan['pretrain']} steps (fp32)...")
     train(pretrained, plan["pretrain"], 2e-3, seed=seed, progress=True, desc="pretrain")
