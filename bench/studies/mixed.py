@@ -127,7 +127,7 @@ class _Quality:
 
 
 def study(model: str, budgets=BUDGETS, quick: bool = False, candidates: str = CANDIDATES) -> dict:
-    opts = {"smollm2": dict(tokens=1024), "minilm": dict(sentences=64)}[model] if quick else {}
+    opts = {"smollm2": dict(tokens=1024), "minilm": dict(sentences=24)}[model] if quick else {}
     subject = load_subject(model, **opts)
     params = subject.params
     weights = {n: p.numel() for n, p in params.items()}
