@@ -11,8 +11,11 @@ from helpers import make_checkpoint
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
-# Under pytest-xdist (scripts/test.sh runs one worker per core) each worker keeps to one thread, so
-# the workers do not oversubscribe the cores; alone, the tests use up to two.
+# Under pytest-xdist (scripts/test.sh runs one worker per core) each worker keeps to one thread, and
+# so do the commands it starts (OMP_NUM_THREADS), so the workers do not oversubscribe the cores;
+# alone, the tests use up to two.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ["OMP_NUM_THREADS"] = "1"
 torch.set_num_threads(1 if os.environ.get("PYTEST_XDIST_WORKER") else min(2, torch.get_num_threads()))
 
 

@@ -17,7 +17,7 @@
 * ``decode`` (GPU only): SmolLM2 greedy decode with 4-bit and 1-bit k-means
   weights through the kernel gives the same tokens as the dequantized model.
 
-``python -m hilt.bench.perf.lut_kernels --all --cuda-graphs --json bench/results/kernels-gpu.json
+``hilt bench kernels --all --cuda-graphs --json bench/results/kernels-gpu.json
 --plot bench/results/kernels-gpu.png`` is the whole GPU check in one call
 (correctness, timings, decode; minutes); ``--check``, ``--timings``, ``--decode`` run
 those alone (bench/perf/gpu_check.sh can run them in two parts). ``--table`` prints the README table of
@@ -26,15 +26,12 @@ a results file; ``--sass`` compiles the kernels for an sm_90 GPU without one (be
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
-import json
 import platform
 import statistics
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import torch
 
@@ -74,7 +71,7 @@ def check(device: str = "cpu", configs=None, quick: bool = False) -> dict:
 
     Fixed shapes x bits x formats x dtypes x paths with :func:`default_config` (tuning every
     case would cost minutes on a GPU), then each of ``SPLIT_K_CONFIGS`` and ``GEMM_CONFIGS``
-    (what the tuning may pick) on one awkward shape with a bias. ``quick``: three of the fixed shapes."""
+    (what the tuning may pick) on one awkward shape with a bias. ``quick``: three of the fixed shapes, each bit width in one of the two dtypes."""
     kt = _kernels(device)
     failures, cases, worst = [], 0, 0.0
     g = torch.Generator().manual_seed(0)
@@ -102,7 +99,7 @@ def check(device: str = "cpu", configs=None, quick: bool = False) -> dict:
             for method, scope in CHECK_FORMATS:
                 w = torch.randn(n, k, generator=g) * 0.05
                 q = quantize_tensor(w, QuantConfig(method, bits, 64, codebook=scope)).to(device)
-                for dtype in (torch.float16, torch.bfloat16):
+                for dtype in ((torch.float16, torch.bfloat16)[bits % 2],) if quick else (torch.float16, torch.bfloat16):
                     x = torch.randn(m, k, generator=g).to(dtype).to(device)
                     for path in ("gemv", "gemm"):
                         run(x, q, path, kt.default_config(path, m), label=f"{method}/{scope}")
@@ -367,71 +364,42 @@ def decode(gguf_path=None) -> dict:
     return out
 
 
-def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--check", action="store_true", help="the correctness check (CPU: Triton interpreter)")
-    p.add_argument("--timings", action="store_true", help="GPU: the timings")
-    p.add_argument("--all", action="store_true", help="GPU: check, timings and decode in one run")
-    p.add_argument("--decode", action="store_true", help="the SmolLM2 decode check alone (GPU: through the kernel, "
-                   "CPU: through the reference)")
-    p.add_argument("--quick", action="store_true", help="two layer shapes only (timings), three shapes (check)")
-    p.add_argument("--cuda-graphs", action="store_true", help="GPU: also time both sides inside CUDA graphs")
-    p.add_argument("--smollm2", metavar="GGUF", help="SmolLM2 GGUF for the decode check (default: the packaged one)")
-    p.add_argument("--json", help="write results here")
-    p.add_argument("--plot", metavar="PNG", help="plot the speedups here (of the timings, or of --table's file)")
-    p.add_argument("--table", metavar="JSON", help="print the markdown table of a results file (no new run)")
-    p.add_argument("--sass", action="store_true", help="no GPU needed: compile every tuning configuration for "
-                   "sm_90 and report registers, spills and main-loop instructions per weight (--quick: a few)")
-    args = p.parse_args(argv)
-    if args.sass:
-        from hilt.bench.perf import sass
-
-        return sass.main(["--quick"] * args.quick + (["--json", args.json] if args.json else []))
-    if args.table:
-        try:
-            saved = json.loads(Path(args.table).read_text())
-            table = render_table(saved)
-        except OSError as e:
-            raise HiltError(f"{args.table}: {e.strerror or e}") from e
-        except (ValueError, KeyError, HiltError) as e:
-            raise HiltError(f"{args.table}: {e}") from e
-        print(table, end="")
-        if args.plot:
-            plot(saved, args.plot)
-        return 0
-    if args.smollm2 and not (args.all or args.decode):
-        p.error("--smollm2 is the decode check's model: add --all or --decode")
+def run(*, check_only: bool = False, timings_only: bool = False, everything: bool = False, decode_only: bool = False,
+        quick: bool = False, cuda_graphs: bool = False, smollm2=None, json_path=None, plot_path=None) -> int:
+    """`hilt bench kernels`: with none of the ``*_only`` flags, the check and (on a GPU) the timings;
+    ``everything``: check, timings and decode on a GPU. Returns the exit status (1 on any failure);
+    ``json_path`` is rewritten as the parts finish."""
     gpu = torch.cuda.is_available()
     result = {"machine": gpu_info() if gpu else {"device": "cpu", "platform": platform.platform()}}
 
     def save():  # as the timings go too: they take minutes, and a run can be stopped or fail later
-        if args.json:
-            write_json(args.json, result)
+        if json_path:
+            write_json(json_path, result)
 
-    chosen = args.check or args.timings or args.decode
-    if args.timings and not gpu:
+    chosen = check_only or timings_only or decode_only
+    if timings_only and not gpu:
         raise HiltError("kernel timings need a CUDA GPU; this machine has none (use --check for correctness)")
-    if args.all or args.check or not chosen:
-        result["check"] = check("cuda" if gpu else "cpu", quick=args.quick)
+    if everything or check_only or not chosen:
+        result["check"] = check("cuda" if gpu else "cpu", quick=quick)
         save()
     if not gpu and not chosen:
         print("hilt: kernel timings need a CUDA GPU; none here. Ran the correctness check only.", file=sys.stderr)
-    if gpu and (args.all or args.timings or not chosen):
+    if gpu and (everything or timings_only or not chosen):
         def progress(partial):
             result["timings"] = partial
             save()
 
-        result["timings"] = timings(args.quick, args.cuda_graphs, progress=progress)
+        result["timings"] = timings(quick, cuda_graphs, progress=progress)
         save()
-        if args.plot:
+        if plot_path:
             try:
-                plot(result, args.plot)
+                plot(result, plot_path)
             except ImportError as e:  # a bare GPU machine: draw it later with --table JSON --plot PNG
-                print(f"hilt: no plot ({e}); draw it from the results with --table {args.json} --plot PNG",
+                print(f"hilt: no plot ({e}); draw it from the results with --table {json_path} --plot PNG",
                       file=sys.stderr)
-    if args.decode or (args.all and gpu):
+    if decode_only or (everything and gpu):
         try:
-            result["decode"] = decode(args.smollm2)
+            result["decode"] = decode(smollm2)
         except HiltError as e:
             result["decode_error"] = str(e)
             print(f"hilt: SmolLM2 decode check not run: {e}", file=sys.stderr)
@@ -446,11 +414,3 @@ def failed(result: dict) -> bool:
     return (bool(result.get("check", {}).get("failures")) or bool(timed.get("failures") or timed.get("graph_errors"))
             or "decode_error" in result
             or any(not d["same"] for d in result.get("decode", {}).values() if isinstance(d, dict)))
-
-
-if __name__ == "__main__":
-    import logging
-
-    # run directly, not through `hilt`: nothing else sends the hilt logger's lines anywhere
-    logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stdout)
-    sys.exit(main())

@@ -18,9 +18,7 @@ cannot be compiled).
 
 from __future__ import annotations
 
-import argparse
 import collections
-import json
 import os
 import re
 import subprocess
@@ -236,35 +234,22 @@ def report(batches=None, bits=(1, 2, 3, 4), quick=False) -> dict:
             "attention": attention_report(quick) if with_attention else []}
 
 
-def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--json", help="write the report here")
-    p.add_argument("--batch", type=int, action="append", help="only this M (1, 2, 5, 16 or 256; repeatable)")
-    p.add_argument("--bits", type=int, action="append", help="only these bit widths (repeatable)")
-    p.add_argument("--quick", action="store_true", help="one configuration per path and way to read codes")
-    args = p.parse_args(argv)
+def run(json_path=None, quick: bool = False, batches=None, bits=(1, 2, 3, 4)) -> int:
+    """`hilt bench kernels --sass`: compile, print the summary, write ``json_path``; the exit status."""
     if os.environ.get("TRITON_INTERPRET") == "1":  # kernels must be defined for the compiler, not the interpreter
-        env = {**os.environ, "TRITON_INTERPRET": "0"}
-        return subprocess.run([sys.executable, "-m", "hilt.bench.perf.sass", *(argv if argv is not None else sys.argv[1:])],
-                              env=env, check=False).returncode
+        argv = ["--quick"] * quick + (["--json", str(json_path)] if json_path else [])
+        return subprocess.run([sys.executable, "-m", "hilt.cli", "bench", "kernels", "--sass", *argv],
+                              env={**os.environ, "TRITON_INTERPRET": "0"}, check=False).returncode
     if not available():
         print("hilt: this Triton has no CUDA backend tools (ptxas, cuobjdump); cannot compile for a GPU here",
               file=sys.stderr)
         return 1
-    result = report(args.batch, args.bits or (1, 2, 3, 4), args.quick)
+    result = report(batches, bits, quick)
     rows, attention = result["rows"], result["attention"]
     spills = sum(r["stack"] > 0 for r in rows + attention)
     print(f"compiled for {result['target']}: {len(rows)} LUT matmul cases, {len(attention)} FP8 attention launches; "
           f"{spills} use stack (spilled registers)" + ("; --quick: one configuration per path and way of reading "
-                                                        "codes, the full run compiles every one" if args.quick else ""))
-    if args.json:
-        write_json(args.json, result)
+                                                        "codes, the full run compiles every one" if quick else ""))
+    if json_path:
+        write_json(json_path, result)
     return 0
-
-
-if __name__ == "__main__":
-    import logging
-
-    # run directly, not through `hilt`: nothing else sends the hilt logger's lines anywhere
-    logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stdout)
-    sys.exit(main())

@@ -4,8 +4,9 @@ import argparse
 from pathlib import Path
 
 from hilt.atomic import write_text
-from hilt.cli.common import ANY_INT, OUTPUT, PLOT, POSITIVE, POSITIVE_NUMBER, command, integer
+from hilt.cli.common import ANY_INT, OUTPUT, PLOT, POSITIVE, POSITIVE_NUMBER, UsageError, command, integer
 from hilt.cli.output import write_json, write_outputs
+from hilt.errors import HiltError
 
 
 def cmd_bench_qat(args) -> int:
@@ -85,21 +86,37 @@ def cmd_bench_quantize(args) -> int:
 
 
 def cmd_bench_kernels(args) -> int:
+    import json
     import tempfile
 
     from hilt.bench.perf import lut_kernels
 
-    flags = (("--check", args.check), ("--timings", args.timings), ("--all", args.all), ("--decode", args.decode),
-             ("--quick", args.quick), ("--cuda-graphs", args.cuda_graphs), ("--sass", args.sass))
-    argv = [flag for flag, on in flags if on]
-    for option, value in (("--smollm2", args.smollm2), ("--plot", args.plot), ("--table", args.table)):
-        argv += [option, value] if value else []
+    if args.sass:
+        from hilt.bench.perf import sass
+
+        return sass.run(None if args.json == "-" else args.json, quick=args.quick)
+    if args.table:
+        try:
+            saved = json.loads(Path(args.table).read_text())
+            table = lut_kernels.render_table(saved)
+        except OSError as e:
+            raise HiltError(f"{args.table}: {e.strerror or e}") from e
+        except (ValueError, KeyError, HiltError) as e:
+            raise HiltError(f"{args.table}: {e}") from e
+        args.stdout.write(table)
+        if args.plot:
+            lut_kernels.plot(saved, args.plot)
+        return 0
+    if args.smollm2 and not (args.all or args.decode):
+        raise UsageError("--smollm2 is the decode check's model: add --all or --decode")
+    parts = dict(check_only=args.check, timings_only=args.timings, everything=args.all, decode_only=args.decode,
+                 quick=args.quick, cuda_graphs=args.cuda_graphs, smollm2=args.smollm2, plot_path=args.plot)
     if args.json != "-":
-        return lut_kernels.main(argv + (["--json", args.json] if args.json else []))
+        return lut_kernels.run(**parts, json_path=args.json)
     with tempfile.TemporaryDirectory() as tmp:  # it writes a file as it goes: pass it on whole at the end
         path = Path(tmp) / "kernels.json"
         try:
-            return lut_kernels.main(argv + ["--json", str(path)])
+            return lut_kernels.run(**parts, json_path=path)
         finally:
             if path.exists():
                 args.stdout.write(path.read_text())
