@@ -316,32 +316,49 @@ def test_bad_input_one_line(tmp_path, capsys):
     assert not (tmp_path / "hf").exists() and not (tmp_path / "hf.partial").exists()
 
 
-@pytest.mark.slow
-def test_smollm2_from_its_gguf_through_transformers(tmp_path, capsys):
-    """The real model: hilt convert, then a few layers quantized from the Hugging Face folder and from
-    the GGUF; transformers' logits and greedy decode equal hilt's own Llama forward."""
+@pytest.fixture(scope="module")
+def smollm2_hf(tmp_path_factory):
+    """SmolLM2 converted by `hilt convert` to a float32 Hugging Face folder, once for the tests below."""
+    from hilt.models.llama import smollm2_path
+
+    hf = tmp_path_factory.mktemp("smol") / "smol-hf"
+    assert main(["convert", str(smollm2_path()), str(hf), "--dtype", "float32"]) == 0
+    return hf
+
+
+PROMPT = "The capital of France is Paris. The capital of Germany is"
+
+
+def test_smollm2_converted_tokenizes_as_hilt_does(smollm2_hf):
+    from hilt.models.llama import load_llama
+
+    _, tokenizer = load_llama()
+    hf_tokenizer = transformers.AutoTokenizer.from_pretrained(str(smollm2_hf))
+    text = PROMPT + " 1234 digits, one by one:\n  and spaces."
+    assert hf_tokenizer(text, add_special_tokens=False)["input_ids"] == tokenizer.encode(text)
+    assert json.loads((smollm2_hf / "config.json").read_text())["num_hidden_layers"] == 30
+
+
+def test_smollm2_quantized_from_its_folder_and_its_gguf_agree(smollm2_hf, tmp_path):
+    """A few layers quantized from the Hugging Face folder and from the GGUF: transformers' logits and
+    greedy decode equal hilt's own Llama forward."""
     from hilt.models.llama import generate, load_llama, smollm2_path
 
-    hf = tmp_path / "smol-hf"
-    code, err = hilt(capsys, "convert", smollm2_path(), hf, "--dtype", "float32")
-    assert code == 0, err
     only_hf, only_gguf = r"layers\.(0|29)\.(self_attn|mlp)\.", r"blk\.(0|29)\.(attn|ffn)_(q|k|v|output|gate|up|down)\."
-    quantize_checkpoint(hf, tmp_path / "q-hf", QuantConfig("kmeans", 4, 64), only=only_hf)
+    quantize_checkpoint(smollm2_hf, tmp_path / "q-hf", QuantConfig("kmeans", 4, 64), only=only_hf)
     quantize_checkpoint(smollm2_path(), tmp_path / "q-gguf", QuantConfig("kmeans", 4, 64), only=only_gguf,
                         dense_dtype=torch.float32)
     model = load_hf(tmp_path / "q-hf")
     assert isinstance(model.model.layers[29].self_attn.k_proj, QuantLinear)
     net, tokenizer = load_llama()
     load_quantized_(net, tmp_path / "q-gguf", strict=False)
-    prompt = "The capital of France is Paris. The capital of Germany is"
-    ids = torch.tensor([tokenizer.encode(prompt)])
+    ids = torch.tensor([tokenizer.encode(PROMPT)])
     hf_tokenizer = transformers.AutoTokenizer.from_pretrained(str(tmp_path / "q-hf"))
-    assert hf_tokenizer(prompt, add_special_tokens=False)["input_ids"] == ids[0].tolist()
     with torch.inference_mode():
         theirs, ours = model(ids).logits, net(ids)
         out = model.generate(ids, max_new_tokens=16, do_sample=False)
     assert float((theirs - ours).abs().max() / ours.abs().max()) <= 1e-3
-    assert hf_tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True) == generate(net, tokenizer, prompt, 16)
+    assert hf_tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True) == generate(net, tokenizer, PROMPT, 16)
 
 
 def test_dtype_casts_keep_the_packed_parts():
