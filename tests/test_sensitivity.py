@@ -277,9 +277,10 @@ def test_sensitivity_command_on_the_cnn(tmp_path):
     assert r.returncode == 1 and "no such file" in r.stderr
 
 
-def test_budget_on_minilm_through_eval_and_onnx(minilm_dir, tmp_path):
+def test_budget_on_minilm_through_eval_and_onnx(minilm_dir, tmp_path, capsys):
     """A real model: sensitivity, a --budget checkpoint, then `hilt eval embed` and `hilt export onnx` take it."""
     pytest.importorskip("onnxruntime")
+    from hilt.cli import main
     from hilt.tasks.sensitivity import sensitivity_run
 
     sens = tmp_path / "minilm-tpv.json"
@@ -290,17 +291,15 @@ def test_budget_on_minilm_through_eval_and_onnx(minilm_dir, tmp_path):
     assert len(used) == 36 and all(x["tpv"]["kmeans2@64"] > x["tpv"]["int4@64"] > x["tpv"]["int8@64"] for x in used)
     assert [x["name"] for x in r["layers"] if x.get("unused")] == ["pooler.dense.weight"]  # not in the embedding
     dst = tmp_path / "q"
-    out = run_hilt("quantize", minilm_dir, dst, "--budget", "4", "--sensitivity", sens)
-    assert out.returncode == 0, out.stderr
+    assert main(["quantize", str(minilm_dir), str(dst), "--budget", "4", "--sensitivity", str(sens)]) == 0
     header = json.loads((dst / "hilt.json").read_text())
     widths = {e["bits"] for e in header["tensors"].values() if e["kind"] == "quantized"}
     assert len(widths) > 1 and header["totals"]["bits_per_weight"] <= 4
-    out = run_hilt("eval", "embed", minilm_dir, "--quantized", dst, "--sentences", "16")
-    assert out.returncode == 0, out.stderr
-    cos = float(re.search(r"similarity to fp32 embeddings ([0-9.]+)", out.stdout)[1])
+    capsys.readouterr()
+    assert main(["eval", "embed", str(minilm_dir), "--quantized", str(dst), "--sentences", "16"]) == 0
+    cos = float(re.search(r"similarity to fp32 embeddings ([0-9.]+)", capsys.readouterr().out)[1])
     assert 0.8 < cos < 1.0  # between 2 and 4 bits per weight, most of the embedding survives
-    out = run_hilt("export", "onnx", dst, tmp_path / "m.onnx")
-    assert out.returncode == 0, out.stderr
+    assert main(["export", "onnx", str(dst), str(tmp_path / "m.onnx")]) == 0
 
 
 def test_bench_mixed_quick_on_minilm(minilm_dir, tmp_path):
