@@ -253,7 +253,7 @@ def test_quantize_budget_from_a_sensitivity_file(tmp_path):
     assert r.returncode == 1 and "no config.json" in r.stderr and len(r.stderr.strip().splitlines()) == 1
 
 
-def test_sensitivity_command_on_the_cnn(tmp_path):
+def test_sensitivity_command_on_the_cnn(tmp_path, capsys):
     js, png = tmp_path / "cnn.json", tmp_path / "cnn.png"
     r = run_hilt("sensitivity", "cnn", "--images", "256", "--candidates", "int2-4@row", "--json", js, "--plot", png)
     assert r.returncode == 0, r.stderr
@@ -269,12 +269,14 @@ def test_sensitivity_command_on_the_cnn(tmp_path):
     assert r.returncode == 0, r.stderr
     for row in read_json(js)["layers"]:  # the weights' error alone, and the whole analog layer at its output
         assert row["tpv_full"]["pcm@1d"] > 0 and row["tpv_chip"]["pcm@1d"] > 0
-    r = run_hilt("sensitivity", "cnn", "--time", "1y")
-    assert r.returncode == 2 and "--time applies with --preset only" in r.stderr
-    r = run_hilt("sensitivity", "cnn", "--candidates", "fp4")
-    assert r.returncode == 1 and "bad candidate format" in r.stderr
-    r = run_hilt("sensitivity", tmp_path / "nothing.gguf")
-    assert r.returncode == 1 and "no such file" in r.stderr
+    from hilt.cli import main
+
+    for argv, code, message in ((["cnn", "--time", "1y"], 2, "--time applies with --preset only"),
+                                (["cnn", "--candidates", "fp4"], 1, "bad candidate format"),
+                                ([str(tmp_path / "nothing.gguf")], 1, "no such file")):
+        capsys.readouterr()
+        assert main(["sensitivity", *argv]) == code
+        assert message in capsys.readouterr().err
 
 
 def test_budget_on_minilm_through_eval_and_onnx(minilm_dir, tmp_path, capsys):
