@@ -84,6 +84,28 @@ def llama_generate(gguf, prompt: str, new_tokens: int) -> str:
     return out.removesuffix("\n\n")  # the tool ends its text with a blank line
 
 
+def llama_bench(gguf, new_tokens: int = 32) -> dict:
+    """``llama-bench``'s greedy decode rate (one thread, ``new_tokens`` generated, no prompt) and the peak
+    resident memory of its process (Linux: from wait4's rusage)."""
+    import json
+
+    exe = tool("llama-bench")
+    if exe is None:
+        raise HiltError(f"llama-bench: not built; run scripts/build_llama_cpp.sh (tools go to {tools_dir()})")
+    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
+        proc = subprocess.Popen([str(exe), "-m", str(gguf), "-p", "0", "-n", str(new_tokens), "-r", "1", "-t", "1",
+                                 "-o", "json"], stdout=out, stderr=err, text=True)
+        _, status, usage = os.wait4(proc.pid, 0)
+        proc.returncode = os.waitstatus_to_exitcode(status)
+        out.seek(0)
+        err.seek(0)
+        if proc.returncode != 0:
+            raise HiltError(f"llama-bench failed on {gguf} (exit {proc.returncode}): "
+                            + ((err.read().strip().splitlines() or ["no output"])[-1]))
+        runs = json.loads(out.read())
+    return {"tokens_per_s": float(runs[0]["avg_ts"]), "peak_rss_bytes": usage.ru_maxrss * 1024}
+
+
 def perplexity_as_llama_cpp(forward, ids: list[int], context: int, chunks: int, bos: int | None = None) -> float:
     """llama-perplexity's statistic for hilt's ``forward`` (token ids (1, T) -> logits (1, T, V))."""
     import torch
