@@ -17,16 +17,16 @@ pytestmark = pytest.mark.skipif(bool(llama_cpp.missing_tools()),
                                 reason=f"llama.cpp tools not built (run scripts/build_llama_cpp.sh; looked in "
                                        f"{llama_cpp.tools_dir()})")
 
-TEXT_CHARS = 3000  # about 750 tokens: two chunks of 128 and the whole text tokenized both ways
+TEXT_CHARS = 2000  # about 500 tokens: two chunks of 64 and the whole text tokenized both ways
 
 
 @pytest.fixture(scope="session")
 def smollm2_int4_exports(smollm2_gguf, tmp_path_factory):
-    """SmolLM2 with its first two blocks in int4 and its embedding in 8 bits, exported once as Q4_0/Q8_0
+    """SmolLM2 with its first block in int4 and its embedding in 8 bits, exported once as Q4_0/Q8_0
     blocks and once dense (every tensor F32, the same weights)."""
     work = tmp_path_factory.mktemp("smol-int4")
     q = work / "q"
-    quantize_checkpoint(smollm2_gguf, q, QuantConfig("int", 4, 64), only=r"^blk\.[01]\.", embeddings=8)
+    quantize_checkpoint(smollm2_gguf, q, QuantConfig("int", 4, 64), only=r"^blk\.0\.", embeddings=8)
     packed = export_gguf(q, work / "q.gguf")
     dense = export_gguf(q, work / "q-f32.gguf", dense=True)
     from hilt.models import llama
@@ -42,10 +42,10 @@ def _text():
 
 def test_llama_cpp_reads_an_int4_export_of_smollm2(smollm2_int4_exports):
     packed, _, model = smollm2_int4_exports
-    assert packed["types"]["Q4_0"] == 14 and packed["types"]["Q8_0"] == 1
-    r = llama_cpp.check_gguf(packed["out"], _text(), context=128, chunks=2, new_tokens=16,
+    assert packed["types"]["Q4_0"] == 7 and packed["types"]["Q8_0"] == 1
+    r = llama_cpp.check_gguf(packed["out"], _text(), context=64, chunks=2, new_tokens=16,
                              model=model)
-    assert r["tokens_identical"] and r["tokens_hilt"] > 500
+    assert r["tokens_identical"] and r["tokens_hilt"] > 400
     assert abs(r["ppl_rel_diff"]) < 0.01, r
     assert r["generated_tokens"] >= 12 and r["within_tolerance"], r  # near-ties only
     assert r["largest_gap"] <= llama_cpp.GREEDY_TOLERANCE
@@ -53,13 +53,13 @@ def test_llama_cpp_reads_an_int4_export_of_smollm2(smollm2_int4_exports):
 
 def test_a_dense_export_gives_hilts_greedy_tokens_outright(smollm2_int4_exports):
     """Same weights in F32: llama.cpp rounds no activations, so its greedy tokens are hilt's exactly and its
-    perplexity is hilt's to 1e-4."""
+    perplexity is hilt's to 1e-3 (its key/value cache is fp16)."""
     _, dense, model = smollm2_int4_exports
     assert dense["types"] == {"F32": 272}
-    r = llama_cpp.check_gguf(dense["out"], _text(), context=128, chunks=2, new_tokens=16, tolerance=0.0,
+    r = llama_cpp.check_gguf(dense["out"], _text(), context=64, chunks=2, new_tokens=16, tolerance=0.0,
                              model=model)
     assert r["equal_prefix"] == r["generated_tokens"] >= 12 and r["largest_gap"] == 0.0, r
-    assert abs(r["ppl_rel_diff"]) < 1e-4, r
+    assert abs(r["ppl_rel_diff"]) < 1e-3, r  # what is left: llama.cpp keeps keys and values in fp16
 
 
 def test_the_greedy_check_fails_on_a_continuation_hilt_would_not_choose(smollm2_int4_exports):
