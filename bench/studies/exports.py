@@ -23,7 +23,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from hilt.atomic import write_json
+from hilt.atomic import write_json, write_text
 from hilt.progress import LOG
 
 FORMATS = [("int4", "int", 4), ("int4-asym", "int-asym", 4), ("int8", "int", 8)]
@@ -186,8 +186,28 @@ def run(out="bench/results", quick=False, work=None) -> dict:
               "greedy_tolerance": GREEDY_TOLERANCE, "rows": rows}
     if out:
         Path(out).mkdir(parents=True, exist_ok=True)
-        write_json(Path(out) / ("export_llama_cpp_quick.json" if quick else "export_llama_cpp.json"), result)
+        stem = "export_llama_cpp_quick" if quick else "export_llama_cpp"
+        write_json(Path(out) / f"{stem}.json", result)
+        write_text(Path(out) / f"{stem}.md", table(result))
     return result
+
+
+def table(result: dict) -> str:
+    """The per-format, per-consumer table of docs/results/export.md (markdown)."""
+    lines = ["| export | consumer | loads | same numbers | file | peak resident | tokens/s |", "|---|---|---|---|---|---|---|"]
+    for r in result["rows"]:
+        if r["consumer"] == "transformers":
+            same = f"logits within {r['max_logit_diff_vs_hilt_folder']:.1e} of the largest (vs hilt's folder)"
+            rss = "-"
+        else:
+            same = (f"ppl {r['ppl_llama_cpp']:.4f} vs hilt {r['ppl_hilt']:.4f} ({100 * r['ppl_rel_diff']:+.2f}%); "
+                    f"Hamlet tokens {'identical' if r['tokens_identical'] else 'differ'}; greedy equal "
+                    f"{r['equal_prefix']}/{r['generated_tokens']}, every token within {r['tolerance']} "
+                    f"logits: {'yes' if r['within_tolerance'] else 'NO'} (largest gap {r['largest_gap']:.3f})")
+            rss = "-" if r["peak_rss_bytes"] is None else f"{r['peak_rss_bytes'] / 1e6:.0f} MB"
+        lines.append(f"| {r['variant']} | {r['consumer']} | yes | {same} | {r['bytes'] / 1e6:.1f} MB | {rss} | "
+                     f"{r['tokens_per_s']:.1f} |")
+    return "\n".join(lines) + "\n"
 
 
 def summary(row: dict) -> str:
@@ -208,6 +228,11 @@ if __name__ == "__main__":
     p.add_argument("--quick", action="store_true")
     p.add_argument("--out", default="bench/results")
     p.add_argument("--work", help="folder for the checkpoints and GGUF files (default: a temporary one)")
+    p.add_argument("--table", metavar="JSON", help="only print the markdown table of a results JSON")
     a = p.parse_args()
+    if a.table:
+        import json
+
+        raise SystemExit(print(table(json.loads(Path(a.table).read_text())), end=""))
     for r in run(a.out, a.quick, a.work)["rows"]:
         print(summary(r))
