@@ -17,6 +17,18 @@ pytestmark = pytest.mark.skipif(bool(llama_cpp.missing_tools()),
                                 reason=f"llama.cpp tools not built (run scripts/build_llama_cpp.sh; looked in "
                                        f"{llama_cpp.tools_dir()})")
 
+@pytest.fixture(autouse=True, scope="module")
+def one_torch_thread():
+    """hilt's side on one thread, as llama.cpp's tools run: correctness checks, and on shared cores a second
+    thread mostly waits (a 64-token forward took 1.9 s on two busy cores, 0.55 s on one)."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 TEXT_CHARS = 2000  # about 500 tokens: two chunks of 64 and the whole text tokenized both ways
 
 
@@ -24,14 +36,22 @@ TEXT_CHARS = 2000  # about 500 tokens: two chunks of 64 and the whole text token
 def smollm2_int4_exports(smollm2_gguf, tmp_path_factory):
     """SmolLM2 with its first block in int4 and its embedding in 8 bits, exported once as Q4_0/Q8_0
     blocks and once dense (every tensor F32, the same weights)."""
-    work = tmp_path_factory.mktemp("smol-int4")
-    q = work / "q"
-    quantize_checkpoint(smollm2_gguf, q, QuantConfig("int", 4, 64), only=r"^blk\.0\.", embeddings=8)
-    packed = export_gguf(q, work / "q.gguf")
-    dense = export_gguf(q, work / "q-f32.gguf", dense=True)
+    import torch
+
     from hilt.models import llama
 
-    return packed, dense, llama.load_llama(dense["out"])  # the same float weights as hilt reads from either
+    work = tmp_path_factory.mktemp("smol-int4")
+    q = work / "q"
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)  # see one_torch_thread (a session fixture is set up before a module's)
+    try:
+        quantize_checkpoint(smollm2_gguf, q, QuantConfig("int", 4, 64), only=r"^blk\.0\.", embeddings=8)
+        packed = export_gguf(q, work / "q.gguf")
+        dense = export_gguf(q, work / "q-f32.gguf", dense=True)
+        model = llama.load_llama(dense["out"])  # the same float weights as hilt reads from either file
+    finally:
+        torch.set_num_threads(before)
+    return packed, dense, model
 
 
 def _text():

@@ -57,7 +57,12 @@ def llama_perplexity(gguf, text_file, context: int, chunks: int) -> float:
     """``llama-perplexity``'s final estimate over the first ``chunks`` chunks of ``context`` tokens."""
     out = _run("llama-perplexity", ["-m", gguf, "-f", text_file, "-c", context, "-b", context, "--chunks", chunks,
                                     "-t", 1, "-tb", 1, "--no-warmup"])
-    m = re.search(r"Final estimate: PPL = ([0-9.]+)", "\n".join(out))
+    text = "\n".join(out)
+    m = re.search(r"Final estimate: PPL = ([0-9.]+)", text)
+    if m is not None:
+        return float(m.group(1))
+    # its log thread can lose the last line at exit; the running estimate after the last chunk is the same number
+    m = re.search(rf"\[{chunks}\]([0-9.]+),", text)
     if m is None:
         raise HiltError(f"llama-perplexity on {gguf}: no final estimate in its output")
     return float(m.group(1))
