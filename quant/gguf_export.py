@@ -98,9 +98,11 @@ def _copy_metadata(reader, writer) -> None:
         writer.add_key_value(field.name, field.contents(), vtype, sub)
 
 
-def export_gguf(dst, out, overwrite: bool = False) -> dict:
+def export_gguf(dst, out, overwrite: bool = False, dense: bool = False) -> dict:
     """Write the hilt checkpoint ``dst`` as the GGUF file ``out``: quantized from a GGUF file (its metadata,
-    vocabulary and names copied), or from a Hugging Face Llama folder (built by hilt.quant.gguf_hf)."""
+    vocabulary and names copied), or from a Hugging Face Llama folder (built by hilt.quant.gguf_hf).
+    ``dense``: every tensor as F32, the quantized ones dequantized (the same weights, which llama.cpp
+    then multiplies in float32 rather than with its 8-bit rounded activations)."""
     import gguf
 
     from hilt.quant.gguf_hf import TensorLayout, write_hf_metadata
@@ -126,7 +128,7 @@ def export_gguf(dst, out, overwrite: bool = False) -> dict:
                 raise HiltError(f"{out}: exists and is not a GGUF file; refusing to replace it")
     check_parent(out)
     for name, e in header["tensors"].items():  # refuse before writing anything
-        if e["kind"] == "quantized":
+        if e["kind"] == "quantized" and not dense:
             gguf_type(_Meta(e), name)
     layout = None
     if from_gguf:
@@ -143,6 +145,8 @@ def export_gguf(dst, out, overwrite: bool = False) -> dict:
         else:
             layout = TensorLayout(write_hf_metadata(dst, writer, dst.name))
         for name, value in tensors.items():
+            if dense:
+                value = (value.dequantize() if isinstance(value, QuantizedWeight) else value).float()
             if isinstance(value, QuantizedWeight):
                 data, kind = gguf_blocks(value, name)
             elif value.dtype == torch.bfloat16:  # numpy has no bfloat16: its bytes, typed BF16

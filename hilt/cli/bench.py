@@ -1,6 +1,6 @@
 from __future__ import annotations
 
-from hilt.cli import bench_cim, bench_quant, bench_scale
+from hilt.cli import bench_cim, bench_exports, bench_quant, bench_scale
 from hilt.cli.common import OUTPUT, command, group
 from hilt.cli.output import write_json
 from hilt.errors import HiltError
@@ -37,3 +37,4 @@ def register(sub) -> None:
     bench_quant.register(bsub)
     bench_scale.register(bsub)
     bench_cim.register(bsub)
+    bench_exports.register(bsub)

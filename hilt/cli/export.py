@@ -35,7 +35,7 @@ def cmd_export_onnx(args) -> int:
 def cmd_export_gguf(args) -> int:
     from hilt.quant.gguf_export import export_gguf
 
-    r = export_gguf(args.src, args.out, overwrite=args.overwrite)
+    r = export_gguf(args.src, args.out, overwrite=args.overwrite, dense=args.dense)
     kinds = ", ".join(f"{v} {k}" for k, v in sorted(r["types"].items()))
     print(f"wrote {r['out']}: {r['tensors']} tensors ({kinds}), {r['bytes'] / 1e6:.1f} MB; metadata and tokenizer "
           f"from {r['source']}")
@@ -78,6 +78,9 @@ def register(sub) -> None:
     xg.add_argument("src", help="hilt checkpoint folder quantized from a GGUF file")
     xg.add_argument("out", help="the .gguf file to write")
     xg.add_argument("--overwrite", action="store_true")
+    xg.add_argument("--dense", action="store_true",
+                    help="every tensor as F32, the quantized ones dequantized: the same weights, which llama.cpp then "
+                         "multiplies without rounding its activations to 8 bits (to compare with hilt exactly)")
     xg.set_defaults(func=cmd_export_gguf)
     xc = command(xsub, "compressed-tensors", "a checkpoint of int weights quantized from a Hugging Face folder as "
                  "a compressed-tensors folder (pack-quantized, llm-compressor's format, which vLLM serves); "
