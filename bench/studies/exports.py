@@ -17,7 +17,6 @@ both in llama.cpp (its KL divergence from the dense file) and in hilt (simulate_
 
 from __future__ import annotations
 
-import argparse
 import shutil
 import tempfile
 import time
@@ -222,17 +221,3 @@ def summary(row: dict) -> str:
             f"{row['tokens_per_s']:.1f} tokens/s, peak RSS "
             + ("-" if row["peak_rss_bytes"] is None else f"{row['peak_rss_bytes'] / 1e6:.0f} MB"))
 
-
-if __name__ == "__main__":
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--quick", action="store_true")
-    p.add_argument("--out", default="bench/results")
-    p.add_argument("--work", help="folder for the checkpoints and GGUF files (default: a temporary one)")
-    p.add_argument("--table", metavar="JSON", help="only print the markdown table of a results JSON")
-    a = p.parse_args()
-    if a.table:
-        import json
-
-        raise SystemExit(print(table(json.loads(Path(a.table).read_text())), end=""))
-    for r in run(a.out, a.quick, a.work)["rows"]:
-        print(summary(r))
