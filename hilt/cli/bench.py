@@ -2,7 +2,7 @@ from __future__ import annotations
 
 from hilt.cli import bench_cim, bench_exports, bench_quant, bench_scale
 from hilt.cli.common import OUTPUT, command, group
-from hilt.cli.output import write_json
+from hilt.cli.output import write_json_option
 from hilt.errors import HiltError
 
 
@@ -10,7 +10,7 @@ def cmd_bench_attention(args) -> int:
     from hilt.bench.perf import attention_speed
 
     result = attention_speed.run()
-    write_json(args, result)
+    write_json_option(args, result)
     if result["mismatches"]:  # saved above with the timings of the other configurations
         bad = ", ".join(f"T={m['seq']}{' causal' if m['causal'] else ''} (cosine {m['cosine_vs_bf16']:.4f})"
                         for m in result["mismatches"])
@@ -21,7 +21,7 @@ def cmd_bench_attention(args) -> int:
 def cmd_bench_startup(args) -> int:
     from hilt.bench.perf import startup
 
-    write_json(args, startup.run(repeats=args.repeats))
+    write_json_option(args, startup.run(repeats=args.repeats))
     return 0
 
 

@@ -4,7 +4,7 @@ from pathlib import Path
 
 from hilt.atomic import write_text
 from hilt.cli.common import LOG, OUTPUT, PLOT, SEED, WORKLOADS, command
-from hilt.cli.output import write_json, write_outputs
+from hilt.cli.output import write_json_option, write_outputs
 from hilt.errors import HiltError
 
 
@@ -25,7 +25,7 @@ def cmd_bench_certify(args) -> int:
 def cmd_bench_cim(args) -> int:
     from hilt.bench.perf import cim_speed
 
-    write_json(args, cim_speed.speed())
+    write_json_option(args, cim_speed.speed())
     return 0
 
 
@@ -41,7 +41,7 @@ def cmd_bench_sweep_ray(args) -> int:
     from hilt.bench.perf import sweep_scaling
 
     result = sweep_scaling.run(quick=args.quick)
-    write_json(args, result)
+    write_json_option(args, result)
     if not result["identical_files"]:  # saved above with the timings
         raise HiltError("the sweep's result files differ between the local and the Ray runs")
     return 0

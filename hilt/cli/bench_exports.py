@@ -1,7 +1,7 @@
 from __future__ import annotations
 
 from hilt.cli.common import OUTPUT, command
-from hilt.cli.output import write_json
+from hilt.cli.output import write_json_option
 
 
 def cmd_bench_exports(args) -> int:
@@ -10,7 +10,7 @@ def cmd_bench_exports(args) -> int:
     result = exports.run(out=args.out, quick=args.quick, work=args.work)
     for row in result["rows"]:
         print(exports.summary(row))
-    write_json(args, result)
+    write_json_option(args, result)
     return 0
 
 

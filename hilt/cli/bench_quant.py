@@ -5,7 +5,7 @@ from pathlib import Path
 
 from hilt.atomic import write_text
 from hilt.cli.common import ANY_INT, OUTPUT, PLOT, POSITIVE, POSITIVE_NUMBER, UsageError, command, integer
-from hilt.cli.output import write_json, write_outputs
+from hilt.cli.output import write_json_option, write_outputs
 from hilt.errors import HiltError
 
 
@@ -20,7 +20,7 @@ def cmd_bench_qat(args) -> int:
 def cmd_bench_ptq(args) -> int:
     from hilt.bench.studies import ptq
 
-    write_json(args, ptq.run(out=args.out, quick=args.quick, models=args.models, widths=args.bits))
+    write_json_option(args, ptq.run(out=args.out, quick=args.quick, models=args.models, widths=args.bits))
     return 0
 
 
@@ -44,7 +44,7 @@ def cmd_bench_sensitivity(args) -> int:
             print(f"{name:<8} {label:<11} Spearman {f['spearman']:.3f} (blocks {f['spearman_blocks']:.3f}) over "
                   f"{f['layers']} layers; whole model predicted {f['whole_model_predicted']:.4g}, "
                   f"measured {f['whole_model_measured']:.4g}")
-    write_json(args, r)
+    write_json_option(args, r)
     return 0
 
 
@@ -57,7 +57,7 @@ def cmd_bench_mixed(args) -> int:
     out.mkdir(parents=True, exist_ok=True)
     r = mixed.run(out=out / "mixed.json", quick=args.quick, models=models, budgets=budgets)
     print(r["table"])
-    write_json(args, r)
+    write_json_option(args, r)
     return 0
 
 
@@ -74,14 +74,14 @@ def cmd_bench_decode(args) -> int:
         out.mkdir(parents=True, exist_ok=True)
         write_json_file(out / "decode.json", r)
         write_text(out / "decode.md", r["table"] + "\n")
-    write_json(args, r)
+    write_json_option(args, r)
     return 0
 
 
 def cmd_bench_quantize(args) -> int:
     from hilt.bench.perf import quantize_speed
 
-    write_json(args, quantize_speed.run(quick=args.quick))
+    write_json_option(args, quantize_speed.run(quick=args.quick))
     return 0
 
 

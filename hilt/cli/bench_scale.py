@@ -1,7 +1,7 @@
 from __future__ import annotations
 
 from hilt.cli.common import OUTPUT, command
-from hilt.cli.output import write_json
+from hilt.cli.output import write_json_option
 
 
 def cmd_bench_scale(args) -> int:
@@ -19,7 +19,7 @@ def cmd_bench_scale(args) -> int:
         print(f"{r['run']:<9} {r['wall_s']:8.1f} s wall {r['cpu_s']:8.1f} s CPU  peak RSS "
               f"{r['peak_rss_bytes'] / 2**30:5.2f} GiB  {r['linear_weights_per_s'] / 1e6:6.1f} M weights/s  "
               f"{r['wall_over_read_ceiling']:5.1f}x the disk read")
-    write_json(args, result)
+    write_json_option(args, result)
     return 0
 
 

@@ -1,7 +1,7 @@
 from __future__ import annotations
 
 from hilt.cli.common import OUTPUT, POSITIVE, command
-from hilt.cli.output import write_json
+from hilt.cli.output import write_json_option
 
 
 def cmd_calibrate(args) -> int:
@@ -10,7 +10,7 @@ def cmd_calibrate(args) -> int:
     r = calibrate(args.model, args.out, work=args.work, tokens=args.tokens, sentences=args.sentences,
                   overwrite=args.overwrite)
     print(f"wrote {r['out']}: input importance of {r['layers']} linear layers from {r['calibration']}")
-    write_json(args, r)
+    write_json_option(args, r)
     return 0
 
 

@@ -4,7 +4,7 @@ from hilt.cli.common import (
     CIM_PRESETS, DRIFT_COMPENSATION, LOG, OUTPUT, PLOT, POSITIVE, POSITIVE_NUMBER, QUANT_METHODS, UsageError,
     WORKLOADS, command, integer, resolve_bits,
 )
-from hilt.cli.output import write_json
+from hilt.cli.output import write_json_option
 
 
 def cmd_certify(args) -> int:
@@ -36,7 +36,7 @@ def cmd_certify(args) -> int:
                                        args.worst_case, args.chip, args.time or "1y", delta, args.gdc or "global",
                                        args.test_images, progress=True)
     print(certify.render_run(result))
-    write_json(args, result)
+    write_json_option(args, result)
     if args.plot:
         certify.plot_run(result, cert, args.plot)
         LOG.info(f"wrote {args.plot}")

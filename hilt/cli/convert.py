@@ -1,7 +1,7 @@
 from __future__ import annotations
 
 from hilt.cli.common import DENSE_DTYPES, OUTPUT, command
-from hilt.cli.output import write_json
+from hilt.cli.output import write_json_option
 
 
 def cmd_convert(args) -> int:
@@ -12,7 +12,7 @@ def cmd_convert(args) -> int:
     dst = gguf_to_hf(args.src, args.dst, dtype=getattr(torch, args.dtype), overwrite=args.overwrite)
     size = sum(f.stat().st_size for f in dst.iterdir() if f.is_file())
     print(f"wrote {dst}: a Hugging Face model folder ({args.dtype}), {size / 1e6:.1f} MB")
-    write_json(args, {"src": str(args.src), "dst": str(dst), "dtype": args.dtype, "bytes": size})
+    write_json_option(args, {"src": str(args.src), "dst": str(dst), "dtype": args.dtype, "bytes": size})
     return 0
 
 

@@ -1,7 +1,7 @@
 from __future__ import annotations
 
 from hilt.cli.common import OUTPUT, POSITIVE, command, group, integer
-from hilt.cli.output import write_json
+from hilt.cli.output import write_json_option
 
 
 def cmd_eval_ppl(args) -> int:
@@ -12,7 +12,7 @@ def cmd_eval_ppl(args) -> int:
     label = result["quantized"] or f"{args.model}'s weights as stored"
     print(f"perplexity {result['perplexity']:.3f} over {result['tokens']} tokens "
           f"(context {result['context']}) of {result['text']} — {label}")
-    write_json(args, result)
+    write_json_option(args, result)
     return 0
 
 
@@ -23,7 +23,7 @@ def cmd_eval_embed(args) -> int:
     label = args.quantized or f"{args.model}'s weights as stored"
     print(f"mean cosine similarity to fp32 embeddings {result['cosine_similarity']:.5f} "
           f"(min {result['cosine_similarity_min']:.5f}) over {result['sentences']} sentences — {label}")
-    write_json(args, result)
+    write_json_option(args, result)
     return 0
 
 

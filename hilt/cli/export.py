@@ -3,7 +3,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from hilt.cli.common import CIM_PRESETS, DRIFT_COMPENSATION, OUTPUT, SEED, command, group
-from hilt.cli.output import write_json
+from hilt.cli.output import write_json_option
 from hilt.errors import HiltError
 
 
@@ -28,7 +28,7 @@ def cmd_export_onnx(args) -> int:
     else:
         raise HiltError(f"{src}: expected a hilt quantized checkpoint folder (from `hilt quantize`) or a workload "
                         f"checkpoint .safetensors (from `hilt train`)")
-    write_json(args, result)
+    write_json_option(args, result)
     return 0
 
 
@@ -39,7 +39,7 @@ def cmd_export_gguf(args) -> int:
     kinds = ", ".join(f"{v} {k}" for k, v in sorted(r["types"].items()))
     print(f"wrote {r['out']}: {r['tensors']} tensors ({kinds}), {r['bytes'] / 1e6:.1f} MB; metadata and tokenizer "
           f"from {r['source']}")
-    write_json(args, r)
+    write_json_option(args, r)
     return 0
 
 
@@ -51,7 +51,7 @@ def cmd_export_compressed_tensors(args) -> int:
                       f"{w['group_size']}" for w in r["groups"].values())
     print(f"wrote {r['out']}: {r['quantized_modules']} Linear weights {r['format']} ({kinds}), "
           f"{r['bytes'] / 1e6:.1f} MB; transformers and vLLM read it through compressed-tensors")
-    write_json(args, r)
+    write_json_option(args, r)
     return 0
 
 

@@ -1,13 +1,13 @@
 from __future__ import annotations
 
 from hilt.cli.common import OUTPUT, PLOT, POSITIVE, SEED, command, group
-from hilt.cli.output import write_json, write_outputs
+from hilt.cli.output import write_json_option, write_outputs
 
 
 def cmd_fp8_scales(args) -> int:
     from hilt.bench.studies import fp8_scales
 
-    write_json(args, fp8_scales.run(args.model))
+    write_json_option(args, fp8_scales.run(args.model))
     return 0
 
 
@@ -22,7 +22,7 @@ def cmd_fp8_transient(args) -> int:
 def cmd_fp8_attention(args) -> int:
     from hilt.bench.studies import fp8_accuracy
 
-    write_json(args, fp8_accuracy.run(tokens=args.tokens))
+    write_json_option(args, fp8_accuracy.run(tokens=args.tokens))
     return 0
 
 

@@ -3,7 +3,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from hilt.cli.common import OUTPUT, command
-from hilt.cli.output import write_json
+from hilt.cli.output import write_json_option
 
 
 def cmd_inspect(args) -> int:
@@ -45,7 +45,7 @@ def cmd_inspect(args) -> int:
                 print(f"  {name:<48} {str(tuple(e['shape'])):>14} {e['bits_per_weight']:7.3f} b/w  err {e['rel_error']:.4f}")
             else:
                 print(f"  {name:<48} {str(tuple(e['shape'])):>14} {e['dtype']} (kept)")
-    write_json(args, {**h, "bytes": size})
+    write_json_option(args, {**h, "bytes": size})
     return 0
 
 

@@ -35,7 +35,7 @@ class WarningFormat(logging.Formatter):
         return f"hilt: {record.levelname.lower()}: {record.getMessage()}"
 
 
-def write_json(args, obj) -> None:
+def write_json_option(args, obj) -> None:
     """--json FILE (atomic, as every JSON file hilt writes), or --json - (stdout)."""
     if not getattr(args, "json", None):
         return
@@ -43,9 +43,9 @@ def write_json(args, obj) -> None:
         args.stdout.write(json.dumps(obj, indent=1) + "\n")
         args.stdout.flush()
     else:
-        from hilt.atomic import write_json as write_json_file
+        from hilt.atomic import write_json
 
-        write_json_file(args.json, obj)
+        write_json(args.json, obj)
 
 
 def check_output_folders(args) -> None:
@@ -58,7 +58,7 @@ def check_output_folders(args) -> None:
 
 def write_outputs(args, result, plot=None) -> None:
     """--json and, where the command has one, --plot FILE drawn by ``plot(result, path)``."""
-    write_json(args, result)
+    write_json_option(args, result)
     if plot is not None and args.plot:
         try:
             plot(result, args.plot)

@@ -6,7 +6,7 @@ from hilt.cli.common import (
     NON_NEGATIVE, OUTPUT, POSITIVE, POSITIVE_NUMBER, QUANT_METHODS, SEED, command, integer,
     resolve_bits,
 )
-from hilt.cli.output import write_json
+from hilt.cli.output import write_json_option
 from hilt.errors import HiltError
 
 
@@ -19,7 +19,7 @@ def cmd_qat(args) -> int:
                                    args.lr, args.batch, args.context, args.refit_every, args.save_every, args.seed,
                                    args.resume, args.overwrite, args.only, learn_codebook=args.learn_codebook,
                                    progress=True)
-    write_json(args, result)
+    write_json_option(args, result)
     return 0
 
 

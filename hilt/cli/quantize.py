@@ -6,7 +6,7 @@ from hilt.cli.common import (
     DENSE_DTYPES, LOG, OUTPUT, POSITIVE, POSITIVE_NUMBER, QUANT_METHODS, SEED, UsageError, command, integer,
     number, resolve_bits,
 )
-from hilt.cli.output import write_json
+from hilt.cli.output import write_json_option
 
 
 def cmd_quantize(args) -> int:
@@ -39,7 +39,7 @@ def cmd_quantize(args) -> int:
         if budget:
             print(_plan_line(budget["mixed"]))
         print(f"{len(rows)} tensors to quantize, {plan.kept} kept as they are; nothing written (--dry-run)")
-        write_json(args, {"dry_run": True, "tensors": rows, **({"mixed": budget["mixed"]} if budget else {})})
+        write_json_option(args, {"dry_run": True, "tensors": rows, **({"mixed": budget["mixed"]} if budget else {})})
         return 0
 
     if args.workers is not None and not args.ray:
@@ -71,7 +71,7 @@ def cmd_quantize(args) -> int:
                   "totals": {**totals, "bytes": written.bytes}, "seconds": written.seconds}
         if written.compensation_seconds:
             result["compensation"] = {**header["compensation"], "seconds": written.compensation_seconds}
-        write_json(args, result)
+        write_json_option(args, result)
     return 0
 
 

@@ -1,14 +1,14 @@
 from __future__ import annotations
 
 from hilt.cli.common import OUTPUT, command
-from hilt.cli.output import write_json
+from hilt.cli.output import write_json_option
 
 
 def cmd_report(args) -> int:
     from hilt.bench import report
 
     summary = report.run(out=args.out, quick=not args.full, progress=True)
-    write_json(args, summary)
+    write_json_option(args, summary)
     return 0
 
 

@@ -4,7 +4,7 @@ import argparse
 import os
 
 from hilt.cli.common import OUTPUT, POSITIVE, UsageError, command
-from hilt.cli.output import write_json
+from hilt.cli.output import write_json_option
 
 
 def cmd_sweep(args) -> int:
@@ -17,7 +17,7 @@ def cmd_sweep(args) -> int:
         raise UsageError("--workers sets how many Ray tasks run at once: give --ray too (or set RAY_ADDRESS)")
     result = sweep.run_sweep(args.grid, args.out, resume=args.resume, overwrite=args.overwrite, use_ray=use_ray,
                              workers=args.workers, plots=args.plots, progress=True)
-    write_json(args, result)
+    write_json_option(args, result)
     return 0
 
 

@@ -4,7 +4,7 @@ from hilt.cli.common import (
     NOISE_MODELS, OUTPUT, POSITIVE, SEED, TRAINING_METHODS, WEIGHTINGS, WORKLOADS, command, float_pair,
     number,
 )
-from hilt.cli.output import write_json
+from hilt.cli.output import write_json_option
 
 
 def cmd_train(args) -> int:
@@ -22,7 +22,7 @@ def cmd_train(args) -> int:
                   progress=True, overwrite=args.overwrite)
     print(f"{args.workload} ({args.method}): test accuracy {r['test_accuracy']:.4f} after {r['epochs']} epochs, "
           f"{r['train_seconds']:.0f} s" + (f"; wrote {args.out}" if args.out else ""))
-    write_json(args, r)
+    write_json_option(args, r)
     return 0
 
 
