@@ -481,14 +481,22 @@ INLINE TBF __m512i codesbf(const uint8_t *p, const int BITS) {
     return _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)p));
 }
 
+/* scale_at in registers (F16C): the software conversion and its call cost as much as a chunk's arithmetic */
+INLINE TBF float scale_bf(const Wt *w, int64_t n, int64_t b) {
+    const int64_t i = n * w->w.nb + b;
+    if (w->w.scales_dt == DT_F16) return _cvtsh_ss(((const uint16_t *)w->w.scales)[i]);
+    if (w->w.scales_dt == DT_BF16) return bf16_to_f32(((const uint16_t *)w->w.scales)[i]);
+    return ((const float *)w->w.scales)[i];
+}
+
 /* float32 lane l: the scale of block b0 + l * G / 16 (G blocks in the chunk) */
 INLINE TBF __m512 chunk_scales(const Wt *w, int64_t n, int64_t b0, const int G) {
     /* in registers: a masked load of scalars just stored would wait on store forwarding; a tail chunk's
      * blocks past the row's end get scale 0 (their x is 0) */
-    __m512 r = _mm512_set1_ps(scale_at(w, n, b0));
+    __m512 r = _mm512_set1_ps(scale_bf(w, n, b0));
     for (int g = 1; g < G; g++)
         r = _mm512_mask_mov_ps(r, (__mmask16)(0xFFFFu << (g * 16 / G)),
-                               _mm512_set1_ps(b0 + g < w->w.nb ? scale_at(w, n, b0 + g) : 0.0f));
+                               _mm512_set1_ps(b0 + g < w->w.nb ? scale_bf(w, n, b0 + g) : 0.0f));
     return r;
 }
 
@@ -549,6 +557,79 @@ INLINE TBF void bodybf(const Wt *w, int64_t n, const uint16_t *xp, int64_t ldx, 
 TILEBF(1) TILEBF(2) TILEBF(3) TILEBF(4)
 typedef void (*TileBfFn)(const Wt *, int64_t, const uint16_t *, int64_t, const float *, float *);
 static const TileBfFn TILESBF[5] = {0, tilebf_1, tilebf_2, tilebf_3, tilebf_4};
+
+/* Decode (M = 1): R rows of W at once, each with two chains (even and odd phases). One row alone
+ * waits on its vdpbf16ps chain every phase; 2R independent chains keep the unit busy, and each
+ * phase's x is loaded once for all R rows. */
+INLINE TBF void rowsbf(const Wt *w, int64_t n0, const uint16_t *xp, const float *xsum, float *res, const int R,
+                       const int BITS, const int G) {
+    const int cpw = BITS == 3 ? 4 : 8 / BITS, chunk = 32 * cpw;
+    const int64_t K = w->w.K, B = w->w.block, rb = w->w.row_bytes;
+    const uint8_t *row = w->w.codes + n0 * rb;
+    const __m512i tab = _mm512_loadu_si512((const void *)w->tab32);
+    __m512 acc[4], sv[4];
+    #pragma GCC unroll 4
+    for (int r = 0; r < R; r++) acc[r] = sv[r] = _mm512_setzero_ps();
+    for (int64_t k0 = 0; k0 < K; k0 += chunk) {
+        if (G > 1 || k0 % B == 0)
+            #pragma GCC unroll 4
+            for (int r = 0; r < R; r++) sv[r] = chunk_scales(w, n0 + r, k0 / B, G);
+        const int64_t at = (k0 * BITS) >> 3;
+        __m512i v[4];
+        if (k0 + chunk <= K) {
+            #pragma GCC unroll 4
+            for (int r = 0; r < R; r++) v[r] = codesbf(row + r * rb + at, BITS);
+        } else { /* the row's last, partial chunk: its codes zero-padded */
+            #pragma GCC unroll 4
+            for (int r = 0; r < R; r++) {
+                uint8_t tail[64] = {0};
+                memcpy(tail, row + r * rb + at, (size_t)(((K - k0) * BITS) >> 3));
+                v[r] = codesbf(tail, BITS);
+            }
+        }
+        __m512 blk[4][2];
+        #pragma GCC unroll 4
+        for (int r = 0; r < R; r++) blk[r][0] = blk[r][1] = _mm512_setzero_ps();
+#pragma GCC unroll 8
+        for (int j = 0; j < cpw; j++) {
+            const __m512bh xv = (__m512bh)_mm512_loadu_si512((const void *)(xp + k0 + j * 32));
+#pragma GCC unroll 4
+            for (int r = 0; r < R; r++) {
+                __m512i wv = _mm512_permutexvar_epi16(j ? _mm512_srli_epi16(v[r], j * BITS) : v[r], tab);
+                blk[r][j & 1] = _mm512_dpbf16_ps(blk[r][j & 1], (__m512bh)wv, xv);
+            }
+        }
+        #pragma GCC unroll 4
+        for (int r = 0; r < R; r++) acc[r] = _mm512_fmadd_ps(_mm512_add_ps(blk[r][0], blk[r][1]), sv[r], acc[r]);
+    }
+    #pragma GCC unroll 4
+    for (int r = 0; r < R; r++) {
+        float s = _mm512_reduce_add_ps(acc[r]);
+        if (w->w.offsets)
+            for (int64_t b = 0; b < w->w.nb; b++) s += offset_at(w, n0 + r, b) * xsum[b];
+        res[r] = s;
+    }
+}
+
+#define ROWS_GROUPS(R, BITS)                                               \
+    switch (w->bf_groups) {                                                \
+    case 1: rowsbf(w, n0, xp, xsum, res, R, BITS, 1); break;               \
+    case 2: rowsbf(w, n0, xp, xsum, res, R, BITS, 2); break;               \
+    case 4: rowsbf(w, n0, xp, xsum, res, R, BITS, 4); break;               \
+    default: rowsbf(w, n0, xp, xsum, res, R, BITS, w->bf_groups); break;   \
+    }
+#define ROWSBF(R)                                                                                               \
+    static TBF void rowsbf_##R(const Wt *w, int64_t n0, const uint16_t *xp, const float *xsum, float *res) { \
+        switch (w->w.bits) {                                                                                \
+        case 1: ROWS_GROUPS(R, 1) break;                                                                    \
+        case 2: ROWS_GROUPS(R, 2) break;                                                                    \
+        case 3: ROWS_GROUPS(R, 3) break;                                                                    \
+        default: ROWS_GROUPS(R, 4) break;                                                                   \
+        }                                                                                                   \
+    }
+ROWSBF(1) ROWSBF(2) ROWSBF(3) ROWSBF(4)
+typedef void (*RowsBfFn)(const Wt *, int64_t, const uint16_t *, const float *, float *);
+static const RowsBfFn ROWSBF_FNS[5] = {0, rowsbf_1, rowsbf_2, rowsbf_3, rowsbf_4};
 #endif
 
 /* ---------------------------------------------------------------- entry points */
@@ -642,6 +723,21 @@ static int matmul_bf16(const Wt *w, const uint16_t *x, int64_t M, const float *b
     int64_t work = N * K * (M < 4 ? M : 4);
     (void)threads;
     (void)work;
+    if (M == 1) {
+        const int64_t groups = (N + 3) / 4;
+#ifdef _OPENMP
+#pragma omp parallel for schedule(static) num_threads(threads) if (work >= 65536 && threads > 1)
+#endif
+        for (int64_t g = 0; g < groups; g++) {
+            const int64_t n0 = g * 4, h = N - n0 < 4 ? N - n0 : 4;
+            float res[4];
+            ROWSBF_FNS[h](w, n0, xp, xsum, res);
+            for (int64_t r = 0; r < h; r++) store_out(out, out_dt, n0 + r, res[r] + (bias ? bias[n0 + r] : 0.0f));
+        }
+        free(xp);
+        free(xsum);
+        return 0;
+    }
 #ifdef _OPENMP
 #pragma omp parallel for schedule(static) num_threads(threads) if (work >= 65536 && threads > 1)
 #endif
