@@ -3,7 +3,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from hilt.atomic import write_text
-from hilt.cli.common import LOG, OUTPUT, PLOT, SEED, WORKLOADS, command
+from hilt.cli.common import CIM_PRESETS, LOG, OUTPUT, PLOT, SEED, WORKLOADS, command, integer
 from hilt.cli.output import write_json_option, write_outputs
 from hilt.errors import HiltError
 
@@ -58,6 +58,22 @@ def cmd_bench_robustness(args) -> int:
     return 0
 
 
+def cmd_bench_analog_lm_diagnosis(args) -> int:
+    from hilt.bench.studies import analog_lm
+
+    try:
+        blocks = None if args.blocks is None else [int(b) for b in args.blocks.split(",")]
+    except ValueError:
+        raise HiltError(f"--blocks {args.blocks}: expected block numbers separated by commas, e.g. 0,15,29") from None
+    result = analog_lm.diagnose(args.model, args.preset, args.time, blocks, args.tokens, quick=args.quick,
+                                progress=True)
+    write_outputs(args, result, analog_lm.plot)
+    if args.markdown:
+        write_text(args.markdown, analog_lm.render(result))
+        LOG.info(f"wrote {args.markdown}")
+    return 0
+
+
 def register(bsub) -> None:
     bc = command(bsub, "cim", "CIM simulator speed: each preset against the digital forward (batch 256), and "
                  "aihwkit's default configuration when it is installed",
@@ -86,7 +102,19 @@ def register(bsub) -> None:
                   "k-means at 2-8 bits and CIM chips over a year, with Monte-Carlo soundness checks",
                   "hilt bench certify --quick --json certify.json --plot certify.png", [OUTPUT, PLOT, SEED],
                   plot="certified fraction against bits, and against time on a chip beside the measured accuracy")
-    bce.add_argument("--quick", action="store_true", help="small budgets (under a minute; the full run took 28 "
-                     "minutes on 2 cores shared with another job)")
+    bce.add_argument("--quick", action="store_true", help="small budgets (under a minute)")
     bce.add_argument("--markdown", metavar="FILE", help="the tables as Markdown")
     bce.set_defaults(func=cmd_bench_certify)
+    bd = command(bsub, "analog-lm-diagnosis", "where a language model's error on a CIM chip comes from: each Linear "
+                 "of a few decoder blocks alone on a chip, its relative output error with every non-ideality, each "
+                 "alone, and the mapping and range options; the statistics of its weights and inputs",
+                 "hilt bench analog-lm-diagnosis --json cim_lm_diagnosis.json --plot cim_lm_diagnosis.png",
+                 [OUTPUT, PLOT], plot="relative output error per layer, one line per scenario")
+    bd.add_argument("--model", default="smollm2", help="smollm2 (default) or a Llama GGUF file")
+    bd.add_argument("--preset", default="pcm", choices=CIM_PRESETS, help="the chip (default pcm)")
+    bd.add_argument("--time", default="1s", help="time after programming (default 1s)")
+    bd.add_argument("--blocks", help="decoder blocks, comma-separated (default: the first, the middle and the last)")
+    bd.add_argument("--tokens", type=integer(2), default=128, help="Hamlet tokens fed to the layers (default 128)")
+    bd.add_argument("--quick", action="store_true", help="the first and the last block, 32 tokens (under 2 minutes)")
+    bd.add_argument("--markdown", metavar="FILE", help="the tables as Markdown")
+    bd.set_defaults(func=cmd_bench_analog_lm_diagnosis)
