@@ -134,7 +134,7 @@ WIDTHS = (4, 3, 2)
 
 def run(out="report", quick=False, models=None, widths=None) -> dict:
     """The study (see the module doc). ``quick``: MiniLM only, 3 bits, its first layer quantized
-    (:data:`QUICK_ONLY`), 32 calibration and 32 evaluation sentences. ``models`` / ``widths`` choose a part of the grid. The JSON, table and plot are rewritten
+    (:data:`QUICK_ONLY`), 32 calibration and 16 evaluation sentences. ``models`` / ``widths`` choose a part of the grid. The JSON, table and plot are rewritten
     after every row, so a long run can be read (or stopped) at any point."""
     from hilt.models.bert import minilm_path
     from hilt.models.llama import smollm2_path
@@ -145,7 +145,7 @@ def run(out="report", quick=False, models=None, widths=None) -> dict:
     paths = {"smollm2": smollm2_path, "minilm": minilm_path}
     models = {m: paths[m]() for m in (models or (("minilm",) if quick else MODELS))}
     widths = widths or ((3,) if quick else WIDTHS)
-    tokens, sentences = 2048, (32 if quick else 256)
+    tokens, sentences = 2048, (16 if quick else 256)
     calib = {"smollm2": ["--calibration-tokens", "4096"], "minilm": ["--calibration-sentences", "32" if quick else "256"]}
     methods = [m for m, recipe in METHODS.items() if recipe.format is not None or hqq_available()]
     if "hqq" not in methods:
