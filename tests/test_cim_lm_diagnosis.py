@@ -52,3 +52,11 @@ def test_diagnose_covers_every_layer_and_scenario(tiny_lm):
     assert "| attn_q |" in analog_lm.render(result)
     with pytest.raises(HiltError, match="blocks 0 to 2"):
         analog_lm.diagnose(lm=tiny_lm, blocks=[3], tokens=24)
+
+
+def test_cli_bad_blocks_is_one_line(tmp_path):
+    from helpers import run_hilt
+
+    r = run_hilt("bench", "analog-lm-diagnosis", "--blocks", "0,x", "--json", tmp_path / "d.json")
+    assert r.returncode == 1 and "--blocks 0,x" in r.stderr and len(r.stderr.strip().splitlines()) == 1
+    assert not (tmp_path / "d.json").exists()
