@@ -60,3 +60,6 @@ def test_cli_bad_blocks_is_one_line(tmp_path):
     r = run_hilt("bench", "analog-lm-diagnosis", "--blocks", "0,x", "--json", tmp_path / "d.json")
     assert r.returncode == 1 and "--blocks 0,x" in r.stderr and len(r.stderr.strip().splitlines()) == 1
     assert not (tmp_path / "d.json").exists()
+    r = run_hilt("bench", "analog-lm-diagnosis", "--time", "soon", "--json", tmp_path / "d.json")
+    assert r.returncode == 1 and "cannot read time 'soon'" in r.stderr and len(r.stderr.strip().splitlines()) == 1
+    assert not (tmp_path / "d.json").exists()

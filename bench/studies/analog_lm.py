@@ -88,6 +88,7 @@ def diagnose(model: str = "smollm2", preset_name: str = "pcm", time_text: str = 
     from hilt.data.text import shakespeare_text
     from hilt.tasks.drift_lm import load_language_model
 
+    t = parse_time(time_text)  # a bad time before the model loads
     lm = lm or load_language_model(model)
     if lm.kind != "causal" or not hasattr(lm.model, "blk"):
         raise HiltError(f"--model {model}: the diagnosis runs on a causal language model (smollm2 or a Llama GGUF)")
@@ -97,7 +98,6 @@ def diagnose(model: str = "smollm2", preset_name: str = "pcm", time_text: str = 
     blocks = sorted(set(blocks if blocks is not None else [0, n_blocks // 2, n_blocks - 1]))
     if not blocks or blocks[0] < 0 or blocks[-1] >= n_blocks:
         raise HiltError(f"--blocks {','.join(map(str, blocks))}: {lm.name} has blocks 0 to {n_blocks - 1}")
-    t = parse_time(time_text)
     base = preset(preset_name)
     names = [f"blk.{b}.{k}" for b in blocks for k in KINDS]
     hamlet = torch.tensor(lm.encode(shakespeare_text("hamlet"))[:tokens], dtype=torch.long)
