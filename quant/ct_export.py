@@ -30,6 +30,7 @@ from hilt.errors import HiltError, one_line
 from hilt.kernels.packing import unpack_codes
 from hilt.quant import hf_folder
 from hilt.quant.checkpoint import load_checkpoint, read_header
+from hilt.quant.formats import get_format
 from hilt.quant.qweight import QuantizedWeight
 
 FORMAT = "pack-quantized"
@@ -47,21 +48,23 @@ def _require():
 def _entry_scheme(name: str, e: dict) -> tuple[int, bool, int]:
     """(bits, symmetric, group size) of a header entry, or a one-line refusal naming the tensor."""
     method, bits, block = e["method"], e["bits"], e["block_size"]
-    if method not in ("int", "int-asym"):
+    fmt = get_format(method)
+    levels = fmt.levels(bits)
+    if levels is None or not torch.all(levels.diff() == 1):
         raise HiltError(f"'{name}' is {method}: compressed-tensors holds integer grids (scale x (q - zero point)); "
                         f"{method} has no such grid. Export an int or int-asym checkpoint, or use `hilt export onnx`")
     if not 2 <= bits <= 8:
         raise HiltError(f"'{name}' is {method} {bits}-bit: compressed-tensors packs 2..8-bit integers here")
     if e["shape"][1] % block:
         raise HiltError(f"'{name}': in_features {e['shape'][1]} is not a multiple of its block size {block}")
-    return bits, method == "int", block
+    return bits, not fmt.offsets, block
 
 
 def _signed_levels(q: QuantizedWeight, name: str) -> torch.Tensor:
     """hilt's codes as compressed-tensors' signed integers q = code - 2^(b-1) (int8), after checking that
     the codebook is the plain grid those integers index."""
     half = 1 << (q.bits - 1)
-    grid = torch.arange(1 << q.bits, dtype=torch.float32) - (half if q.method == "int" else 0)
+    grid = get_format(q.method).levels(q.bits).float()
     book = q.codebook.float()
     if book.shape != grid.shape or not torch.equal(book, grid):
         raise HiltError(f"'{name}': its codebook is not the {q.method} {q.bits}-bit grid; re-quantize it")
@@ -144,7 +147,7 @@ def export_compressed_tensors(src, out, overwrite: bool = False) -> dict:
             tensors[f"{module}.weight_packed"] = pack_to_int32(levels, value.bits)
             tensors[f"{module}.weight_scale"] = value.scales.to(dtype)
             tensors[f"{module}.weight_shape"] = torch.tensor(value.shape, dtype=torch.int64)
-            if value.method == "int-asym":
+            if get_format(value.method).offsets:
                 # signed, packed along the rows, as the package packs them
                 tensors[f"{module}.weight_zero_point"] = pack_to_int32(_zero_points(value, name), value.bits,
                                                                        packed_dim=0)
