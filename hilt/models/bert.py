@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from tokenizers import Tokenizer
 
 from hilt.errors import HiltError
-from hilt.models.weights import load_weights_
+from hilt.models.weights import load_weights_, meta_init
 
 MAX_SEQ_LEN = 256  # sentence_bert_config.json of all-MiniLM-L6-v2
 BLOCKS = "encoder.layer."  # tensor-name prefix of the encoder layers
@@ -166,7 +166,7 @@ def load_minilm(path=None, tensors: Mapping[str, torch.Tensor] | None = None,
     tokenizer.enable_padding(pad_id=pad_id if pad_id is not None else 0, pad_token="[PAD]")
     tokenizer.enable_truncation(max_length=min(MAX_SEQ_LEN, cfg.max_position_embeddings))
 
-    with torch.device("meta"):  # weights come from the file; skip random init
+    with meta_init():  # weights come from the file
         model = Bert(cfg)
     return load_weights_(model, path, tensors, "BERT", skip=BLOCKS if lazy_blocks else None), tokenizer
 

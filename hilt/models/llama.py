@@ -30,7 +30,7 @@ from hilt.errors import HiltError
 from hilt.progress import Progress
 from hilt.quant.nn import QuantEmbedding
 from hilt.quant.sources import read_gguf
-from hilt.models.weights import load_weights_
+from hilt.models.weights import load_weights_, meta_init
 
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 BLOCKS = "blk."  # tensor-name prefix of the decoder blocks
@@ -268,7 +268,7 @@ def load_llama(path=None, tensors: Mapping[str, torch.Tensor] | None = None,
     cfg = LlamaConfig.from_gguf(path, reader)
     tokenizer = GGUFTokenizer.from_gguf(path, reader)
 
-    with torch.device("meta"):  # no random init of 135M weights that are overwritten anyway
+    with meta_init():  # no random init of 135M weights that are overwritten anyway
         model = Llama(cfg)
     return load_weights_(model, path, tensors, "llama", skip=BLOCKS if lazy_blocks else None), tokenizer
 

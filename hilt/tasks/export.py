@@ -99,6 +99,7 @@ def export_quantized(src, out, sentences: int = 64, overwrite: bool = False, pac
     ``packed_ops``: symmetric 2/4/8-bit integer weights as MatMulNBits (packed in the session); the
     other formats, and all of them without it, as the rebuild subgraph (folded to float at load)."""
     from hilt.models.bert import Bert, BertConfig, embed, load_minilm, minilm_path
+    from hilt.models.weights import meta_init
     from hilt.data.text import sentences as real_sentences
     from hilt.quant import QuantizedWeight
     from hilt.quant.checkpoint import load_checkpoint, read_header
@@ -115,7 +116,7 @@ def export_quantized(src, out, sentences: int = 64, overwrite: bool = False, pac
     origin = Path(header.get("source", {}).get("path", ""))
     model_dir = origin if (origin / "config.json").is_file() else minilm_path()
     tensors = load_checkpoint(src)
-    with torch.device("meta"):  # the weights' names only (a folder save_pretrained wrote holds no dense copy)
+    with meta_init():  # the weights' names only (a folder save_pretrained wrote holds no dense copy)
         params = dict(Bert(BertConfig.from_json(model_dir / "config.json")).named_parameters())
     quantized = {n: t for n, t in tensors.items() if isinstance(t, QuantizedWeight) and n in params}
     dense = {n: t.float() for n, t in tensors.items() if not isinstance(t, QuantizedWeight) and n in params}
