@@ -17,13 +17,14 @@ from hilt.cim_sim.analog import PRESETS, AnalogConfig, AnalogConv1d, AnalogConv2
 from hilt.cim_sim.cert_bounds import Certificates, analyze, certify
 from hilt.cim_sim.cert_chip import cim_perturbation
 from hilt.cim_sim.devices import PCM, RRAM, mismatch, stuck_at
-from hilt.cim_sim.model import (analog_layers, calibrate_input_ranges, chip_memory, clipped_share, convert_to_analog,
-                                drift_to, evaluate, parse_time, program, stacked_chips)
+from hilt.cim_sim.model import (analog_layers, calibrate_inputs, chip_memory, clipped_share, convert_to_analog,
+                                drift_to, evaluate, needs_calibration, parse_time, program,
+                                stacked_chips)
 from hilt.quant.cert_quant import Perturbation, quantization_perturbation
 
 __all__ = [
     "PRESETS", "AnalogConfig", "AnalogConv1d", "AnalogConv2d", "AnalogLinear", "preset", "PCM", "RRAM", "mismatch", "stuck_at",
     "analog_layers", "convert_to_analog", "drift_to", "evaluate", "parse_time", "program",
-    "calibrate_input_ranges", "chip_memory", "clipped_share", "stacked_chips",
+    "calibrate_inputs", "needs_calibration", "chip_memory", "clipped_share", "stacked_chips",
     "Certificates", "Perturbation", "analyze", "certify", "cim_perturbation", "quantization_perturbation",
 ]

@@ -111,10 +111,16 @@ class AnalogConfig:
     clip_percentile: float = 0.0
     # Input ranges: "dynamic" divides each input row by its abs-max (noise management, with bound
     # management on the outputs); "static" divides every row by one range per array, calibrated as
-    # the input_percentile-th percentile of |x| on calibration data (calibrate_input_ranges), and
+    # the input_percentile-th percentile of |x| on calibration data (calibrate_inputs), and
     # clips what lies beyond it.
     input_range: str = "dynamic"
     input_percentile: float = 99.99
+    # SmoothQuant's migration strength alpha (0 = off), calibrated on data (calibrate_inputs): the
+    # digital periphery divides input channel j by s_j = max|x_j|^alpha / max|W[:, j]|^(1 - alpha)
+    # before the DAC, and the arrays hold W[:, j] * s_j. The product is unchanged; the outlier
+    # channels that set each row's DAC range move into the weights. (For inputs that come from a
+    # norm, the division folds into the norm's gain and costs nothing.)
+    smoothing: float = 0.0
 
     def device_model(self):
         if self.device not in ("ideal", "pcm", "rram"):
@@ -123,6 +129,8 @@ class AnalogConfig:
             raise HiltError(f"unknown weight_mapping {self.weight_mapping!r}; choose layer or column")
         if self.input_range not in ("dynamic", "static"):
             raise HiltError(f"unknown input_range {self.input_range!r}; choose dynamic or static")
+        if not 0 <= self.smoothing <= 1:
+            raise HiltError(f"smoothing is SmoothQuant's alpha, 0 (off) to 1; got {self.smoothing}")
         if self.clip_std < 0 or not 0 <= self.clip_percentile <= 100 or not 0 < self.input_percentile <= 100:
             raise HiltError(f"clip_std must be >= 0 and clip_percentile 0 to 100, input_percentile in (0, 100]; got "
                             f"{self.clip_std}, {self.clip_percentile}, {self.input_percentile}")
@@ -257,15 +265,19 @@ class AnalogMixin:
         self.column_unit = None  # weight_mapping="column": per output column, the weight mapped to g_max
         self.w_target = None  # the weights as mapped where clipping changed them (else w_digital)
         self.clipped_share = 0.0  # the share of this layer's weights clipped by the mapping
-        self.input_ranges = None  # input_range="static": one calibrated range per array (calibrate_input_ranges)
-        self.calibrating = False  # True while calibrate_input_ranges records inputs: the layer computes digitally
+        self.input_ranges = None  # input_range="static": one calibrated range per array (calibrate_inputs)
+        self.input_scale = None  # smoothing: s per input channel (calibrate_inputs); the arrays hold W * s
+        self.calibrating = False  # True while calibrate_inputs records inputs: the layer computes digitally
         if config.clip_std or config.clip_percentile or config.weight_mapping == "column":
             self._map_weights(w)
 
     def _map_weights(self, w: torch.Tensor) -> None:
-        """The mapping options: outliers clipped per output column, then the layer's or each column's
-        abs-max taken as g_max."""
+        """The mapping options: the smoothing scales applied to the input columns, outliers clipped per
+        output column, then the layer's or each column's abs-max taken as g_max."""
         c = self.config
+        if self.input_scale is not None:
+            w = w * self.input_scale
+            self.w_target = w
         if c.clip_std or c.clip_percentile:
             if c.clip_std:
                 limit = c.clip_std * w.std(1, keepdim=True, correction=0)
@@ -280,6 +292,34 @@ class AnalogMixin:
             self.column_unit = w.abs().amax(1).clamp_min(1e-30)
         else:
             self.w_max = float(w.abs().max()) or 1.0
+
+    def smooth_inputs(self, x_absmax: torch.Tensor) -> torch.Tensor:
+        """Set the smoothing scales from each input channel's calibrated abs-max and remap the weights
+        (program the chips after it). A channel that never carried a signal, or whose weights are all
+        zero, keeps scale 1. Returns the scales."""
+        alpha = self.config.smoothing
+        w_absmax = self.w_digital.abs().amax(0)
+        live = (x_absmax > 0) & (w_absmax > 0)
+        s = torch.where(live, x_absmax.clamp_min(1e-30) ** alpha / w_absmax.clamp_min(1e-30) ** (1 - alpha),
+                        torch.ones_like(w_absmax))
+        self.input_scale = s.float()
+        self.w_target, self.clipped_share = None, 0.0
+        self._map_weights(self.w_digital)
+        return self.input_scale
+
+    def held_weights(self) -> torch.Tensor:
+        """What the arrays hold now in the digital layer's units (the smoothing scales taken out), shaped
+        like ``w_eff``; drift compensation not applied."""
+        return self.w_eff if self.input_scale is None else self.w_eff / self.input_scale
+
+    def check_calibrated(self) -> None:
+        """Refuse a forward that needs calibrate_inputs before it has run."""
+        c = self.config
+        missing = ([] if c.input_range != "static" or self.input_ranges is not None else ["input_range='static' needs calibrated ranges"]) + \
+            ([] if not c.smoothing or self.input_scale is not None else ["smoothing needs calibrated scales"])
+        if missing:
+            raise HiltError(f"analog layer {self.path or type(self).__name__}: {' and '.join(missing)}; call "
+                            "hilt.cim_sim.calibrate_inputs(model, run), then program")
 
     # -- device life cycle ------------------------------------------------------------------
 
@@ -343,6 +383,8 @@ class AnalogMixin:
         its slice of the input (noise management) and retries its own saturated rows
         (bound management); the periphery sums the tiles' outputs.
         """
+        if self.input_scale is not None:  # the digital periphery's smoothing division, before the DAC
+            x = x / self.input_scale
         if self.is_ideal:
             y = torch.matmul(x, self.w_eff.view(self.chips, *self.w_digital.shape).transpose(1, 2))
         else:
@@ -551,9 +593,7 @@ class AnalogLinear(AnalogMixin, nn.Module):
         if self.is_ideal or self.calibrating:  # exactly the digital layer's arithmetic
             y = F.linear(x, self.w_digital.to(x.dtype), None if self.bias is None else self.bias.to(x.dtype))
             return self._repeat_for_chips(y, x)
-        if self.config.input_range == "static" and self.input_ranges is None:
-            raise HiltError(f"analog layer {self.path or type(self).__name__}: input_range='static' needs calibrated "
-                            "ranges; call hilt.cim_sim.calibrate_input_ranges(model, run), then program")
+        self.check_calibrated()
         per_chip = self.chip_rows(x)
         flat = x.reshape(self.chips, -1, self.in_features) if per_chip else x.reshape(-1, self.in_features)
         y = self.mvm(flat.float(), self.gdc_scale, self.bias)

@@ -30,7 +30,11 @@ class FrozenArrays(nn.Module):
     def __init__(self, layer: AnalogMixin):
         super().__init__()
         c = layer.config
+        if c.input_range == "static":
+            raise HiltError(f"freeze: analog layer {layer.path or type(layer).__name__} uses static input ranges; "
+                            "the frozen model computes dynamic ones")
         self.ideal = layer.is_ideal
+        self.register_buffer("input_scale", None if layer.input_scale is None else layer.input_scale.clone())
         self.in_step, out_step = layer.converter_steps()
         self.dac, self.adc = c.dac_bits is not None, c.adc_bits is not None
         self.inp_levels = c.inp_bound / self.in_step
@@ -54,6 +58,8 @@ class FrozenArrays(nn.Module):
         self.register_buffer("bias", None if layer.bias is None else layer.bias.detach().clone().float())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.input_scale is not None:  # smoothing, in the digital periphery
+            x = x / self.input_scale
         if self.ideal:
             return F.linear(x, self.weight, self.bias)
         y = None

@@ -159,16 +159,25 @@ def stacked_chips(model: nn.Module):
 
 
 @torch.no_grad()
-def calibrate_input_ranges(model: nn.Module, run, percentile: float | None = None) -> dict:
-    """Static input ranges: ``run(model)`` drives calibration forwards (one chip's worth of inputs,
-    not stacked) while every analog layer computes digitally and records its inputs; each array's
-    range is then the ``percentile``-th percentile (default the layer config's input_percentile) of
-    |x| over its inputs. Sets ``layer.input_ranges`` (program the chips after it: their drift-compensation
-    references read through the ranges); returns {layer path: [range per array]}."""
-    _require_analog(model, "calibrate_input_ranges")
+def calibrate_inputs(model: nn.Module, run, percentile: float | None = None) -> dict:
+    """Calibrate what the analog layers' configurations ask for from the inputs they see: ``run(model)``
+    drives calibration forwards (one chip's worth of inputs, not stacked) while every analog layer
+    computes digitally and records its inputs. Then, per layer:
+
+    - ``smoothing``: each input channel's abs-max sets its scale (``AnalogMixin.smooth_inputs``);
+    - ``input_range="static"``: each array's range is the ``percentile``-th percentile (default the
+      layer config's input_percentile) of |x| over its inputs, after the smoothing division.
+
+    Program the chips after it (the arrays' weights and the drift-compensation references depend on
+    it). Returns {layer path: {"input_ranges": [per array], "smoothing": [min, median, max scale]}}
+    with what was calibrated."""
+    _require_analog(model, "calibrate_inputs")
     seen, hooks = {}, []
     layers = analog_layers(model)
     for name, layer in layers:
+        if not isinstance(layer, AnalogLinear) and (layer.config.smoothing or layer.config.input_range == "static"):
+            raise HiltError(f"calibrate_inputs: layer {name} is a {type(layer).__name__}; static input ranges and "
+                            "smoothing are calibrated for analog Linear layers")
         layer.calibrating = True
         hooks.append(layer.register_forward_pre_hook(
             lambda mod, args, name=name: seen.setdefault(name, []).append(args[0].detach().reshape(-1, args[0].shape[-1]).float())))
@@ -179,19 +188,30 @@ def calibrate_input_ranges(model: nn.Module, run, percentile: float | None = Non
             h.remove()
         for _, layer in layers:
             layer.calibrating = False
-    ranges = {}
+    report = {}
     for name, layer in layers:
         if name not in seen:
-            raise HiltError(f"calibrate_input_ranges: layer {name} saw no input in the calibration run")
+            raise HiltError(f"calibrate_inputs: layer {name} saw no input in the calibration run")
         x = torch.cat(seen.pop(name)).abs()
-        p = layer.config.input_percentile if percentile is None else percentile
-        layer.input_ranges = {}
-        for k0, k1 in layer.tile_bounds():
-            flat = x[:, k0:k1].reshape(-1)
-            k = max(1, min(flat.numel(), math.ceil(p / 100 * flat.numel())))
-            layer.input_ranges[k0] = max(float(flat.kthvalue(k).values), 1e-12)
-        ranges[name] = list(layer.input_ranges.values())
-    return ranges
+        entry = report.setdefault(name, {})
+        if layer.config.smoothing:
+            s = layer.smooth_inputs(x.amax(0))
+            x = x / s
+            entry["smoothing"] = [float(s.min()), float(s.median()), float(s.max())]
+        if layer.config.input_range == "static":
+            p = layer.config.input_percentile if percentile is None else percentile
+            layer.input_ranges = {}
+            for k0, k1 in layer.tile_bounds():
+                flat = x[:, k0:k1].reshape(-1)
+                k = max(1, min(flat.numel(), math.ceil(p / 100 * flat.numel())))
+                layer.input_ranges[k0] = max(float(flat.kthvalue(k).values), 1e-12)
+            entry["input_ranges"] = list(layer.input_ranges.values())
+    return report
+
+
+def needs_calibration(model: nn.Module) -> bool:
+    """Whether an analog layer's configuration asks for calibrate_inputs (static ranges or smoothing)."""
+    return any(layer.config.smoothing or layer.config.input_range == "static" for _, layer in analog_layers(model))
 
 
 def chip_memory(model: nn.Module) -> dict:

@@ -8,7 +8,7 @@ import sys
 import pytest
 import torch
 
-from hilt.cim_sim import (analog_layers, calibrate_input_ranges, clipped_share, convert_to_analog, drift_to, preset,
+from hilt.cim_sim import (analog_layers, calibrate_inputs, clipped_share, convert_to_analog, drift_to, preset,
                           program, stacked_chips)
 from hilt.errors import HiltError
 from hilt.models.bert import Bert, BertConfig
@@ -105,15 +105,88 @@ def test_static_input_ranges_are_calibrated_and_clip():
     x = torch.randn(32, 64)
     config = dataclasses.replace(preset("pcm"), input_range="static", input_percentile=50.0, out_noise=0.0)
     analog = convert_to_analog(lin, config)
-    with pytest.raises(HiltError, match="calibrate_input_ranges"), torch.no_grad():
+    with pytest.raises(HiltError, match="calibrate_inputs"), torch.no_grad():
         analog(x)
-    ranges = calibrate_input_ranges(analog, lambda m: m(x))
+    ranges = calibrate_inputs(analog, lambda m: m(x))[""]["input_ranges"]
     program(analog, seed=0)
-    assert ranges[""] == [pytest.approx(float(x.abs().flatten().kthvalue(32 * 32).values))]
+    assert ranges == [pytest.approx(float(x.abs().flatten().kthvalue(32 * 32).values))]
     with torch.no_grad():
         y = analog(x)
-        clipped = x.clamp(-ranges[""][0], ranges[""][0]) @ analog.w_eff.T
+        clipped = x.clamp(-ranges[0], ranges[0]) @ analog.w_eff.T
         assert (y - clipped).abs().max() < 0.1 * (y - lin(x)).abs().max()  # the clipping is what moved it
+
+
+def _outlier_inputs(rows=64, n_in=96, channel=5, factor=40.0):
+    """Inputs whose one channel is ``factor`` times larger than the others, as LLM activations have."""
+    x = torch.randn(rows, n_in)
+    x[:, channel] *= factor
+    return x
+
+
+@pytest.mark.parametrize("alpha", [0.25, 0.5, 1.0])
+def test_smoothing_scales_follow_smoothquant(alpha):
+    torch.manual_seed(1)
+    lin = torch.nn.Linear(96, 16, bias=False)
+    x = _outlier_inputs()
+    analog = convert_to_analog(lin, dataclasses.replace(preset("pcm"), smoothing=alpha))
+    with pytest.raises(HiltError, match="smoothing needs calibrated scales"), torch.no_grad():
+        analog(x)
+    stats = calibrate_inputs(analog, lambda m: m(x))[""]["smoothing"]
+    expected = x.abs().amax(0) ** alpha / lin.weight.detach().abs().amax(0) ** (1 - alpha)
+    assert torch.allclose(analog.input_scale, expected, rtol=1e-6)
+    assert stats == pytest.approx([float(expected.min()), float(expected.median()), float(expected.max())], rel=1e-6)
+    assert torch.allclose(analog.w_target, lin.weight.detach() * expected, rtol=1e-6)
+
+
+def test_smoothing_leaves_the_product_exact_and_shrinks_the_dac_error():
+    """Equality case: without converters or noise the smoothed layer is the digital one. With a 7-bit
+    DAC, an outlier channel sets every row's range; smoothing moves it into the weights."""
+    torch.manual_seed(2)
+    lin = torch.nn.Linear(96, 16)
+    x = _outlier_inputs()
+    with torch.no_grad():
+        y = lin(x)
+        exact = convert_to_analog(lin, dataclasses.replace(preset("ideal"), smoothing=0.5))
+        calibrate_inputs(exact, lambda m: m(x))
+        program(exact, seed=0)
+        assert not exact.is_ideal  # the smoothed path ran, not the digital shortcut
+        assert (exact(x) - y).norm() < 1e-4 * y.norm()  # arrays hold weights to 1/64,516 of a row's abs-max
+        assert torch.allclose(exact.held_weights(), lin.weight, rtol=1e-6, atol=1e-7)
+        errors = {}
+        for alpha in (0.0, 0.5):
+            dac_only = dataclasses.replace(preset("ideal"), dac_bits=7, smoothing=alpha)
+            analog = convert_to_analog(lin, dac_only)
+            if alpha:
+                calibrate_inputs(analog, lambda m: m(x))
+            program(analog, seed=0)
+            errors[alpha] = float((analog(x) - y).norm() / y.norm())
+    assert errors[0.5] < 0.5 * errors[0.0], errors
+    with pytest.raises(HiltError, match="smoothing is SmoothQuant's alpha"):
+        convert_to_analog(lin, dataclasses.replace(preset("pcm"), smoothing=1.5))
+    conv = convert_to_analog(torch.nn.Sequential(torch.nn.Conv2d(2, 3, 3)), dataclasses.replace(preset("pcm"), smoothing=0.5))
+    with pytest.raises(HiltError, match="Linear layers"):
+        calibrate_inputs(conv, lambda m: m(torch.randn(1, 2, 5, 5)))
+
+
+def test_frozen_model_keeps_the_smoothing_division():
+    from hilt.cim_sim.frozen import freeze
+
+    torch.manual_seed(3)
+    model = torch.nn.Sequential(torch.nn.Linear(96, 32), torch.nn.ReLU(), torch.nn.Linear(32, 8))
+    x = _outlier_inputs(rows=16)
+    analog = convert_to_analog(model, dataclasses.replace(preset("pcm"), out_noise=0.0, smoothing=0.5))
+    calibrate_inputs(analog, lambda m: m(x))
+    program(analog, seed=0)
+    drift_to(analog, 3600.0, seed=1)
+    with torch.no_grad():
+        want, got = analog(x), freeze(analog)(x)
+    assert torch.isfinite(got).all()
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    static = convert_to_analog(model, dataclasses.replace(preset("pcm"), input_range="static"))
+    calibrate_inputs(static, lambda m: m(x))
+    program(static, seed=0)
+    with pytest.raises(HiltError, match="static input ranges"):
+        freeze(static)
 
 
 def test_drift_command_bad_input_is_one_line(tmp_path):

@@ -66,11 +66,11 @@ def input_stats(x: torch.Tensor, dac_bits: int = 7) -> dict:
 def layer_error(linear: nn.Linear, x: torch.Tensor, config, t: float, calibration: torch.Tensor | None = None,
                 seed: int = 0) -> tuple[float, float]:
     """(relative output error of ``linear`` alone on one chip at ``t`` seconds, share of its weights clipped)."""
-    from hilt.cim_sim import calibrate_input_ranges, clipped_share, convert_to_analog, drift_to, program
+    from hilt.cim_sim import calibrate_inputs, clipped_share, convert_to_analog, drift_to, needs_calibration, program
 
     analog = convert_to_analog(nn.Sequential(linear), config)
-    if config.input_range == "static":
-        calibrate_input_ranges(analog, lambda m: m(calibration))
+    if needs_calibration(analog):
+        calibrate_inputs(analog, lambda m: m(calibration))
     program(analog, seeds=[seed])
     drift_to(analog, t, seeds=[10_000 * seed], gdc="global")
     y = linear(x)

@@ -131,7 +131,7 @@ def _chip_weights(analog) -> dict:
     """Layer name -> the effective weights a chip holds now (devices read, drift compensation folded in)."""
     from hilt.cim_sim import analog_layers
 
-    return {name: (layer.w_eff * layer.gdc_scale[:, None]).detach() for name, layer in analog_layers(analog)}
+    return {name: (layer.held_weights() * layer.gdc_scale[:, None]).detach() for name, layer in analog_layers(analog)}
 
 
 def cim_rows(model, net, analysis, x, labels, plan) -> list:
@@ -469,7 +469,7 @@ def chip_bound_check(workloads=WORKLOADS, preset_name: str = "pcm", times: str =
                 outside = torch.zeros(len(seeds), dtype=torch.bool)
                 for name, layer in analog_layers(analog):
                     lo, hi = bound.detail["layers"][name]["alpha_interval"]
-                    held = (layer.w_eff * layer.gdc_scale[..., None]).double()
+                    held = (layer.held_weights() * layer.gdc_scale[..., None]).double()
                     ratio = (held - layer.w_digital.double()).flatten(1).norm(dim=1) / bound.eps[name]
                     out = (layer.gdc_scale.amin(1) < lo) | (layer.gdc_scale.amax(1) > hi)
                     bad |= (ratio > 1) | out

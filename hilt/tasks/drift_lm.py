@@ -9,7 +9,7 @@ read in one pass per time, the inputs stacked one copy per chip (cim_sim.stacked
 - an encoder (MiniLM, a BERT folder): the mean cosine similarity per chip of its sentence
   embeddings to the digital model's, on ``sentences`` Hamlet sentences.
 
-Static input ranges (``input_range="static"``) are calibrated on Macbeth, never on Hamlet.
+Static input ranges (``input_range="static"``) and smoothing scales are calibrated on Macbeth, never on Hamlet.
 """
 
 from __future__ import annotations
@@ -152,8 +152,8 @@ def chip_metric(lm: LanguageModel, model: nn.Module, data, reference=None) -> li
 
 
 def calibrate(lm: LanguageModel, analog: nn.Module, tokens: int = 256, context: int = 128) -> None:
-    """Static input ranges from Macbeth (causal: ``tokens`` tokens; encoder: 64 sentences)."""
-    from hilt.cim_sim import calibrate_input_ranges
+    """Static input ranges and smoothing scales from Macbeth (causal: ``tokens`` tokens; encoder: 64 sentences)."""
+    from hilt.cim_sim import calibrate_inputs
     from hilt.data.text import sentences as play_sentences, shakespeare_text
 
     if lm.kind == "causal":
@@ -168,7 +168,7 @@ def calibrate(lm: LanguageModel, analog: nn.Module, tokens: int = 256, context: 
         def run(m):
             lm.hidden(m, *lm.encode(batch))
     saved = getattr(analog, "chips", 1)
-    calibrate_input_ranges(analog, run)
+    calibrate_inputs(analog, run)
     assert getattr(analog, "chips", 1) == saved
 
 
@@ -178,8 +178,8 @@ def lm_drift_study(model="smollm2", preset_name="pcm", times="1s,1h,1d,1mo,1y", 
     """The metric at each time after programming over ``chips`` chips, with and without ``gdc``.
     ``overrides``: AnalogConfig fields replacing the preset's. Chip k is programmed with seed k and
     read with seed 10000 k + (time index), as for the classifiers."""
-    from hilt.cim_sim import (analog_layers, chip_memory, clipped_share, convert_to_analog, drift_to, parse_time,
-                              preset, program)
+    from hilt.cim_sim import (analog_layers, chip_memory, clipped_share, convert_to_analog, drift_to,
+                              needs_calibration, parse_time, preset, program)
 
     labels = times.split(",") if isinstance(times, str) else [str(t) for t in times]
     seconds = [parse_time(t) for t in labels]
@@ -204,7 +204,7 @@ def lm_drift_study(model="smollm2", preset_name="pcm", times="1s,1h,1d,1mo,1y", 
     else:
         digital = chip_metric(lm, lm.model, data)[0]
     analog = convert_to_analog(lm.model, config)
-    if config.input_range == "static":
+    if needs_calibration(analog):
         calibrate(lm, analog)
     start = time.perf_counter()
     program(analog, seeds=range(chips))

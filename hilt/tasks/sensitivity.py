@@ -178,7 +178,7 @@ def cim_variances(subject: Subject, preset_name: str, time_text: str, chips: int
         if name not in subject.params:
             continue
         w = layer.w_digital.reshape(layer.w_digital.shape[0], -1)
-        w_eff = layer.w_eff.reshape(chips, *w.shape) * layer.gdc_scale.reshape(chips, -1, 1)
+        w_eff = layer.held_weights().reshape(chips, *w.shape) * layer.gdc_scale.reshape(chips, -1, 1)
         e = w_eff - w
         out[name] = {label: Variance(e.square().mean(0), 1, None, None, e.half())}
     return label, out, analog
