@@ -31,6 +31,7 @@ SCENARIOS = {
     "all, weight scaling": {"weight_scaling": True},
     "all, column mapping": {"weight_mapping": "column"},
     "all, column mapping, static ranges": {"weight_mapping": "column", "input_range": "static"},
+    "all, column mapping, smoothing 0.5": {"weight_mapping": "column", "smoothing": 0.5},
 }
 KINDS = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
 

@@ -78,7 +78,7 @@ def register(sub) -> None:
     d.add_argument("--preset", default="pcm", choices=CIM_PRESETS, help="the CIM device preset (default pcm)")
     d.add_argument("--set", action="append", metavar="FIELD=VALUE",
                    help="language model: an AnalogConfig field over the preset (repeatable), e.g. weight_mapping=column, "
-                        "clip_std=3, input_range=static, adc_bits=10")
+                        "smoothing=0.5, clip_std=3, input_range=static, adc_bits=10")
     d.add_argument("--times", default="1s,1h,1d,1mo,1y", help="comma-separated times after programming")
     d.add_argument("--repeats", type=POSITIVE, help="programmed chips (default 5; a language model 2)")
     d.add_argument("--chips", type=POSITIVE, help="the same as --repeats")
