@@ -263,7 +263,7 @@ class AnalogMixin:
         self.chip_forward = None  # the forward under way (ChipForward), set by cim_sim.model before each
         self.path = ""  # where the model holds this layer, for messages (set by cim_sim.model.program)
         self.column_unit = None  # weight_mapping="column": per output column, the weight mapped to g_max
-        self.w_target = None  # the weights as mapped where clipping changed them (else w_digital)
+        self.w_target = None  # the weights as mapped where smoothing or clipping changed them (else w_digital)
         self.clipped_share = 0.0  # the share of this layer's weights clipped by the mapping
         self.input_ranges = None  # input_range="static": one calibrated range per array (calibrate_inputs)
         self.input_scale = None  # smoothing: s per input channel (calibrate_inputs); the arrays hold W * s
@@ -611,6 +611,9 @@ class _AnalogConv(AnalogMixin, nn.Module):
         nn.Module.__init__(self)
         if conv.groups != 1 or conv.padding_mode != "zeros" or isinstance(conv.padding, str):
             raise HiltError(f"analog {type(conv).__name__} supports groups=1, zero padding given as numbers")
+        if config.smoothing or config.input_range == "static":
+            raise HiltError(f"analog {type(conv).__name__}: smoothing and static input ranges are calibrated for "
+                            "Linear layers only; convert the convolutions with a config without them")
         self.out_channels, self.kernel_size = conv.out_channels, conv.kernel_size
         self.stride, self.padding, self.dilation = conv.stride, conv.padding, conv.dilation
         self._init_analog(conv.weight, conv.bias, config)

@@ -175,9 +175,6 @@ def calibrate_inputs(model: nn.Module, run, percentile: float | None = None) -> 
     seen, hooks = {}, []
     layers = analog_layers(model)
     for name, layer in layers:
-        if not isinstance(layer, AnalogLinear) and (layer.config.smoothing or layer.config.input_range == "static"):
-            raise HiltError(f"calibrate_inputs: layer {name} is a {type(layer).__name__}; static input ranges and "
-                            "smoothing are calibrated for analog Linear layers")
         layer.calibrating = True
         hooks.append(layer.register_forward_pre_hook(
             lambda mod, args, name=name: seen.setdefault(name, []).append(args[0].detach().reshape(-1, args[0].shape[-1]).float())))
