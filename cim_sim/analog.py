@@ -122,6 +122,11 @@ class AnalogConfig:
     # norm, the division folds into the norm's gain and costs nothing.)
     smoothing: float = 0.0
 
+    @property
+    def needs_calibration(self) -> bool:
+        """Whether layers of this configuration need calibrate_inputs before they run."""
+        return bool(self.smoothing) or self.input_range == "static"
+
     def device_model(self):
         if self.device not in ("ideal", "pcm", "rram"):
             raise HiltError(f"unknown device {self.device!r}; choose ideal, pcm or rram")
@@ -315,11 +320,14 @@ class AnalogMixin:
     def check_calibrated(self) -> None:
         """Refuse a forward that needs calibrate_inputs before it has run."""
         c = self.config
-        missing = ([] if c.input_range != "static" or self.input_ranges is not None else ["input_range='static' needs calibrated ranges"]) + \
-            ([] if not c.smoothing or self.input_scale is not None else ["smoothing needs calibrated scales"])
-        if missing:
-            raise HiltError(f"analog layer {self.path or type(self).__name__}: {' and '.join(missing)}; call "
-                            "hilt.cim_sim.calibrate_inputs(model, run), then program")
+        if c.input_range == "static" and self.input_ranges is None:
+            missing = "input_range='static' needs calibrated ranges"
+        elif c.smoothing and self.input_scale is None:
+            missing = "smoothing needs calibrated scales"
+        else:
+            return
+        raise HiltError(f"analog layer {self.path or type(self).__name__}: {missing}; call "
+                        "hilt.cim_sim.calibrate_inputs(model, run), then program")
 
     # -- device life cycle ------------------------------------------------------------------
 
@@ -611,7 +619,7 @@ class _AnalogConv(AnalogMixin, nn.Module):
         nn.Module.__init__(self)
         if conv.groups != 1 or conv.padding_mode != "zeros" or isinstance(conv.padding, str):
             raise HiltError(f"analog {type(conv).__name__} supports groups=1, zero padding given as numbers")
-        if config.smoothing or config.input_range == "static":
+        if config.needs_calibration:
             raise HiltError(f"analog {type(conv).__name__}: smoothing and static input ranges are calibrated for "
                             "Linear layers only; convert the convolutions with a config without them")
         self.out_channels, self.kernel_size = conv.out_channels, conv.kernel_size

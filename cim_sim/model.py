@@ -208,7 +208,7 @@ def calibrate_inputs(model: nn.Module, run, percentile: float | None = None) -> 
 
 def needs_calibration(model: nn.Module) -> bool:
     """Whether an analog layer's configuration asks for calibrate_inputs (static ranges or smoothing)."""
-    return any(layer.config.smoothing or layer.config.input_range == "static" for _, layer in analog_layers(model))
+    return any(layer.config.needs_calibration for _, layer in analog_layers(model))
 
 
 def chip_memory(model: nn.Module) -> dict:
