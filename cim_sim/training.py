@@ -7,10 +7,14 @@ device model:
 
 * ``mismatch`` (default): w (1 + eta N(0, 1)), the generic robustness model;
   the gradient reaches w through the multiplicative factor;
-* ``pcm`` / ``rram``: w mapped to conductance pairs, programmed, read at a time
+* ``pcm`` / ``rram``: w mapped to conductance pairs (the layer's abs-max, or each output
+  column's, to g_max, as ``AnalogConfig.weight_mapping``), programmed, read at a time
   drawn log-uniformly between 1 s and 1 year, globally compensated; eta scales
   the device's programming and read noise (eta = 1 is the published device).
   The gradient passes straight through the device (w + (w_device - w).detach()).
+  Programming, drift exponent and read noise are drawn in one compiled pass from
+  counter-based normals (devices.hashed_normal): the device model's distribution, at the
+  cost of one read per step (a language model's 100M weights in about a second).
 
 ``noise`` (hardware-aware training): one copy per step at a fixed eta.
 
@@ -26,6 +30,12 @@ Sample weights a(x) = clip(d(x) / mean_batch d, clip_min, clip_max), renormalise
 to mean 1, with no gradient through them; the loss is
 mean_x a(x) mean_k CE(f_{W_k}(x), y). Hard samples for the perturbed networks
 (those the copies disagree on) pull harder on the clean weights.
+
+Language models (``hilt hwa``) are distilled from their digital model instead of trained on labels:
+KL(digital || copy) per token for a causal LM, 1 - cosine per sentence embedding for an encoder, the
+samples being tokens or sentences. Iterative weight clipping (``clip_columns_``) keeps each output
+column within k standard deviations after every step, so that no outlier sets the column's
+conductance range.
 """
 
 from __future__ import annotations
@@ -39,7 +49,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.func import functional_call
 
-from hilt.cim_sim.devices import PCM, RRAM
+from hilt.cim_sim.devices import PCM, RRAM, compiled, hashed_normal
 from hilt.errors import HiltError
 
 NOISE_MODELS = ("mismatch", "pcm", "rram")
@@ -110,21 +120,42 @@ def analog_weights(model: nn.Module) -> list[str]:
             if isinstance(m, (nn.Linear, nn.Conv2d))]
 
 
-def perturb(w: torch.Tensor, eta: float, noise_model: str, gen: torch.Generator) -> torch.Tensor:
-    """One noisy copy of weight ``w`` (differentiable to w), per the module docstring."""
+def _device_read(target, keys, log_t, read_sigma, device):
+    """One chip's G+ - G- for conductance targets ``target`` (pairs stacked on dim 0): programmed,
+    drift exponents drawn, read at log(T / t0) = ``log_t``, as PCM.program / drift_exponent / read."""
+    n = target.numel()
+    z = hashed_normal(3 * n, keys).view(3, *target.shape)
+    g = (target + device.programming_sigma(target) * z[0]).clamp_min(0)
+    mu, sd, factor = device.drift_law(target)
+    nu = (mu + sd * z[1]).abs() * factor
+    g_t = g * torch.exp(nu * -log_t)
+    g_t = (g_t + read_sigma * g_t * device.read_noise_coefficient(g) * z[2]).clamp_min(0)
+    return g_t[0] - g_t[1]
+
+
+_device_read_compiled = compiled(_device_read)
+
+
+def perturb(w: torch.Tensor, eta: float, noise_model: str, gen: torch.Generator,
+            mapping: str = "layer") -> torch.Tensor:
+    """One noisy copy of weight ``w`` (differentiable to w), per the module docstring. ``mapping``:
+    the device models' weight mapping, "layer" or "column" (AnalogConfig.weight_mapping)."""
     if noise_model == "mismatch":
         return w * (1 + eta * torch.randn(w.shape, generator=gen, dtype=w.dtype))
+    if mapping not in ("layer", "column"):
+        raise HiltError(f"unknown weight mapping {mapping!r}; choose layer or column")
     device = {"pcm": PCM, "rram": RRAM}[noise_model](prog_noise_scale=eta, read_noise_scale=eta)
     with torch.no_grad():
-        wd = w.detach().float()
-        scale = device.g_max / (float(wd.abs().max()) or 1.0)
+        wd = w.detach().float().reshape(w.shape[0], -1)
+        unit = wd.abs().amax(1, keepdim=True) if mapping == "column" else wd.abs().max().view(1, 1)
+        scale = device.g_max / unit.clamp_min(1e-30)
         target = torch.stack([(wd * scale).clamp_min(0), (-wd * scale).clamp_min(0)])
-        g = device.program(target, gen)
-        nu = device.drift_exponent(target, gen)
         t = math.exp(float(torch.rand((), generator=gen)) * math.log(_YEAR))  # log-uniform, 1 s .. 1 y
-        w_t = device.read_differential(g, nu, t, gen) / scale
+        keys = torch.randint(-(2**31), 2**31, (2,), generator=gen, dtype=torch.int32)
+        log_t, sigma = (torch.tensor(v) for v in (math.log((t + device.t0) / device.t0), device.read_sigma(t)))
+        w_t = _device_read_compiled(target, keys, log_t, sigma, device) / scale
         w_t *= wd.abs().sum() / w_t.abs().sum().clamp_min(1e-12)  # global drift compensation
-    return w + (w_t.to(w.dtype) - w).detach()
+    return w + (w_t.view(w.shape).to(w.dtype) - w).detach()
 
 
 def disagreement(logits: torch.Tensor, labels: torch.Tensor, weighting: str) -> torch.Tensor:
@@ -170,6 +201,50 @@ def noisy_loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor, cfg: NoisyTra
     with torch.no_grad():
         a = sample_weights(disagreement(logits, y, cfg.weighting), cfg.clip_min, cfg.clip_max)
     return (ce.mean(0) * a).mean(), logits[0]
+
+
+def distillation_loss(outs: torch.Tensor, teacher: torch.Tensor, cfg: NoisyTraining) -> torch.Tensor:
+    """The loss of K noisy copies of a causal LM against the digital model (fine-tuning for the chip):
+    ``outs`` (K, N, vocab) each copy's logits for N tokens, ``teacher`` (N, vocab) the digital model's;
+    KL(teacher || copy) per token. DWP weights each token by the copies' disagreement as ``noisy_loss``
+    weights samples, the teacher's top token standing in for the label of the ``error`` weighting."""
+    logp = teacher.float().log_softmax(-1)
+    logq = outs.float().log_softmax(-1)
+    per = (logp.exp() * (logp - logq)).sum(-1)  # (K, N)
+    if not METHODS[cfg.method].weighted:
+        return per.mean()
+    with torch.no_grad():
+        d = disagreement(outs.float(), teacher.argmax(-1), cfg.weighting)
+    return (per.mean(0) * sample_weights(d, cfg.clip_min, cfg.clip_max)).mean()
+
+
+def embedding_distillation_loss(outs: torch.Tensor, teacher: torch.Tensor, cfg: NoisyTraining) -> torch.Tensor:
+    """As :func:`distillation_loss` for sentence embeddings: 1 - cos(copy, teacher) per sentence; DWP's
+    disagreement is the copies' spread, the mean of 1 - cos(copy, mean of the copies) (any weighting
+    but ``none``)."""
+    per = 1 - F.cosine_similarity(outs.float(), teacher.float().unsqueeze(0), dim=-1)  # (K, N)
+    if not METHODS[cfg.method].weighted:
+        return per.mean()
+    with torch.no_grad():
+        d = torch.ones(outs.shape[1]) if cfg.weighting == "none" else \
+            (1 - F.cosine_similarity(outs.float(), outs.float().mean(0, keepdim=True), dim=-1)).mean(0)
+    return (per.mean(0) * sample_weights(d, cfg.clip_min, cfg.clip_max)).mean()
+
+
+@torch.no_grad()
+def clip_columns_(model: nn.Module, k: float) -> float:
+    """Iterative weight clipping: every analog weight clipped per output column to k times that column's
+    std (in place). Returns the share of weights clipped."""
+    params = dict(model.named_parameters())
+    clipped = total = 0
+    for n in analog_weights(model):
+        w = params[n].data.view(params[n].shape[0], -1)
+        limit = k * w.std(1, keepdim=True, correction=0)
+        over = w.abs() > limit
+        clipped += int(over.sum())
+        total += w.numel()
+        torch.maximum(torch.minimum(w, limit), -limit, out=w)
+    return clipped / max(total, 1)
 
 
 @torch.no_grad()

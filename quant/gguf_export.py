@@ -84,14 +84,15 @@ def gguf_blocks(q: QuantizedWeight, name: str = "tensor") -> tuple[np.ndarray, o
     return np.ascontiguousarray(blocks.reshape(n, -1)), kind
 
 
-def _copy_metadata(reader, writer) -> None:
+def copy_gguf_metadata(reader, writer, keep=None) -> None:
+    """Copy the metadata of the GGUF ``reader`` to ``writer``: every field but the file's own header, its
+    architecture (the writer writes it from its own argument) and its file type (the main block type,
+    no longer true); ``keep``, if given, a test on the field's name."""
     import gguf
 
-    # the writer writes the architecture from its own argument; the source's file type (its main block
-    # type) would no longer be true
     skip = {"general.architecture", "general.file_type"}
     for field in reader.fields.values():
-        if field.name.startswith("GGUF.") or field.name in skip:
+        if field.name.startswith("GGUF.") or field.name in skip or (keep is not None and not keep(field.name)):
             continue
         vtype = field.types[0]
         sub = field.types[-1] if vtype == gguf.GGUFValueType.ARRAY else None
@@ -141,7 +142,7 @@ def export_gguf(dst, out, overwrite: bool = False, dense: bool = False) -> dict:
     with replacing(out, ".partial") as tmp:
         writer = gguf.GGUFWriter(str(tmp), arch)
         if from_gguf:
-            _copy_metadata(reader, writer)
+            copy_gguf_metadata(reader, writer)
         else:
             layout = TensorLayout(write_hf_metadata(dst, writer, dst.name))
         for name, value in tensors.items():

@@ -171,6 +171,31 @@ def load_minilm(path=None, tensors: Mapping[str, torch.Tensor] | None = None,
     return load_weights_(model, path, tensors, "BERT", skip=BLOCKS if lazy_blocks else None), tokenizer
 
 
+def save_folder(model: Bert, like, out) -> Path:
+    """Write ``model`` as a model folder ``out`` beside the folder ``like`` it was loaded from: every file of
+    ``like`` but its weights copied (config, tokenizer, sentence-transformers settings), and one
+    model.safetensors holding ``like``'s tensors with the model's own in their place (float32).
+    Written whole or not at all."""
+    import shutil
+
+    from hilt.atomic import replacing, save_safetensors
+    from hilt.quant.sources import open_source
+
+    like, out = Path(like), Path(out)
+    like_dir = like if like.is_dir() else like.parent
+    ours = {n: t.detach().float().contiguous() for n, t in model.state_dict().items()}
+    with open_source(like) as src:
+        tensors = {n: ours.get(n, src.get(n)).contiguous() for n in src.names()}
+    missing = sorted(set(ours) - set(tensors))
+    if missing:
+        raise HiltError(f"{like}: has no tensor {missing[0]!r} of the model; save beside the folder it came from")
+    with replacing(out, ".partial") as tmp:
+        shutil.copytree(like_dir, tmp, ignore=shutil.ignore_patterns("*.safetensors", "*.bin", "*.index.json",
+                                                                      ".gitattributes"))
+        save_safetensors(tensors, tmp / "model.safetensors")
+    return out
+
+
 def embed(model: Bert, tokenizer: Tokenizer, sentences: Sequence[str], batch_size: int = 64) -> torch.Tensor:
     """Unit-norm sentence embeddings [len(sentences), hidden], in the input order."""
     sentences = list(sentences)

@@ -273,6 +273,39 @@ def load_llama(path=None, tensors: Mapping[str, torch.Tensor] | None = None,
     return load_weights_(model, path, tensors, "llama", skip=BLOCKS if lazy_blocks else None), tokenizer
 
 
+def save_gguf(model: Llama, like, out) -> Path:
+    """Write ``model`` as a GGUF file ``out``, every tensor F32, with the vocabulary and general metadata
+    of the GGUF ``like`` (the file it was loaded from), so that load_llama, `hilt quantize` and llama.cpp
+    read it. The architecture's fields come from the model's config. Written whole or not at all."""
+    from hilt.atomic import replacing
+    from hilt.quant.gguf_export import copy_gguf_metadata
+
+    like, out = Path(like), Path(out)
+    reader = read_gguf(like)
+    cfg = model.cfg
+    with replacing(out, ".partial") as tmp:
+        w = gguf.GGUFWriter(str(tmp), "llama")
+        copy_gguf_metadata(reader, w, keep=lambda name: not name.startswith("llama."))
+        w.add_file_type(gguf.LlamaFileType.ALL_F32)
+        w.add_vocab_size(cfg.vocab_size)
+        w.add_context_length(cfg.max_seq_len)
+        w.add_embedding_length(cfg.dim)
+        w.add_block_count(cfg.n_layers)
+        w.add_feed_forward_length(cfg.ffn_dim)
+        w.add_head_count(cfg.n_heads)
+        w.add_head_count_kv(cfg.n_kv_heads)
+        w.add_rope_dimension_count(cfg.head_dim)
+        w.add_rope_freq_base(cfg.rope_base)
+        w.add_layer_norm_rms_eps(cfg.norm_eps)
+        for name, t in model.state_dict().items():
+            w.add_tensor(name, t.detach().float().contiguous().numpy())
+        w.write_header_to_file()
+        w.write_kv_data_to_file()
+        w.write_tensors_to_file()
+        w.close()
+    return out
+
+
 # ------------------------------------------------------------------------- evaluation
 
 

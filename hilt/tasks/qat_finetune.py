@@ -10,16 +10,12 @@ from it with the same batches an uninterrupted run would draw. On a GPU it runs 
 
 from __future__ import annotations
 
-import json
 import re
 import shutil
 from dataclasses import asdict
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file
-
-from hilt.atomic import replacing, save_safetensors, write_json
 from hilt.errors import HiltError
 from hilt.progress import LOG, Progress
 from hilt.quant import QuantConfig
@@ -31,6 +27,7 @@ from hilt.quant.qat import (
     save_qat,
     start_quantizing_,
 )
+from hilt.tasks.training_state import load_state, save_state, state_meta
 
 HELD_OUT = "hamlet"
 
@@ -43,42 +40,6 @@ def _training_tokens(tokenizer, limit: int) -> torch.Tensor:
         if work != HELD_OUT and len(ids) < limit:
             ids += tokenizer.encode(shakespeare_text(work))
     return torch.tensor(ids[:limit])
-
-
-def _save_state(path: Path, model, opt, step: int, settings: dict) -> None:
-    tensors = {f"model.{n}": t.detach().contiguous().clone() for n, t in model.state_dict().items()}
-    opt_state = opt.state_dict()
-    for i, st in opt_state["state"].items():
-        for key, value in st.items():
-            tensors[f"opt.{i}.{key}"] = torch.as_tensor(value).contiguous()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with replacing(path) as tmp:  # the previous state stays whole until the new one is complete
-        tmp.mkdir()
-        save_safetensors(tensors, tmp / "state.safetensors")
-        write_json(tmp / "state.json", {"step": step, "settings": settings, "param_groups": opt_state["param_groups"]})
-
-
-def _state_meta(path: Path, settings: dict) -> dict:
-    """The interrupted run's step and optimizer groups; refuses other settings (before any model loads)."""
-    if not (path / "state.json").is_file():
-        raise HiltError(f"nothing to resume: {path} does not exist")
-    meta = json.loads((path / "state.json").read_text())
-    if meta["settings"] != json.loads(json.dumps(settings)):
-        raise HiltError(f"{path}: the interrupted run used other settings ({meta['settings']}); "
-                        f"rerun with them or pass --overwrite")
-    return meta
-
-
-def _load_state(path: Path, meta: dict, model, opt) -> int:
-    tensors = load_file(path / "state.safetensors")
-    model.load_state_dict({n[len("model."):]: t for n, t in tensors.items() if n.startswith("model.")})
-    state: dict = {}
-    for name, t in tensors.items():
-        if name.startswith("opt."):
-            _, i, key = name.split(".", 2)
-            state.setdefault(int(i), {})[key] = t
-    opt.load_state_dict({"state": state, "param_groups": meta["param_groups"]})
-    return meta["step"]
 
 
 def finetune(dst, method: str = "kmeans", bits: int = 2, block_size: int = 64, steps: int = 60, lr: float = 1e-4,
@@ -104,7 +65,7 @@ def finetune(dst, method: str = "kmeans", bits: int = 2, block_size: int = 64, s
         only_re = re.compile(only) if only else None
     except re.error as e:
         raise HiltError(f"bad regular expression in --only: {e}") from None
-    meta = _state_meta(state_dir, settings) if resume else None
+    meta = state_meta(state_dir, settings) if resume else None
     device = "cuda" if torch.cuda.is_available() else "cpu"
     model, tokenizer = load_llama()
     model.to(device).requires_grad_(True)  # loaded for inference: frozen
@@ -114,7 +75,7 @@ def finetune(dst, method: str = "kmeans", bits: int = 2, block_size: int = 64, s
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
     start = 0
     if meta is not None:
-        start = _load_state(state_dir, meta, model, opt)
+        start = load_state(state_dir, meta, model, opt)
         for layer in fake_quant_layers(model).values():
             layer.quantizing = True
         LOG.info(f"resuming at step {start} of {steps} from {state_dir}")
@@ -142,7 +103,7 @@ def finetune(dst, method: str = "kmeans", bits: int = 2, block_size: int = 64, s
         bar.done(f"step {step + 1}", f"loss {losses[-1]:.3f}")
         qat_step_(model, step, schedule)
         if (step + 1) % save_every == 0 and step + 1 < steps:
-            _save_state(state_dir, model, opt, step + 1, settings)
+            save_state(state_dir, model, opt, step + 1, settings)
     bar.close()
     model.cpu()
     header = save_qat(model, dst, overwrite=overwrite)
