@@ -25,7 +25,7 @@ from hilt.errors import HiltError
 
 # in the order `hilt --help` lists them
 COMMANDS = ("quantize", "convert", "inspect", "calibrate", "sensitivity", "train", "energy", "export", "fp8", "qat",
-            "drift", "sweep", "certify", "eval", "bench", "report")
+            "hwa", "drift", "sweep", "certify", "eval", "bench", "report")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -65,7 +65,7 @@ def main(argv=None) -> int:
     except KeyboardInterrupt:
         if debug:
             raise
-        hint = " (run the same command with --resume to continue)" if args.command in ("quantize", "qat", "sweep") else ""
+        hint = " (run the same command with --resume to continue)" if args.command in ("quantize", "qat", "hwa", "sweep") else ""
         print(f"hilt: interrupted{hint}", file=sys.stderr)
         return EXIT_INTERRUPTED
 

@@ -202,3 +202,19 @@ def resolve_bits(args, default: int) -> int:
                              "(leave --bits out)")
         return fixed
     return default if args.bits is None else args.bits
+
+
+def config_overrides(items) -> dict:
+    """--set FIELD=VALUE (AnalogConfig fields) -> {field: value}, values read as JSON where they parse."""
+    import json
+
+    out = {}
+    for item in items or []:
+        field, sep, value = item.partition("=")
+        if not sep or not field:
+            raise UsageError(f"--set {item}: expected FIELD=VALUE, e.g. --set weight_mapping=column")
+        try:
+            out[field] = json.loads(value)
+        except ValueError:
+            out[field] = value
+    return out

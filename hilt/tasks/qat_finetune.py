@@ -27,20 +27,8 @@ from hilt.quant.qat import (
     save_qat,
     start_quantizing_,
 )
+from hilt.data.text import training_tokens
 from hilt.tasks.training_state import load_state, save_state, state_meta
-
-HELD_OUT = "hamlet"
-
-
-def _training_tokens(tokenizer, limit: int) -> torch.Tensor:
-    from hilt.data.text import available_works, shakespeare_text
-
-    ids: list[int] = []
-    for work in available_works():
-        if work != HELD_OUT and len(ids) < limit:
-            ids += tokenizer.encode(shakespeare_text(work))
-    return torch.tensor(ids[:limit])
-
 
 def finetune(dst, method: str = "kmeans", bits: int = 2, block_size: int = 64, steps: int = 60, lr: float = 1e-4,
              batch: int = 4, context: int = 256, refit_every: int = 0, save_every: int = 10, seed: int = 0,
@@ -82,7 +70,7 @@ def finetune(dst, method: str = "kmeans", bits: int = 2, block_size: int = 64, s
     else:
         LOG.info(f"fitting {len(fake_quant_layers(model))} {bits}-bit {method} codebooks to SmolLM2-135M...")
         start_quantizing_(model)
-    tokens = _training_tokens(tokenizer, 400_000)
+    tokens = torch.tensor(training_tokens(tokenizer.encode, 400_000))
     schedule = QATSchedule(warmup=0, refit_every=refit_every, steps=steps)
     losses = []
     bar = Progress(steps, "qat", "step", initial=start, enabled=progress)

@@ -1,0 +1,47 @@
+from __future__ import annotations
+
+from hilt.cli.common import (
+    CIM_PRESETS, OUTPUT, POSITIVE, POSITIVE_NUMBER, SEED, WEIGHTINGS, command, config_overrides, float_pair, integer,
+    number,
+)
+from hilt.cli.output import write_json_option
+
+
+def cmd_hwa(args) -> int:
+    from hilt.tasks import hwa
+
+    result = hwa.tune(args.model, args.out, args.method, args.preset, config_overrides(args.set), args.eta,
+                      *args.eta_range, args.copies, args.weighting, args.steps, args.lr, args.batch,
+                      args.context, args.save_every, args.seed, args.resume, args.overwrite, progress=True)
+    write_json_option(args, result)
+    return 0
+
+
+def register(sub) -> None:
+    h = command(sub, "hwa", "fine-tune a language model for a CIM chip: distilled from its digital self through "
+                "noisy device reads (noise injection or DWP), resumable; writes a GGUF (Llama) or a model folder (BERT)",
+                "hilt hwa smollm2 smollm2-pcm.gguf --method noise --set weight_mapping=column --steps 60\n  "
+                "hilt drift --model smollm2-pcm.gguf --preset pcm --set weight_mapping=column --times 1s,1y",
+                [OUTPUT, SEED])
+    h.add_argument("model", help="smollm2, a Llama .gguf, minilm or a BERT model folder")
+    h.add_argument("out", help="the tuned model: a .gguf file for a causal LM, a folder for an encoder")
+    h.add_argument("--method", default="noise", choices=("noise", "dwp"),
+                   help="noise: one device read per step at --eta; dwp: --copies reads at levels over "
+                        "--eta-range, samples weighted by their disagreement (default noise)")
+    h.add_argument("--preset", default="pcm", choices=CIM_PRESETS, help="the chip tuned for (default pcm)")
+    h.add_argument("--set", action="append", metavar="FIELD=VALUE",
+                   help="an AnalogConfig field over the preset (repeatable): weight_mapping=column maps the noise "
+                        "per column; clip_std=K clips every column to K std after each step")
+    h.add_argument("--eta", type=number(), default=1.0, help="noise: the device noise level (1 = the published device)")
+    h.add_argument("--eta-range", type=float_pair, default=(0.5, 1.5), metavar="MIN,MAX",
+                   help="dwp: the reads' noise levels (default 0.5,1.5)")
+    h.add_argument("--copies", type=integer(2), default=2, help="dwp: device reads per step (default 2)")
+    h.add_argument("--weighting", default="js", choices=WEIGHTINGS, help="dwp: disagreement measure (default js)")
+    h.add_argument("--steps", type=POSITIVE, default=60)
+    h.add_argument("--lr", type=POSITIVE_NUMBER, default=2e-5)
+    h.add_argument("--batch", type=POSITIVE, default=4, help="windows (causal) or sentences (encoder) per step")
+    h.add_argument("--context", type=integer(2), default=128, help="causal LM: tokens per window (default 128)")
+    h.add_argument("--save-every", type=POSITIVE, default=10, help="steps between resumable training states")
+    h.add_argument("--resume", action="store_true", help="continue from OUT.hwa-state/")
+    h.add_argument("--overwrite", action="store_true")
+    h.set_defaults(func=cmd_hwa)

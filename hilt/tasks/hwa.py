@@ -1,0 +1,195 @@
+"""`hilt hwa MODEL OUT --method noise|dwp`: fine-tune a language model for a CIM chip.
+
+The digital model is distilled into a copy of itself that is trained through noisy reads of the
+chip's devices (cim_sim.training): every Linear the chip would hold (those `convert_to_analog`
+puts on arrays) is replaced, in each forward, by one programmed-and-drifted read of the preset's
+device at a time between 1 s and 1 year, mapped to conductances as the configuration says
+(``weight_mapping``); the gradient reaches the clean weights straight through the device.
+
+- ``noise``: one read per step at noise level ``eta`` (1 = the published device);
+- ``dwp``: ``copies`` reads per step at levels spread over [eta_min, eta_max], each token (or
+  sentence) weighted by how much the reads disagree on it.
+
+Causal LMs minimise KL(digital || noisy) per token on Shakespeare's works but Hamlet; encoders
+minimise 1 - cosine of the sentence embeddings on their sentences. With ``clip_std`` set in the
+configuration, every output column is clipped to that many standard deviations after each step
+(iterative weight clipping), as the mapping will clip it on the chip. Static input ranges and
+smoothing scales are calibrated when the tuned model is put on a chip (`hilt drift --set ...`).
+
+Resumable like `hilt qat`: the state goes to ``OUT.hwa-state/`` every ``save_every`` steps, and
+``resume`` draws the same batches and the same noise an uninterrupted run would. The output is the
+model in its own format: a GGUF file (a Llama) or a model folder (a BERT), which `hilt drift
+--model`, `hilt eval` and `hilt quantize` read.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import shutil
+from pathlib import Path
+
+import torch
+from torch.func import functional_call
+
+from hilt.errors import HiltError
+from hilt.progress import LOG, Progress
+
+
+def _source(spec: str) -> Path:
+    """The file or folder of a model hilt runs itself, whose tokenizer and metadata the output keeps; any
+    other model refused before it loads."""
+    import json
+
+    from hilt.models import bert, llama
+
+    if spec == "smollm2":
+        return llama.smollm2_path()
+    if spec == "minilm":
+        return bert.minilm_path()
+    path = Path(spec)
+    if spec.endswith(".gguf") and path.is_file():
+        return path
+    config = path / "config.json"
+    if path.is_dir() and config.is_file():
+        try:
+            kind = json.loads(config.read_text()).get("model_type")
+        except (OSError, ValueError, AttributeError) as e:
+            raise HiltError(f"{config}: not a model config ({e})") from None
+        if kind != "bert" or not (path / "tokenizer.json").is_file():
+            raise HiltError(f"{path}: hilt hwa fine-tunes the models hilt runs itself (smollm2 or a Llama GGUF, "
+                            "minilm or a BERT folder with tokenizer.json); this one runs through transformers")
+        return path
+    return path  # load_language_model says what is wrong with it
+
+
+def _check_out(out: Path, causal: bool | None, overwrite: bool) -> None:
+    if out.exists() and not overwrite:
+        raise HiltError(f"{out}: already exists; pass --overwrite to replace it")
+    if causal is True and out.is_dir():
+        raise HiltError(f"{out}: is a folder; a causal LM is written as one GGUF file")
+    if causal is False and out.exists() and not out.is_dir():
+        raise HiltError(f"{out}: is a file; an encoder is written as a model folder")
+    if not out.parent.is_dir():
+        raise HiltError(f"{out.parent}: no such folder")
+
+
+def _training_data(lm):
+    """The training data: a long run of token ids (causal) or a list of sentences (encoder)."""
+    from hilt.data.text import training_sentences, training_tokens
+
+    if lm.kind == "causal":
+        return torch.tensor(training_tokens(lm.encode, 400_000), dtype=torch.long)
+    return training_sentences(4096)
+
+
+def _digital_and_noisy(lm, teacher, student, data, batch: int, context: int, cfg, device: str, mapping: str,
+                       gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """One step's inputs through the digital model and through cfg's noisy reads of the student:
+    (K, N, C) noisy outputs and (N, C) digital ones, N tokens or sentences."""
+    from hilt.cim_sim.training import analog_weights, perturb
+    from hilt.models.bert import mean_pool
+
+    if lm.kind == "causal":
+        starts = torch.randint(len(data) - context, (batch,), generator=gen)
+        args = (data[starts[:, None] + torch.arange(context)],)
+
+        def run(model, params=None):
+            out = lm.logits(model, *args) if params is None else functional_call(model, params, args)
+            return out.flatten(0, 1)
+    else:
+        picks = torch.randint(len(data), (batch,), generator=gen).tolist()
+        ids, mask = lm.encode([data[i] for i in picks])
+        args = (ids, mask)
+
+        def run(model, params=None):
+            hidden = lm.hidden(model, *args) if params is None else functional_call(model, params, args)
+            return mean_pool(hidden, mask)
+    with torch.no_grad():
+        digital = run(teacher)
+    params = dict(student.named_parameters())
+    names = analog_weights(student)
+    outs = [run(student, {n: perturb(params[n], eta, device, gen, mapping) for n in names}) for eta in cfg.levels()]
+    return torch.stack(outs), digital
+
+
+def tune(model: str, out, method: str = "noise", preset_name: str = "pcm", overrides: dict | None = None,
+         eta: float = 1.0, eta_min: float = 0.5, eta_max: float = 1.5, copies: int = 2, weighting: str = "js",
+         steps: int = 60, lr: float = 2e-5, batch: int = 4, context: int = 128, save_every: int = 10, seed: int = 0,
+         resume: bool = False, overwrite: bool = False, progress: bool = True) -> dict:
+    """Fine-tune ``model`` for the chip of ``preset_name`` (+ ``overrides``, AnalogConfig fields); see the
+    module docstring. Returns the settings and the loss per step."""
+    from hilt.cim_sim import preset
+    from hilt.cim_sim.training import NoisyTraining, clip_columns_, distillation_loss, embedding_distillation_loss
+    from hilt.models import bert, llama
+    from hilt.tasks.drift_lm import load_language_model
+    from hilt.tasks.training_state import load_state, save_state, state_meta
+
+    out = Path(out)
+    if method not in ("noise", "dwp"):
+        raise HiltError(f"--method {method}: choose noise or dwp")
+    if steps < 1 or batch < 1 or context < 2 or save_every < 1 or not lr > 0:
+        raise HiltError("hwa needs steps, batch and save-every >= 1, a context >= 2 and a positive learning rate")
+    config = preset(preset_name)
+    if overrides:
+        unknown = set(overrides) - {f.name for f in dataclasses.fields(config)}
+        if unknown:
+            raise HiltError(f"--set {', '.join(sorted(unknown))}: not a field of AnalogConfig")
+        config = dataclasses.replace(config, **overrides)
+    config.device_model()  # validates the configuration
+    if config.device not in ("pcm", "rram"):
+        raise HiltError(f"--preset {preset_name}: the device is {config.device!r}; hwa trains against pcm or rram noise")
+    cfg = NoisyTraining(method=method, noise_model=config.device, eta=eta, eta_min=eta_min, eta_max=eta_max,
+                        copies=copies if method == "dwp" else 1, weighting=weighting).validate()
+    _check_out(out, None, overwrite)
+    state_dir = out.with_name(out.name + ".hwa-state")
+    if overwrite and not resume:
+        shutil.rmtree(state_dir, ignore_errors=True)
+    settings = {"model": model, "preset": preset_name, "config": dataclasses.asdict(config),
+                "training": dataclasses.asdict(cfg), "steps": steps, "lr": lr, "batch": batch, "context": context,
+                "seed": seed}
+    meta = state_meta(state_dir, settings) if resume else None
+    source = _source(model)
+    lm = load_language_model(model)
+    _check_out(out, lm.kind == "causal", overwrite)
+    teacher = lm.model
+    student = copy.deepcopy(teacher).train().requires_grad_(True)
+    opt = torch.optim.AdamW(student.parameters(), lr=lr, weight_decay=0.0)
+    start = 0
+    if meta is not None:
+        start = load_state(state_dir, meta, student, opt)
+        LOG.info(f"resuming at step {start} of {steps} from {state_dir}")
+    data = _training_data(lm)
+    if lm.kind == "causal" and len(data) <= context:
+        raise HiltError(f"the training text has {len(data)} tokens, fewer than --context {context}")
+    loss_of = distillation_loss if lm.kind == "causal" else embedding_distillation_loss
+    losses, clipped = [], 0.0
+    bar = Progress(steps, "hwa", "step", initial=start, enabled=progress)
+    for step in range(start, steps):
+        gen = torch.Generator().manual_seed(seed * 1_000_003 + step)  # the same batch and noise, resumed or not
+        noisy, digital = _digital_and_noisy(lm, teacher, student, data, batch, context, cfg, config.device,
+                                            config.weight_mapping, gen)
+        loss = loss_of(noisy, digital, cfg)
+        if not torch.isfinite(loss):
+            raise HiltError(f"hwa loss became {float(loss)} at step {step}; lower --lr")
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(student.parameters(), 1.0)
+        opt.step()
+        if config.clip_std:
+            clipped = clip_columns_(student, config.clip_std)
+        losses.append(float(loss.detach()))
+        bar.done(f"step {step + 1}", f"loss {losses[-1]:.4g}")
+        if (step + 1) % save_every == 0 and step + 1 < steps:
+            save_state(state_dir, student, opt, step + 1, settings)
+    bar.close()
+    student.eval().requires_grad_(False)
+    if lm.kind == "causal":
+        llama.save_gguf(student, source, out)
+    else:
+        bert.save_folder(student, source, out)
+    shutil.rmtree(state_dir, ignore_errors=True)
+    LOG.info(f"wrote {out}: {lm.kind} model tuned for {preset_name} by {method}; distillation loss "
+             + (f"{losses[0]:.4g} -> {losses[-1]:.4g}" if losses else "(no step left to run)")
+             + (f"; {100 * clipped:.2f}% of weights at the clip" if config.clip_std else ""))
+    return {"out": str(out), **settings, "resumed_at": start, "losses": losses, "clipped_share": clipped}
