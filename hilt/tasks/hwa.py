@@ -148,8 +148,8 @@ def tune(model: str, out, method: str = "noise", preset_name: str = "pcm", overr
     settings = {"model": model, "preset": preset_name, "config": dataclasses.asdict(config),
                 "training": dataclasses.asdict(cfg), "steps": steps, "lr": lr, "batch": batch, "context": context,
                 "seed": seed}
-    meta = state_meta(state_dir, settings) if resume else None
     source = _source(model)
+    meta = state_meta(state_dir, settings) if resume else None
     lm = load_language_model(model)
     _check_out(out, lm.kind == "causal", overwrite)
     teacher = lm.model
