@@ -172,6 +172,19 @@ def calibrate(lm: LanguageModel, analog: nn.Module, tokens: int = 256, context: 
     assert getattr(analog, "chips", 1) == saved
 
 
+def chip_config(preset_name: str, overrides: dict | None = None):
+    """The preset's AnalogConfig with ``overrides`` (``--set`` fields) in place of its own."""
+    from hilt.cim_sim import preset
+
+    config = preset(preset_name)
+    if overrides:
+        unknown = set(overrides) - {f.name for f in dataclasses.fields(config)}
+        if unknown:
+            raise HiltError(f"--set {', '.join(sorted(unknown))}: not a field of AnalogConfig")
+        config = dataclasses.replace(config, **overrides)
+    return config
+
+
 def lm_drift_study(model="smollm2", preset_name="pcm", times="1s,1h,1d,1mo,1y", chips=2, gdc="global", text=None,
                    tokens=256, context=128, sentences=64, overrides: dict | None = None, progress=False,
                    lm: LanguageModel | None = None) -> dict:
@@ -179,7 +192,7 @@ def lm_drift_study(model="smollm2", preset_name="pcm", times="1s,1h,1d,1mo,1y", 
     ``overrides``: AnalogConfig fields replacing the preset's. Chip k is programmed with seed k and
     read with seed 10000 k + (time index), as for the classifiers."""
     from hilt.cim_sim import (analog_layers, chip_memory, clipped_share, convert_to_analog, drift_to,
-                              needs_calibration, parse_time, preset, program)
+                              needs_calibration, parse_time, program)
 
     labels = times.split(",") if isinstance(times, str) else [str(t) for t in times]
     seconds = [parse_time(t) for t in labels]
@@ -187,12 +200,7 @@ def lm_drift_study(model="smollm2", preset_name="pcm", times="1s,1h,1d,1mo,1y", 
         raise HiltError(f"--times {','.join(labels)}: a time is listed twice")
     if chips < 1:
         raise HiltError(f"--chips must be at least 1, got {chips}")
-    config = preset(preset_name)
-    if overrides:
-        unknown = set(overrides) - {f.name for f in dataclasses.fields(config)}
-        if unknown:
-            raise HiltError(f"--set {', '.join(sorted(unknown))}: not a field of AnalogConfig")
-        config = dataclasses.replace(config, **overrides)
+    config = chip_config(preset_name, overrides)
     _read_text(text)  # an unreadable or empty text before the model loads
     lm = lm or load_language_model(model)
     data, data_name = eval_data(lm, text, tokens, context, sentences)

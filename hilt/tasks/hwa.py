@@ -119,10 +119,9 @@ def tune(model: str, out, method: str = "noise", preset_name: str = "pcm", overr
          resume: bool = False, overwrite: bool = False, progress: bool = True) -> dict:
     """Fine-tune ``model`` for the chip of ``preset_name`` (+ ``overrides``, AnalogConfig fields); see the
     module docstring. Returns the settings and the loss per step."""
-    from hilt.cim_sim import preset
     from hilt.cim_sim.training import NoisyTraining, clip_columns_, distillation_loss, embedding_distillation_loss
     from hilt.models import bert, llama
-    from hilt.tasks.drift_lm import load_language_model
+    from hilt.tasks.drift_lm import chip_config, load_language_model
     from hilt.tasks.training_state import load_state, save_state, state_meta
 
     out = Path(out)
@@ -130,12 +129,7 @@ def tune(model: str, out, method: str = "noise", preset_name: str = "pcm", overr
         raise HiltError(f"--method {method}: choose noise or dwp")
     if steps < 1 or batch < 1 or context < 2 or save_every < 1 or not lr > 0:
         raise HiltError("hwa needs steps, batch and save-every >= 1, a context >= 2 and a positive learning rate")
-    config = preset(preset_name)
-    if overrides:
-        unknown = set(overrides) - {f.name for f in dataclasses.fields(config)}
-        if unknown:
-            raise HiltError(f"--set {', '.join(sorted(unknown))}: not a field of AnalogConfig")
-        config = dataclasses.replace(config, **overrides)
+    config = chip_config(preset_name, overrides)
     config.device_model()  # validates the configuration
     if config.device not in ("pcm", "rram"):
         raise HiltError(f"--preset {preset_name}: the device is {config.device!r}; hwa trains against pcm or rram noise")
