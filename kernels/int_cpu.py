@@ -19,20 +19,30 @@ from dataclasses import dataclass
 
 import torch
 
-from hilt.kernels.lut_matmul import PackedWeight, check_input
+from hilt.errors import HiltError
+from hilt.kernels.lut_matmul import PackedWeight
 from hilt.kernels.packing import unpack_codes
 
 INT4_GROUPS = (32, 64, 128, 256)  # what the int4 kernel takes
 _ROWS = 64  # the int4 kernel's widest row tile (AVX-512): pad N to it, convert in whole tiles
 
 
+BITS = (4, 8)  # the widths these kernels take
+
+
 @dataclass(frozen=True, eq=False)
 class IntPack:
+    """The kernel's copy of a weight; calling it is :func:`int_matmul`."""
+
     bits: int  # 4: weight in the int4 kernel's layout (N rounded up to 64); 8: int8 (N, K)
     weight: torch.Tensor
     scales: torch.Tensor  # 4: bfloat16 (K / B, N rounded up, 2), scale and zero; 8: bfloat16 (N,)
     out_features: int
+    in_features: int
     block_size: int
+
+    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        return int_matmul(x, self, bias)
 
 
 def _symmetric_levels(w: PackedWeight) -> bool:
@@ -58,7 +68,7 @@ def prepack(w: PackedWeight, chunk_rows: int = 4096) -> IntPack:
     """The kernel's copy of ``w`` (4-bit: as many bytes as the codes plus twice the scales; 8-bit: the codes)."""
     n, k = w.out_features, w.in_features
     if w.bits == 8:
-        return IntPack(8, (w.codes ^ 0x80).view(torch.int8), w.scales[:, 0].to(torch.bfloat16).contiguous(), n, k)
+        return IntPack(8, (w.codes ^ 0x80).view(torch.int8), w.scales[:, 0].to(torch.bfloat16).contiguous(), n, k, k)
     rows = -(-n // _ROWS) * _ROWS
     codes, scales = w.codes, w.scales
     if rows != n:
@@ -67,12 +77,14 @@ def prepack(w: PackedWeight, chunk_rows: int = 4096) -> IntPack:
     parts = [torch.ops.aten._convert_weight_to_int4pack_for_cpu(unpack_codes(codes[r:r + chunk_rows], 4, k, torch.int32), 1)
              for r in range(0, rows, chunk_rows)]
     scales_and_zeros = torch.stack([scales, torch.zeros_like(scales)], dim=-1).transpose(0, 1).contiguous()
-    return IntPack(4, torch.cat(parts), scales_and_zeros.to(torch.bfloat16), n, w.block_size)
+    return IntPack(4, torch.cat(parts), scales_and_zeros.to(torch.bfloat16), n, k, w.block_size)
 
 
-def int_matmul(x: torch.Tensor, w: PackedWeight, pack: IntPack, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """y = x @ dequant(w).T (+ bias) for bfloat16 x on the CPU, through PyTorch's fused integer kernels."""
-    check_input(x, w)
+def int_matmul(x: torch.Tensor, pack: IntPack, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """y = x @ dequant(w).T (+ bias) for bfloat16 x on the CPU, ``pack`` = :func:`prepack` (w), through
+    PyTorch's fused integer kernels."""
+    if x.shape[-1] != pack.in_features:
+        raise HiltError(f"input has {x.shape[-1]} features, the weight expects {pack.in_features}")
     x2 = x.reshape(-1, x.shape[-1]).contiguous()
     if pack.bits == 4:
         y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2, pack.weight, pack.block_size, pack.scales)

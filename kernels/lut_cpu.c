@@ -668,7 +668,7 @@ int hilt_lut_bf16_path(const LutWeight *lw, int isa) {
 }
 
 /* xp (M, K) float32 = x (M, K) reordered for lanes and cpb (see the top), converted from x_dt */
-void hilt_lut_prepare_x(const void *x, int x_dt, int64_t M, int64_t K, int lanes, int cpb, float *xp) {
+static void prepare_x(const void *x, int x_dt, int64_t M, int64_t K, int lanes, int cpb, float *xp) {
     const int64_t chunk = (int64_t)lanes * cpb;
     for (int64_t m = 0; m < M; m++)
         for (int64_t c = 0; c < K; c += chunk)
@@ -767,7 +767,7 @@ int hilt_lut_matmul(const LutWeight *lw, const void *x, int x_dt, int64_t M, con
 #endif
     float *xp = (float *)malloc(sizeof(float) * (size_t)(M * K > 0 ? M * K : 1));
     if (!xp) return 1;
-    hilt_lut_prepare_x(x, x_dt, M, K, w.lanes, w.cpb, xp);
+    prepare_x(x, x_dt, M, K, w.lanes, w.cpb, xp);
     int64_t work = N * K * (M < 4 ? M : 4);
     (void)threads;
     (void)work;
@@ -804,4 +804,52 @@ void hilt_lut_dequant(const LutWeight *lw, int64_t row0, int64_t row1, float *ou
 #endif
         dequant_scalar(&w, n, o);
     }
+}
+
+#ifdef HILT_X86
+/* n floats to bfloat16, rounded to nearest even (as torch's .to(bfloat16)), 16 at a time */
+static __attribute__((target("avx512f,avx512bf16,avx512vl"))) void to_bf16_512(const float *in, uint16_t *out, int64_t n) {
+    int64_t i = 0;
+    for (; i + 16 <= n; i += 16)
+        _mm256_storeu_si256((__m256i *)(out + i), (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(in + i)));
+    for (; i < n; i++) out[i] = f32_to_bf16(in[i]);
+}
+#endif
+
+/* As hilt_lut_dequant, in bfloat16 (the prefill path of bfloat16 x): each row dequantized in float32
+ * into a buffer that stays in cache, then rounded. Returns 0, or 1 when a buffer could not be had. */
+int hilt_lut_dequant_bf16(const LutWeight *lw, int64_t row0, int64_t row1, uint16_t *out, int isa, int threads) {
+    Wt w;
+    setup(&w, lw, isa);
+    const int64_t K = lw->K;
+    int failed = 0;
+    (void)threads;
+#ifdef _OPENMP
+#pragma omp parallel num_threads(threads) if ((row1 - row0) * K >= 65536 && threads > 1) reduction(| : failed)
+#endif
+    {
+        float *buf = (float *)malloc(sizeof(float) * (size_t)(K > 0 ? K : 1));
+        failed |= !buf;
+#ifdef _OPENMP
+#pragma omp for schedule(static)
+#endif
+        for (int64_t n = row0; n < row1; n++) {
+            if (!buf) continue;
+            uint16_t *o = out + (n - row0) * K;
+#ifdef HILT_X86
+            if (w.lanes == 16) dequant512(&w, n, buf);
+            else if (w.lanes == 8) dequant256(&w, n, buf);
+            else dequant_scalar(&w, n, buf);
+            if (isa >= 3) {
+                to_bf16_512(buf, o, K);
+                continue;
+            }
+#else
+            dequant_scalar(&w, n, buf);
+#endif
+            for (int64_t k = 0; k < K; k++) o[k] = f32_to_bf16(buf[k]);
+        }
+        free(buf);
+    }
+    return failed;
 }

@@ -9,8 +9,10 @@ for bfloat16 x allows). ``HILT_LUT_ISA=scalar|avx2|avx512|avx512bf16`` (or ``isa
 as the tests do to check each one.
 
 M <= 16 rows of x (decode): the kernel itself, weights dequantized in registers, nothing else
-allocated but x reordered. More rows (prefill): bands of rows dequantized by the kernel into float32
-(at most ``BAND_FLOATS`` values at a time, so memory stays bounded) and multiplied by torch's BLAS.
+allocated but x reordered. More rows (prefill): bands of rows dequantized by the kernel (at most
+``BAND_FLOATS`` values at a time, so memory stays bounded) and multiplied by torch's matmul, in
+bfloat16 for bfloat16 x where the CPU has AVX-512 BF16, else in float32. A layer called again and
+again keeps a :class:`Prepared` weight (QuantLinear does), which spares each call the set-up.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ SOURCE = Path(__file__).with_name("lut_cpu.c")
 FLAGS = ["-O2", "-fPIC", "-shared"]
 ISAS = {"scalar": 0, "avx2": 1, "avx512": 2, "avx512bf16": 3}
 SMALL_M = 16  # rows of x the kernel runs itself; beyond, dequantized bands and BLAS
-BAND_FLOATS = 1 << 21  # 8 MB of float32 weights per band in the prefill path
+BAND_FLOATS = 1 << 21  # weights per band in the prefill path (8 MB in float32)
 _DTYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 
 
@@ -48,8 +50,8 @@ class LutWeight(ctypes.Structure):
 def library():
     """The loaded kernel, or None where it cannot be built (no compiler, no write access)."""
     lib = cbuild.load(SOURCE, [FLAGS + ["-fopenmp"], FLAGS],
-                      ("hilt_lut_matmul", "hilt_lut_dequant", "hilt_lut_isa", "hilt_lut_layout", "hilt_lut_prepare_x",
-                                     "hilt_lut_struct_size", "hilt_lut_bf16_path"))
+                      ("hilt_lut_matmul", "hilt_lut_dequant", "hilt_lut_isa", "hilt_lut_layout",
+                                     "hilt_lut_struct_size", "hilt_lut_bf16_path", "hilt_lut_dequant_bf16"))
     if lib is None:
         return None
     lib.hilt_lut_struct_size.restype = ctypes.c_int64
@@ -63,12 +65,12 @@ def library():
     lib.hilt_lut_layout.argtypes = [weight, i32, ctypes.POINTER(ctypes.c_int)]
     lib.hilt_lut_bf16_path.restype = i32
     lib.hilt_lut_bf16_path.argtypes = [weight, i32]
-    lib.hilt_lut_prepare_x.restype = None
-    lib.hilt_lut_prepare_x.argtypes = [p, i32, i64, i64, i32, i32, p]
     lib.hilt_lut_matmul.restype = i32
     lib.hilt_lut_matmul.argtypes = [weight, p, i32, i64, p, p, i32, i32, i32]
     lib.hilt_lut_dequant.restype = None
     lib.hilt_lut_dequant.argtypes = [weight, i64, i64, p, i32, i32]
+    lib.hilt_lut_dequant_bf16.restype = i32
+    lib.hilt_lut_dequant_bf16.argtypes = [weight, i64, i64, p, i32, i32]
     return lib
 
 
@@ -149,45 +151,74 @@ def dequantize(w: PackedWeight, rows: tuple[int, int] | None = None, isa=None) -
     return out
 
 
+class Prepared:
+    """A weight readied for repeated calls (decode runs every layer once a token): its C view, the
+    path and the library found once, so that a call costs the kernel and little else. Calling it is
+    :func:`lut_matmul_cpu`. It points into ``w``'s tensors (no copy); remake it when they change."""
+
+    def __init__(self, lib, w: PackedWeight, isa=None):
+        self.lib, self.w = lib, w
+        self.struct, self._keep = _weight_struct(w)
+        self.ref = ctypes.byref(self.struct)
+        self.path = resolve_isa(isa)
+        self.bf16_bands = self.path >= ISAS["avx512bf16"]  # prefill of bfloat16 x in bfloat16 (see _bands)
+
+    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        w, lib = self.w, self.lib
+        check_input(x, w)
+        n, k = w.out_features, w.in_features
+        if bias is not None and tuple(bias.shape) != (n,):
+            raise HiltError(f"bias has shape {tuple(bias.shape)}, expected {(n,)}")
+        lead = x.shape[:-1]
+        x2 = x.reshape(-1, k)
+        if x2.dtype not in (torch.float32, torch.bfloat16):
+            x2 = x2.float()  # float16, float64: through float32, the result cast back below
+        x2 = x2.contiguous()
+        m = x2.shape[0]
+        b = None if bias is None else bias.detach().float().contiguous()
+        if m <= SMALL_M:
+            out = torch.empty(m, n, dtype=x2.dtype)
+            if m and lib.hilt_lut_matmul(self.ref, x2.data_ptr(), _DTYPES[x2.dtype], m,
+                                         None if b is None else b.data_ptr(), out.data_ptr(), _DTYPES[out.dtype],
+                                         self.path, _threads()):
+                raise MemoryError("the CPU LUT kernel could not allocate its scratch copy of x")
+        else:
+            out = self._bands(x2, b)
+        return out.to(x.dtype).reshape(*lead, n)
+
+    def _bands(self, x2: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+        """Prefill: bands of W dequantized by the kernel and multiplied by torch's matmul. bfloat16 x
+        takes bfloat16 bands (the weights rounded to bfloat16, as on the decode path; torch's bfloat16
+        matmul, AMX where the CPU has it), float32 x float32 bands; bands of at most BAND_FLOATS values."""
+        w, lib, path = self.w, self.lib, self.path
+        n, k, m = w.out_features, w.in_features, x2.shape[0]
+        cpb = ctypes.c_int()
+        lanes = lib.hilt_lut_layout(self.ref, path, ctypes.byref(cpb))
+        low = x2.dtype == torch.bfloat16 and self.bf16_bands
+        dtype = torch.bfloat16 if low else torch.float32
+        dequant = lib.hilt_lut_dequant_bf16 if low else lib.hilt_lut_dequant
+        # x in the bands' column order: within each chunk of lanes * cpb columns, phase-major (lut_cpu.c)
+        xp = x2.view(m, k // (lanes * cpb.value), lanes, cpb.value).transpose(2, 3).reshape(m, k).to(dtype)
+        out_t = torch.empty(n, m, dtype=dtype)
+        step = max(1, BAND_FLOATS // k)
+        band = torch.empty(min(step, n), k, dtype=dtype)
+        for r0 in range(0, n, step):
+            r1 = min(n, r0 + step)
+            if dequant(self.ref, r0, r1, band.data_ptr(), path, _threads()):
+                raise MemoryError("the CPU LUT kernel could not allocate a row buffer")
+            torch.mm(band[:r1 - r0], xp.T, out=out_t[r0:r1])
+        out = out_t.T
+        return out if b is None else (out.float() + b).to(dtype)
+
+
+def prepare(w: PackedWeight, isa=None) -> Prepared | None:
+    """``w`` readied for the kernel (:class:`Prepared`), or None where the kernel is not built."""
+    lib = library()
+    return None if lib is None else Prepared(lib, w, isa)
+
+
 def lut_matmul_cpu(x: torch.Tensor, w: PackedWeight, bias: torch.Tensor | None = None, isa=None):
     """y = x @ dequant(w).T (+ bias) on CPU tensors by the C kernel, in x's dtype; None where the
     kernel is not built (the caller runs the reference)."""
-    lib = library()
-    if lib is None:
-        return None
-    check_input(x, w)
-    if bias is not None and tuple(bias.shape) != (w.out_features,):
-        raise HiltError(f"bias has shape {tuple(bias.shape)}, expected {(w.out_features,)}")
-    path = resolve_isa(isa)
-    n, k = w.out_features, w.in_features
-    lead = x.shape[:-1]
-    x2 = x.reshape(-1, k)
-    if x2.dtype not in (torch.float32, torch.bfloat16):
-        x2 = x2.float()  # float16, float64: through float32, the result cast back below
-    x2 = x2.contiguous()
-    m = x2.shape[0]
-    b = None if bias is None else bias.detach().float().contiguous()
-    s, _keep = _weight_struct(w)
-    if m <= SMALL_M:
-        out = torch.empty(m, n, dtype=x2.dtype)
-        if m and lib.hilt_lut_matmul(ctypes.byref(s), x2.data_ptr(), _DTYPES[x2.dtype], m,
-                                     None if b is None else b.data_ptr(), out.data_ptr(), _DTYPES[out.dtype], path,
-                                     _threads()):
-            raise MemoryError("the CPU LUT kernel could not allocate its scratch copy of x")
-    else:
-        cpb = ctypes.c_int()
-        lanes = lib.hilt_lut_layout(ctypes.byref(s), path, ctypes.byref(cpb))
-        xp = torch.empty(m, k, dtype=torch.float32)  # x in the dequantized bands' column order
-        lib.hilt_lut_prepare_x(x2.data_ptr(), _DTYPES[x2.dtype], m, k, lanes, cpb.value, xp.data_ptr())
-        out_t = torch.empty(n, m, dtype=torch.float32)
-        step = max(1, BAND_FLOATS // k)
-        band = torch.empty(min(step, n), k, dtype=torch.float32)
-        for r0 in range(0, n, step):
-            r1 = min(n, r0 + step)
-            lib.hilt_lut_dequant(ctypes.byref(s), r0, r1, band.data_ptr(), path, _threads())
-            torch.mm(band[:r1 - r0], xp.T, out=out_t[r0:r1])
-        out = out_t.T
-        if b is not None:
-            out = out + b
-        out = out.to(x2.dtype)
-    return out.to(x.dtype).reshape(*lead, n)
+    kernel = prepare(w, isa)
+    return None if kernel is None else kernel(x, bias)

@@ -185,21 +185,17 @@ def uses_byte_table(w: PackedWeight) -> bool:
 _warned_no_compiler = False
 
 
-def lut_matmul(x, w: PackedWeight, bias=None, path=None, table=None, cpu_pack=None):
+def lut_matmul(x, w: PackedWeight, bias=None, path=None, table=None):
     """Public entry: CUDA tensors -> Triton kernel (``path`` overrides the choice; ``table``: the
     codebook's :func:`byte_table` if the caller keeps one). CPU tensors -> the C kernel
-    (kernels.lut_cpu) for every format; with ``cpu_pack`` (a kernels.int_cpu.prepack the caller keeps)
-    and bfloat16 x, PyTorch's fused integer kernels. Where no C compiler builds the kernel, the
+    (kernels.lut_cpu) for every format; a caller that runs the same weight again and again keeps
+    ``lut_cpu.prepare(w)`` instead (QuantLinear does). Where no C compiler builds the kernel, the
     reference, with one warning per process."""
     global _warned_no_compiler
     if x.is_cuda:
         from hilt.kernels.backends import triton_kernels
 
         return triton_kernels("lut_matmul_triton").lut_matmul_triton(x, w, bias, path, table=table)
-    if cpu_pack is not None and x.dtype == torch.bfloat16:
-        from hilt.kernels.int_cpu import int_matmul
-
-        return int_matmul(x, w, cpu_pack, bias)
     from hilt.kernels.lut_cpu import lut_matmul_cpu
 
     y = lut_matmul_cpu(x, w, bias)

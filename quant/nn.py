@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from hilt.errors import HiltError
-from hilt.kernels import byte_table, dequantize_lut, int_cpu, lut_matmul, uses_byte_table
+from hilt.kernels import byte_table, dequantize_lut, int_cpu, lut_cpu, lut_matmul, uses_byte_table
 from hilt.kernels.lut_matmul import PackedWeight
 from hilt.quant.checkpoint import KEEP_DENSE, load_checkpoint
 from hilt.quant.quantize import QuantConfig, quantize_tensor
@@ -32,7 +32,7 @@ class _Packed(nn.Module):
         self.register_buffer("codebook", qweight.codebook)
         self.register_buffer("scales", qweight.scales)
         self.register_buffer("offsets", qweight.offsets)
-        self._table = self._cpu_pack = None  # what the kernels keep (see _kept)
+        self._table = self._cpu_pack = self._cpu_lut = None  # what the kernels keep (see _kept)
         self._derived_from: dict[str, list] = {}
 
     @property
@@ -49,14 +49,18 @@ class _Packed(nn.Module):
                             self.in_features)
 
     def _matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if not x.is_cuda:
+            kernel = self._cpu_kernel(x)
+            if kernel is not None:
+                return kernel(x, bias)
         w = self.packed
-        return lut_matmul(x, w, bias, table=self._byte_table(x, w), cpu_pack=self._int_pack(x, w))
+        return lut_matmul(x, w, bias, table=self._byte_table(x, w))
 
-    def _kept(self, name: str, parts: list[torch.Tensor], make):
+    def _kept(self, name: str, parts: list[torch.Tensor | None], make):
         """The attribute ``name``, a value made from ``parts`` and kept between calls (decode would
         otherwise remake it every token); made again when a part is another tensor (moved, loaded) or
         was changed in place (its version; inference tensors have none)."""
-        key = [(t, None if torch.is_inference(t) else t._version) for t in parts]
+        key = [(t, None if t is None or torch.is_inference(t) else t._version) for t in parts]
         old = self._derived_from.get(name)
         if old is None or any(a is not b or va != vb for (a, va), (b, vb) in zip(key, old)):
             setattr(self, name, make())
@@ -69,19 +73,24 @@ class _Packed(nn.Module):
             return None
         return self._kept("_table", [w.codebook], lambda: byte_table(w.codebook, w.bits))
 
-    def _int_pack(self, x: torch.Tensor, w: PackedWeight):
-        """The CPU integer kernels' copy of the weight (kernels.int_cpu), for bfloat16 inputs to symmetric
-        int4 and row-wise int8 weights; None where no such kernel applies."""
-        if x.is_cuda or x.dtype != torch.bfloat16 or self.bits not in (4, 8):  # int_cpu.supports reads the levels
-            return None
-        return self._kept("_cpu_pack", [w.codes, w.scales, w.codebook],
-                          lambda: int_cpu.prepack(w) if int_cpu.supports(w) else None)
+    def _cpu_kernel(self, x: torch.Tensor):
+        """The CPU kernel readied for this weight, a callable ``(x, bias) -> y``: PyTorch's fused integer
+        kernel for bfloat16 x where kernels.int_cpu takes the format (with its own copy of the weight),
+        else the lookup-table kernel on the stored buffers (kernels.lut_cpu.Prepared); None where no C
+        compiler built the latter (lut_matmul then runs the reference, with its warning)."""
+        parts = [self.codes, self.codebook, self.scales, self.offsets]
+        if x.dtype == torch.bfloat16 and self.bits in int_cpu.BITS:  # int_cpu.supports reads the levels
+            pack = self._kept("_cpu_pack", parts, lambda: int_cpu.prepack(self.packed) if int_cpu.supports(self.packed)
+                              else None)
+            if pack is not None:
+                return pack
+        return self._kept("_cpu_lut", parts, lambda: lut_cpu.prepare(self.packed))
 
     def _apply(self, fn, recurse=True):
         """Moves keep each packed part's dtype: ``model.to(torch.bfloat16)`` or ``.half()`` would round the
         float16 codebook (and a float32 one to bfloat16), changing the weights; only the device follows."""
         kept = {n: b for n, b in self._buffers.items() if b is not None}
-        self._table = self._cpu_pack = None  # made again from the moved parts (and the old ones freed)
+        self._table = self._cpu_pack = self._cpu_lut = None  # made again from the moved parts (old ones freed)
         self._derived_from.clear()
         out = super()._apply(fn, recurse)
         for name, old in kept.items():

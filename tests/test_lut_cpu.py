@@ -144,10 +144,12 @@ def test_batched_input_empty_input_and_other_dtypes():
     assert torch.allclose(lut_cpu.lut_matmul_cpu(x, w), lut_matmul_reference(x, w), atol=1e-5)
 
 
-def test_prefill_bands_cover_every_row(monkeypatch):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])  # bfloat16: bfloat16 bands where the CPU has BF16
+def test_prefill_bands_cover_every_row(monkeypatch, dtype):
     monkeypatch.setattr(lut_cpu, "BAND_FLOATS", 3 * 128)  # 3 rows a band: 24 rows in 8 bands
-    q = _weights(24, 128, "kmeans-layer", 3, 64, 5)
-    _check(q, torch.randn(40, 128), None, bias=torch.randn(24))
+    for fmt, bits in (("kmeans-layer", 3), ("kmeans-block", 4), ("int-asym", 2)):
+        q = _weights(24, 128, fmt, bits, 64, 5)
+        _check(q, torch.randn(40, 128).to(dtype), None, bias=torch.randn(24))
 
 
 def test_dispatch_runs_the_kernel_and_without_one_the_reference_with_one_warning(monkeypatch):
@@ -187,6 +189,14 @@ def test_quant_linear_keeps_no_second_copy(method, bits):
     assert error_ratio(y, x, lut_matmul_reference(x.double(), q.packed).double(), q.dequantize().double().abs()) <= 1
     kept = [v for v in vars(layer).values() if isinstance(v, torch.Tensor)]
     assert kept == [] and {k: v.data_ptr() for k, v in layer.state_dict().items()} == before
+    # the readied kernel follows the buffers when they change in place (a load_state_dict)
+    with torch.no_grad():
+        layer.codes.copy_(torch.roll(layer.codes, 1, dims=0))
+        layer.scales.mul_(2)
+    q2 = layer.qweight
+    y2 = layer(x)
+    assert error_ratio(y2, x, lut_matmul_reference(x.double(), q2.packed).double(), q2.dequantize().double().abs()) <= 1
+    assert not torch.equal(y2, y)
 
 
 def test_struct_matches_the_c_side():

@@ -127,7 +127,6 @@ def gemv_table(shapes=None, repeats: int = 10, formats=None, past_bytes: int = 9
     """One layer at M = 1, bfloat16 x: GB/s of weight bytes read, per format, the dense bf16 matmul and
     PyTorch's int4 kernel beside hilt's. Weights cycled through copies past the last-level cache."""
     from hilt.kernels import int_cpu, lut_cpu
-    from hilt.kernels.lut_matmul import lut_matmul
     from hilt.quant import quantize_tensor
 
     rows = []
@@ -153,12 +152,12 @@ def gemv_table(shapes=None, repeats: int = 10, formats=None, past_bytes: int = 9
             p = q.packed
             mk = lambda p=p: type(p)(**{f: (v.clone() if isinstance(v, torch.Tensor) else v)  # noqa: E731
                                         for f, v in vars(p).items()})
-            t = cycled(p.nbytes, mk, lambda c: lut_matmul(x, c))
+            t = cycled(p.nbytes, lambda: lut_cpu.prepare(mk()), lambda c: c(x))  # as QuantLinear keeps it
             kind = "bf16 path" if lut_cpu.bf16_path(p) else f"{lut_cpu.layout(p)[0]} lanes"
             rows.append({"shape": f"{k}x{n}", "format": f"hilt {label} (lut_cpu, {kind})",
                          "bytes": p.nbytes, "us": t * 1e6, "gb_per_s": p.nbytes / t / 1e9})
             if int_cpu.supports(p):  # symmetric integer levels the int4/int8 kernels take
-                t = cycled(p.nbytes, lambda: (p, int_cpu.prepack(p)), lambda c: int_cpu.int_matmul(x, c[0], c[1]))
+                t = cycled(p.nbytes, lambda: int_cpu.prepack(p), lambda c: c(x))
                 rows.append({"shape": f"{k}x{n}", "format": "int4 (torch _weight_int4pack_mm_for_cpu)",
                              "bytes": p.nbytes, "us": t * 1e6, "gb_per_s": p.nbytes / t / 1e9})
             LOG.info(f"  GEMV {k}x{n} {rows[-1]['format']}: {rows[-1]['gb_per_s']:.1f} GB/s")
