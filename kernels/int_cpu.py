@@ -1,8 +1,8 @@
-"""The CPU fast path of lut_matmul for symmetric integer weights and bfloat16 activations.
+"""PyTorch's fused CPU kernels for symmetric integer weights and bfloat16 activations.
 
-The reference (kernels.lut_matmul.lut_matmul_reference) dequantizes the whole weight on every call:
-on the CPU, decode then costs several times the dense model. PyTorch ships fused CPU kernels,
-vectorised for bfloat16 inputs, that cover two of hilt's integer formats exactly:
+They cover two of hilt's integer formats exactly. QuantLinear runs row-wise int8 through them
+(``PREFERRED_BITS``); the int4 one is kept as the peer `hilt bench decode` measures the LUT kernel
+against:
 
 * ``aten._weight_int4pack_mm_for_cpu``: group-wise 4-bit, ``W[n, k] = (q - 8) * scale + zero`` per
   group of 32-256 along k, float32 accumulation. A symmetric hilt int4 weight is that with zero = 0
@@ -27,7 +27,10 @@ INT4_GROUPS = (32, 64, 128, 256)  # what the int4 kernel takes
 _ROWS = 64  # the int4 kernel's widest row tile (AVX-512): pad N to it, convert in whole tiles
 
 
-BITS = (4, 8)  # the widths these kernels take
+# The width QuantLinear runs through these kernels rather than the LUT kernel (kernels.lut_cpu): row-wise
+# int8, measured 1.3-1.6x faster at M = 1. At int4 the two are level (docs/results/kernels.md), and the
+# LUT kernel reads hilt's codes as stored where this one needs a second copy of the weight.
+PREFERRED_BITS = (8,)
 
 
 @dataclass(frozen=True, eq=False)

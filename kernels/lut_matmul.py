@@ -33,11 +33,10 @@ call and cached on disk per GPU target (see kernels.triton_util); ``config=`` fi
 one. The weights are read in their on-disk layout (no repacking).
 
 Dispatch: :func:`lut_matmul` runs CUDA tensors through Triton and CPU tensors through the C
-kernel of kernels.lut_cpu (every format; the reference where no compiler builds it), except
-bfloat16 inputs to symmetric int4 and row-wise int8 weights when the caller passes PyTorch's packed
-copy (``cpu_pack``, kernels.int_cpu): QuantLinear does, because those kernels are measured faster
-(at M = 1, ahead of the LUT kernel's bfloat16 path on SmolLM2's layers; docs/results/kernels.md), at
-the cost of that second copy of the weight. On the CPU the Triton code itself runs under
+kernel of kernels.lut_cpu (every format; the reference where no compiler builds it). QuantLinear
+keeps the C kernel readied per layer, and for bfloat16 inputs to row-wise int8 weights runs
+PyTorch's int8 kernel instead (kernels.int_cpu: measured faster, at the cost of a second copy of
+the weight; docs/results/kernels.md). On the CPU the Triton code itself runs under
 Triton's interpreter (``kernels.backends.triton_kernels("lut_matmul_triton",
 interpret=True).lut_matmul_triton``): that is how the tests check it.
 """

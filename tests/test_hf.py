@@ -151,13 +151,14 @@ def test_version_1_checkpoints_still_read(tmp_path):
 @pytest.mark.parametrize("bits, shape", [(4, (576, 576, 64)), (4, (100, 128, 32)), (4, (192, 256, 256)),
                                          (8, (100, 96, 96)), (8, (64, 576, 576))])
 def test_cpu_integer_kernels_match_the_reference(bits, shape):
+    """int8 (one block a row) runs PyTorch's int8 kernel; int4 the LUT kernel on the stored codes."""
     n, k, block = shape
     g = torch.Generator().manual_seed(n + bits)
     q = quantize_tensor(torch.randn(n, k, generator=g), QuantConfig("int", bits, block))
     layer = QuantLinear(q, torch.randn(n, generator=g))
     x = torch.randn(3, 5, k, generator=g).to(torch.bfloat16)
     y = layer(x)
-    assert layer._cpu_pack is not None and layer._cpu_pack.bits == bits
+    assert (layer._cpu_pack is not None and layer._cpu_pack.bits == 8) if bits == 8 else layer._cpu_pack is None
     assert y.dtype == torch.bfloat16 and y.shape == (3, 5, n)
     ref = lut_matmul_reference(x.double(), q.packed, layer.bias.double())
     assert error_ratio(y, x, ref, q.dequantize().abs()) <= 1
