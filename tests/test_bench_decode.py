@@ -20,6 +20,8 @@ def test_quick_decode_runs_every_part(tmp_path, capsys):
     assert rows["dense bf16"]["tokens_per_second"] > 0 and rows["dense bf16"]["vs_dense_bf16"] == 1.0
     km = rows["hilt k-means 4 (block 64)"]
     assert km["tokens_per_second"] > 0 and km["weight_bytes"] < rows["dense bf16"]["weight_bytes"]
+    assert km["prefill_tokens_per_second"] > 0 and km["prefill_vs_dense_bf16"] > 0 and r["prefill_tokens"] > 16
+    assert 0 < km["layers_ms_per_token"] < km["ms_per_token"]  # the per-token split: layers inside the whole
     assert rows["llama.cpp llama-bench (Q4_0, Q8_0 exports)"]["note"] in ("not built", "not run in --quick")
     formats = [g["format"] for g in r["gemv"]]
     assert formats[0] == "dense bf16 (torch)" and formats[1].startswith("hilt k-means 4 (lut_cpu")

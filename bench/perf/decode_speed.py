@@ -3,10 +3,13 @@
 SmolLM2-135M made into a Hugging Face folder (`hilt convert`, bfloat16), quantized by `hilt quantize`
 to symmetric int4, the same with int8 embeddings (`--embeddings 8`), k-means at 2, 3 and 4 bits,
 binary (1 bit) and compensated k-means 4-bit, each loaded with
-``AutoModelForCausalLM.from_pretrained(dtype=bfloat16)`` and timed on greedy ``generate`` in one run,
-beside transformers' own loading of the packed GGUF. Every quantized layer runs the CPU lookup-table
-kernel (kernels.lut_cpu). Each model's load runs once more in a child process, for its peak resident
-memory against the bytes of its weights.
+``AutoModelForCausalLM.from_pretrained(dtype=bfloat16)`` beside transformers' own loading of the
+packed GGUF. All are loaded at once and take turns in each round of timing (greedy ``generate``, then
+one prefill forward of 256 tokens), the median of the rounds kept, so that the ratios come from the
+same moments of the machine. Per token, the time inside the linear layers (timed by hooks in one more
+generate) is split from the rest, the framework's share. Every quantized layer but row-wise int8 runs
+the CPU lookup-table kernel (kernels.lut_cpu). Each model's load runs once more in a child process,
+for its peak resident memory against the bytes of its weights.
 
 The one-layer GEMV table (M = 1, bfloat16 x) separates the kernel from the per-token framework
 overhead: GB/s of weight bytes read, against the copy bandwidth measured in the same run (a 256 MB
@@ -41,6 +44,7 @@ from hilt.quant import QuantConfig, quantize_checkpoint
 from hilt.progress import LOG
 
 PROMPT = "The capital of France is Paris. The capital of Germany is"
+PREFILL = 256  # tokens of one prefill forward (M = 256 rows through every layer)
 # label -> (format, --embeddings bits)
 FORMATS = {"hilt int4 (block 64)": (QuantConfig("int", 4, 64), None),
            "hilt int4 + int8 embeddings": (QuantConfig("int", 4, 64), 8),
@@ -81,15 +85,41 @@ print(json.dumps({"baseline": base, "loaded": loaded, "decoding": status('VmHWM'
 """
 
 
-def _tokens_per_second(model, ids, new_tokens: int, repeats: int) -> tuple[float, list[int]]:
-    with torch.inference_mode():
-        model.generate(ids, max_new_tokens=4, min_new_tokens=4, do_sample=False)  # warm up
-        times = []
-        for _ in range(repeats):
+def _generate(model, ids, new_tokens: int):
+    return model.generate(ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False)
+
+
+def _interleaved(models: dict, call, repeats: int) -> dict[str, float]:
+    """Median seconds of ``call(model)`` per model, the models taking turns in each of ``repeats`` rounds
+    (on shared cores a slow moment then falls on every model alike, not on whichever ran in it)."""
+    times = {label: [] for label in models}
+    for _ in range(repeats):
+        for label, model in models.items():
             start = time.perf_counter()
-            out = model.generate(ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False)
-            times.append(time.perf_counter() - start)
-    return new_tokens / statistics.median(times), out[0, ids.shape[1]:].tolist()
+            call(model)
+            times[label].append(time.perf_counter() - start)
+    return {label: statistics.median(t) for label, t in times.items()}
+
+
+def _layer_share(model, ids, new_tokens: int) -> float:
+    """Seconds per generated token spent inside the linear layers (the head included; hilt's QuantLinear
+    and tied head, or nn.Linear), timed by hooks in an untimed generate: the rest is the framework's
+    (attention, norms, rotary, the cache, generate's own Python)."""
+    from torch import nn
+
+    from hilt.quant.nn import QuantLinear, TiedHead
+
+    spent, starts = [0.0], []
+    layers = [m for m in model.modules() if isinstance(m, (nn.Linear, QuantLinear, TiedHead))]
+    hooks = [h for m in layers for h in (m.register_forward_pre_hook(lambda *_: starts.append(time.perf_counter())),
+                                         m.register_forward_hook(lambda *_: spent.__setitem__(
+                                             0, spent[0] + time.perf_counter() - starts.pop())))]
+    try:
+        _generate(model, ids, new_tokens)
+    finally:
+        for h in hooks:
+            h.remove()
+    return spent[0] / new_tokens
 
 
 def _load_memory(folder: Path, kwargs: dict) -> dict:
@@ -123,12 +153,27 @@ def copy_bandwidth(mbytes: int = 256, repeats: int = 5) -> float:
     return 2 * a.numel() * 4 / _best_time(lambda: b.copy_(a), repeats) / 1e9
 
 
-def gemv_table(shapes=None, repeats: int = 10, formats=None, past_bytes: int = 96 << 20) -> list[dict]:
+def last_level_cache() -> int:
+    """Bytes of the CPU's last-level cache (sysfs), or 32 MB where it cannot be read."""
+    sizes = []
+    for f in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*/size"):
+        text = f.read_text().strip()
+        scale = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[-1:], 1)
+        try:
+            sizes.append(int(text.rstrip("KMG")) * scale)
+        except ValueError:
+            continue
+    return max(sizes, default=32 << 20)
+
+
+def gemv_table(shapes=None, repeats: int = 10, formats=None, past_bytes: int | None = None) -> list[dict]:
     """One layer at M = 1, bfloat16 x: GB/s of weight bytes read, per format, the dense bf16 matmul and
-    PyTorch's int4 kernel beside hilt's. Weights cycled through copies past the last-level cache."""
+    PyTorch's int4 kernel beside hilt's. Weights cycled through copies adding up to ``past_bytes``
+    (default: twice the last-level cache), so that they come from memory."""
     from hilt.kernels import int_cpu, lut_cpu
     from hilt.quant import quantize_tensor
 
+    past_bytes = past_bytes or 2 * last_level_cache()
     rows = []
     for k, n in shapes or GEMV_SHAPES:
         g = torch.Generator().manual_seed(k + n)
@@ -136,7 +181,7 @@ def gemv_table(shapes=None, repeats: int = 10, formats=None, past_bytes: int = 9
         x = torch.randn(1, k, generator=g).to(torch.bfloat16)
 
         def cycled(nbytes, make, call):
-            copies = [make() for _ in range(max(2, -(-past_bytes // nbytes)))]  # 96 MB: past a 32 MB L3
+            copies = [make() for _ in range(max(2, -(-past_bytes // nbytes)))]
 
             def step():
                 for c in copies:
@@ -215,7 +260,8 @@ def run(quick: bool = False, work=None, threads: int = 2, gemv: bool = True, new
 
     transformers = require_transformers()
     torch.set_num_threads(threads)
-    new_tokens, repeats = new_tokens or (4 if quick else 64), repeats or (1 if quick else 3)
+    new_tokens, repeats = new_tokens or (4 if quick else 64), repeats or (1 if quick else 5)
+    prefill = 32 if quick else PREFILL
     bandwidth = copy_bandwidth(16 if quick else 256)
     LOG.info(f"copy bandwidth: {bandwidth:.1f} GB/s")
     gemv_rows = []
@@ -249,34 +295,54 @@ def run(quick: bool = False, work=None, threads: int = 2, gemv: bool = True, new
             except Exception as e:  # noqa: BLE001 (one row fails, the others are measured)
                 LOG.warning(f"{label}: {type(e).__name__}: {e}")
                 del folders[label]
-        rows = []
         gguf_kwargs = {"gguf_file": GGUF_FILE}
         cases = [(label, folder, {}) for label, folder in folders.items()]
         if not quick:
             cases.append(("transformers GGUF (Q4_1 file)", smollm2_path().parent, gguf_kwargs))
+        LOG.info(f"loading {len(cases)} models")
+        models = {label: transformers.AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.bfloat16,
+                                                                          **kwargs).eval()
+                  for label, folder, kwargs in cases}
+        prefill_ids = torch.randint(0, models["dense bf16"].config.vocab_size, (1, prefill),
+                                    generator=torch.Generator().manual_seed(0))
+        with torch.inference_mode():
+            for model in models.values():
+                _generate(model, ids, 4)  # warm up: the kernels build and ready each layer
+            LOG.info(f"decoding: {new_tokens} tokens, {repeats} rounds")
+            decode = _interleaved(models, lambda m: _generate(m, ids, new_tokens), repeats)
+            LOG.info(f"prefill: {prefill} tokens, {repeats} rounds")
+            prefills = _interleaved(models, lambda m: m(prefill_ids, use_cache=False), repeats)
+            texts = {label: decode_text(_generate(m, ids, new_tokens)[0, ids.shape[1]:].tolist()[:12])
+                     for label, m in models.items()}
+            shares = {label: _layer_share(m, ids, new_tokens) for label, m in models.items()}
+        del models
+        rows = []
         for label, folder, kwargs in cases:
-            LOG.info(f"decoding: {label}")
-            model = transformers.AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.bfloat16, **kwargs)
-            speed, tokens = _tokens_per_second(model.eval(), ids, new_tokens, repeats)
-            del model
             weights = smollm2_path().stat().st_size if kwargs else _weight_bytes(folder)
             memory = {} if quick else _load_memory(folder, kwargs)  # the probe's fresh process: seconds
-            rows.append({"model": label, "tokens_per_second": round(speed, 2), "weight_bytes": weights,
-                         "text": decode_text(tokens[:12]), **{f"rss_{k}": v for k, v in memory.items()}})
+            per_token = decode[label] / new_tokens
+            rows.append({"model": label, "tokens_per_second": round(1 / per_token, 2),
+                         "prefill_tokens_per_second": round(prefill / prefills[label], 1), "weight_bytes": weights,
+                         "ms_per_token": round(per_token * 1e3, 2), "layers_ms_per_token": round(shares[label] * 1e3, 2),
+                         "text": texts[label], **{f"rss_{k}": v for k, v in memory.items()}})
         base = rows[0]["tokens_per_second"]
         if quick:
             rows.append({"model": "llama.cpp llama-bench (Q4_0, Q8_0 exports)", "tokens_per_second": None,
                          "note": "not run in --quick" if llama_cpp_tool("llama-bench") else "not built"})
         else:
             rows += _llama_cpp_rows(tmp, threads, new_tokens, repeats)
+    base_prefill = rows[0]["prefill_tokens_per_second"]
     for r in rows:
         if r.get("tokens_per_second") is None:
             continue
         r["vs_dense_bf16"] = round(r["tokens_per_second"] / base, 3)
+        if "prefill_tokens_per_second" in r:
+            r["prefill_vs_dense_bf16"] = round(r["prefill_tokens_per_second"] / base_prefill, 3)
         if "rss_loaded" in r:
             r["loaded_over_weights"] = round((r["rss_loaded"] - r["rss_baseline"]) / r["weight_bytes"], 3)
             r["decoding_over_weights"] = round((r["rss_decoding"] - r["rss_baseline"]) / r["weight_bytes"], 3)
-    return {"threads": threads, "new_tokens": new_tokens, "repeats": repeats, "prompt": None if quick else PROMPT,
+    return {"threads": threads, "new_tokens": new_tokens, "repeats": repeats, "prefill_tokens": prefill,
+            "prompt": None if quick else PROMPT,
             "model": "tiny random Llama (quick)" if quick else "SmolLM2-135M-Instruct",
             "device": "cpu", "torch": torch.__version__, "transformers": transformers.__version__,
             "cpu_flags": _cpu_flags(), "copy_gb_per_s": round(bandwidth, 2), "rows": rows, "gemv": gemv_rows,
@@ -301,15 +367,20 @@ def gemv_markdown(rows: list[dict], bandwidth: float) -> str:
 
 
 def table(rows: list[dict]) -> str:
-    lines = ["| model (from_pretrained, bf16) | tokens/s | vs dense bf16 | weights MB | "
-             "resident over weights: loaded / decoding |", "|---|---|---|---|---|"]
+    lines = ["| model (from_pretrained, bf16) | tokens/s | vs dense bf16 | ms/token: linear layers / rest | "
+             "prefill tokens/s (vs dense) | weights MB | resident over weights: loaded / decoding |",
+             "|---|---|---|---|---|---|---|"]
     for r in rows:
         if r.get("tokens_per_second") is None:
-            lines.append(f"| {r['model']} | {r.get('note', 'n/a')} | | | |")
+            lines.append(f"| {r['model']} | {r.get('note', 'n/a')} | | | | | |")
             continue
         memory = (f"{r['loaded_over_weights']:.2f}x / {r['decoding_over_weights']:.2f}x" if "loaded_over_weights" in r
                   else r.get("rss_error", "n/a"))
         vs = f"{r['vs_dense_bf16']:.2f}x" if "vs_dense_bf16" in r else "n/a"
-        lines.append(f"| {r['model']} | {r['tokens_per_second']:.2f} | {vs} | "
+        split = (f"{r['layers_ms_per_token']:.1f} / {r['ms_per_token'] - r['layers_ms_per_token']:.1f}"
+                 if "layers_ms_per_token" in r else "n/a")
+        prefill = (f"{r['prefill_tokens_per_second']:.0f} ({r['prefill_vs_dense_bf16']:.2f}x)"
+                   if "prefill_vs_dense_bf16" in r else "n/a")
+        lines.append(f"| {r['model']} | {r['tokens_per_second']:.2f} | {vs} | {split} | {prefill} | "
                      f"{r['weight_bytes'] / 1e6:.1f} | {memory} |")
     return "\n".join(lines)
