@@ -820,6 +820,54 @@ static __attribute__((target("avx512f,avx512bf16,avx512vl"))) void to_bf16_512(c
 }
 #endif
 
+#ifdef HILT_X86
+/* One row of K words in chunks of 16 * cpb (cpb 2, 4 or 8): out word p of output vector o is phase
+ * j = 2o + p / 16 of lane i = p % 16, in word i * cpb + j (idx[o][p]). */
+static __attribute__((target("avx512f,avx512bw"))) void order16_bf16(const uint16_t *in, uint16_t *out, int64_t K,
+                                                                       int cpb, const uint16_t (*idx)[32]) {
+    __m512i ix[4];
+    for (int o = 0; o < cpb / 2; o++) ix[o] = _mm512_loadu_si512((const void *)idx[o]);
+    const __m512i sixty_four = _mm512_set1_epi16(64);
+    for (int64_t c = 0; c < K; c += 16 * cpb) {
+        __m512i v[4];
+        for (int q = 0; q < cpb / 2; q++) v[q] = _mm512_loadu_si512((const void *)(in + c + 32 * q));
+        for (int o = 0; o < cpb / 2; o++) {
+            __m512i r;
+            if (cpb == 2) r = _mm512_permutexvar_epi16(ix[o], v[0]);
+            else if (cpb == 4) r = _mm512_permutex2var_epi16(v[0], ix[o], v[1]);
+            else /* 8: lanes 0-7 from words 0-63, lanes 8-15 from words 64-127 */
+                r = _mm512_mask_blend_epi16(0xFF00FF00u, _mm512_permutex2var_epi16(v[0], ix[o], v[1]),
+                                            _mm512_permutex2var_epi16(v[2], _mm512_sub_epi16(ix[o], sixty_four), v[3]));
+            _mm512_storeu_si512((void *)(out + c + 32 * o), r);
+        }
+    }
+}
+#endif
+
+/* xp (M, K) = x (M, K) bfloat16 in the column order of hilt_lut_dequant_bf16 for this weight (its lanes
+ * and cpb; see the top): what the prefill path multiplies the bands with. */
+void hilt_lut_order_x_bf16(const LutWeight *lw, const uint16_t *x, int64_t M, uint16_t *xp, int isa) {
+    Wt w;
+    setup(&w, lw, isa);
+    const int64_t K = lw->K, lanes = w.lanes, cpb = w.cpb, chunk = lanes * cpb;
+    uint16_t idx[4][32];
+    for (int o = 0; o < 4; o++)
+        for (int p = 0; p < 32; p++) idx[o][p] = (uint16_t)((p & 15) * cpb + 2 * o + (p >> 4));
+    for (int64_t m = 0; m < M; m++) {
+        const uint16_t *in = x + m * K;
+        uint16_t *out = xp + m * K;
+#ifdef HILT_X86
+        if (lanes == 16 && (cpb == 2 || cpb == 4 || cpb == 8) && isa >= 2) {
+            order16_bf16(in, out, K, (int)cpb, (const uint16_t (*)[32])idx);
+            continue;
+        }
+#endif
+        for (int64_t c = 0; c < K; c += chunk)
+            for (int64_t i = 0; i < lanes; i++)
+                for (int64_t j = 0; j < cpb; j++) out[c + j * lanes + i] = in[c + i * cpb + j];
+    }
+}
+
 /* As hilt_lut_dequant, in bfloat16 (the prefill path of bfloat16 x): each row dequantized in float32
  * into a buffer that stays in cache, then rounded. Returns 0, or 1 when a buffer could not be had. */
 int hilt_lut_dequant_bf16(const LutWeight *lw, int64_t row0, int64_t row1, uint16_t *out, int isa, int threads) {

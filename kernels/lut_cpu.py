@@ -20,6 +20,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import os
+import threading
 from pathlib import Path
 
 import torch
@@ -51,7 +52,8 @@ def library():
     """The loaded kernel, or None where it cannot be built (no compiler, no write access)."""
     lib = cbuild.load(SOURCE, [FLAGS + ["-fopenmp"], FLAGS],
                       ("hilt_lut_matmul", "hilt_lut_dequant", "hilt_lut_isa", "hilt_lut_layout",
-                                     "hilt_lut_struct_size", "hilt_lut_bf16_path", "hilt_lut_dequant_bf16"))
+                                     "hilt_lut_struct_size", "hilt_lut_bf16_path", "hilt_lut_dequant_bf16",
+                       "hilt_lut_order_x_bf16"))
     if lib is None:
         return None
     lib.hilt_lut_struct_size.restype = ctypes.c_int64
@@ -71,6 +73,8 @@ def library():
     lib.hilt_lut_dequant.argtypes = [weight, i64, i64, p, i32, i32]
     lib.hilt_lut_dequant_bf16.restype = i32
     lib.hilt_lut_dequant_bf16.argtypes = [weight, i64, i64, p, i32, i32]
+    lib.hilt_lut_order_x_bf16.restype = None
+    lib.hilt_lut_order_x_bf16.argtypes = [weight, p, i64, p, i32]
     return lib
 
 
@@ -189,26 +193,43 @@ class Prepared:
     def _bands(self, x2: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
         """Prefill: bands of W dequantized by the kernel and multiplied by torch's matmul. bfloat16 x
         takes bfloat16 bands (the weights rounded to bfloat16, as on the decode path; torch's bfloat16
-        matmul, AMX where the CPU has it), float32 x float32 bands; bands of at most BAND_FLOATS values."""
+        matmul, AMX where the CPU has it), float32 x float32 bands; bands of at most BAND_FLOATS values.
+        The bands' columns come in the kernel's order, so x is put in that order once."""
         w, lib, path = self.w, self.lib, self.path
         n, k, m = w.out_features, w.in_features, x2.shape[0]
-        cpb = ctypes.c_int()
-        lanes = lib.hilt_lut_layout(self.ref, path, ctypes.byref(cpb))
-        low = x2.dtype == torch.bfloat16 and self.bf16_bands
-        dtype = torch.bfloat16 if low else torch.float32
-        dequant = lib.hilt_lut_dequant_bf16 if low else lib.hilt_lut_dequant
-        # x in the bands' column order: within each chunk of lanes * cpb columns, phase-major (lut_cpu.c)
-        xp = x2.view(m, k // (lanes * cpb.value), lanes, cpb.value).transpose(2, 3).reshape(m, k).to(dtype)
-        out_t = torch.empty(n, m, dtype=dtype)
+        if x2.dtype == torch.bfloat16 and self.bf16_bands:
+            dtype, dequant = torch.bfloat16, lib.hilt_lut_dequant_bf16
+            xp = torch.empty_like(x2)
+            lib.hilt_lut_order_x_bf16(self.ref, x2.data_ptr(), m, xp.data_ptr(), path)
+        else:
+            dtype, dequant = torch.float32, lib.hilt_lut_dequant
+            cpb = ctypes.c_int()
+            lanes = lib.hilt_lut_layout(self.ref, path, ctypes.byref(cpb))
+            # within each chunk of lanes * cpb columns, phase-major (lut_cpu.c)
+            xp = x2.view(m, k // (lanes * cpb.value), lanes, cpb.value).transpose(2, 3).reshape(m, k).float()
         step = max(1, BAND_FLOATS // k)
-        band = torch.empty(min(step, n), k, dtype=dtype)
+        band = _scratch(min(step, n) * k, dtype).view(-1, k)
+        parts = []
         for r0 in range(0, n, step):
             r1 = min(n, r0 + step)
             if dequant(self.ref, r0, r1, band.data_ptr(), path, _threads()):
                 raise MemoryError("the CPU LUT kernel could not allocate a row buffer")
-            torch.mm(band[:r1 - r0], xp.T, out=out_t[r0:r1])
-        out = out_t.T
+            parts.append(xp @ band[:r1 - r0].T)
+        out = parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
         return out if b is None else (out.float() + b).to(dtype)
+
+
+_local = threading.local()
+
+
+def _scratch(numel: int, dtype: torch.dtype) -> torch.Tensor:
+    """A buffer of this thread's for the prefill bands, reused from layer to layer: a fresh one each call
+    would cost its page faults every time (an 8 MB band is thousands of pages)."""
+    kept = getattr(_local, "bands", {})
+    _local.bands = kept
+    if dtype not in kept or kept[dtype].numel() < numel:
+        kept[dtype] = torch.empty(numel, dtype=dtype)
+    return kept[dtype][:numel]
 
 
 def prepare(w: PackedWeight, isa=None) -> Prepared | None:
