@@ -247,7 +247,8 @@ def run(out="report", quick: bool = True, progress: bool = False) -> dict:
         write_json(out / "decode.json", result)
         return ("SmolLM2-135M made a Hugging Face folder by `hilt convert`, quantized by `hilt quantize`, loaded by "
                 f"transformers' `from_pretrained` in bf16; greedy decode on the CPU ({result['threads']} threads, "
-                f"{result['new_tokens']} new tokens, median of {result['repeats']}; `hilt bench decode`):\n\n"
+                f"{result['new_tokens']} new tokens, median of {result['repeats']} rounds in which the models take turns; "
+                f"`hilt bench decode`):\n\n"
                 + result["table"] + "\n")
 
     plan_sections = [

@@ -66,7 +66,9 @@ GEMV_FORMATS = [("k-means 4", QuantConfig("kmeans", 4, 64)), ("k-means 3", Quant
 # are imported (transformers' quantizer registry, which registers hilt's, and the model's class: hundreds
 # of MB that any model of the family costs). "loaded": the high-water mark after from_pretrained with
 # every stored tensor read once (safetensors maps the file: an unread weight is not resident yet);
-# "decoding": after one short bfloat16 forward pass, which also makes the CPU kernels' packed copies.
+# "decoding": the high-water mark after one short bfloat16 forward pass, which also makes the CPU kernels'
+# packed copies; the dense model's row shows what that first forward costs with no hilt kernel in it
+# (torch's own buffers, e.g. oneDNN's for the bfloat16 head: tens of MB that do not grow with the model).
 _MEMORY_PROBE = """
 import json, sys, torch, transformers, transformers.quantizers.auto, hilt
 def status(key):
@@ -81,7 +83,7 @@ with torch.inference_mode():
         t.contiguous().view(-1).view(torch.uint8).max()  # reads every page, allocates nothing
     loaded = status('VmHWM')
     model(torch.tensor([[1, 2, 3]]))
-print(json.dumps({"baseline": base, "loaded": loaded, "decoding": status('VmHWM')}))
+print(json.dumps({"baseline": base, "loaded": loaded, "decoding": status('VmHWM'), "after_forward": status('VmRSS')}))
 """
 
 
@@ -341,6 +343,7 @@ def run(quick: bool = False, work=None, threads: int = 2, gemv: bool = True, new
         if "rss_loaded" in r:
             r["loaded_over_weights"] = round((r["rss_loaded"] - r["rss_baseline"]) / r["weight_bytes"], 3)
             r["decoding_over_weights"] = round((r["rss_decoding"] - r["rss_baseline"]) / r["weight_bytes"], 3)
+            r["first_forward_mb"] = round((r["rss_decoding"] - r["rss_loaded"]) / 1e6, 1)
     return {"threads": threads, "new_tokens": new_tokens, "repeats": repeats, "prefill_tokens": prefill,
             "prompt": None if quick else PROMPT,
             "model": "tiny random Llama (quick)" if quick else "SmolLM2-135M-Instruct",
@@ -368,11 +371,11 @@ def gemv_markdown(rows: list[dict], bandwidth: float) -> str:
 
 def table(rows: list[dict]) -> str:
     lines = ["| model (from_pretrained, bf16) | tokens/s | vs dense bf16 | ms/token: linear layers / rest | "
-             "prefill tokens/s (vs dense) | weights MB | resident over weights: loaded / decoding |",
-             "|---|---|---|---|---|---|---|"]
+             "prefill tokens/s (vs dense) | weights MB | resident over weights: loaded / decoding | first forward adds MB |",
+             "|---|---|---|---|---|---|---|---|"]
     for r in rows:
         if r.get("tokens_per_second") is None:
-            lines.append(f"| {r['model']} | {r.get('note', 'n/a')} | | | | | |")
+            lines.append(f"| {r['model']} | {r.get('note', 'n/a')} | | | | | | |")
             continue
         memory = (f"{r['loaded_over_weights']:.2f}x / {r['decoding_over_weights']:.2f}x" if "loaded_over_weights" in r
                   else r.get("rss_error", "n/a"))
@@ -382,5 +385,5 @@ def table(rows: list[dict]) -> str:
         prefill = (f"{r['prefill_tokens_per_second']:.0f} ({r['prefill_vs_dense_bf16']:.2f}x)"
                    if "prefill_vs_dense_bf16" in r else "n/a")
         lines.append(f"| {r['model']} | {r['tokens_per_second']:.2f} | {vs} | {split} | {prefill} | "
-                     f"{r['weight_bytes'] / 1e6:.1f} | {memory} |")
+                     f"{r['weight_bytes'] / 1e6:.1f} | {memory} | {r.get('first_forward_mb', 'n/a')} |")
     return "\n".join(lines)

