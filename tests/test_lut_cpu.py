@@ -176,6 +176,16 @@ def test_dispatch_runs_the_kernel_and_without_one_the_reference_with_one_warning
         lut_matmul(x, q.packed)  # once per process
 
 
+def test_quant_linear_without_a_kernel_runs_the_reference_with_the_warning(monkeypatch):
+    q = _weights(16, 128, "kmeans-layer", 4, 64, 3)
+    monkeypatch.setattr(lut_cpu, "library", lambda: None)  # as where nothing builds it
+    monkeypatch.setattr(sys.modules["hilt.kernels.lut_matmul"], "_warned_no_compiler", False)
+    x = torch.randn(2, 128).to(torch.bfloat16)
+    with pytest.warns(RuntimeWarning, match="no C compiler built the CPU lookup-table kernel"):
+        y = QuantLinear(q)(x)
+    assert torch.equal(y, lut_matmul_reference(x, q.packed))
+
+
 def test_no_compiler_means_no_kernel(tmp_path, monkeypatch):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     monkeypatch.setenv("CC", str(tmp_path / "no-such-compiler"))
