@@ -233,3 +233,31 @@ def test_bench_ptq_quick(tmp_path):
     assert rows["gptq-kmeans"]["quality"] > max(rows["kmeans-imp"]["quality"], rows["gptq-int"]["quality"])
     assert set(rows["gptq-kmeans"]["seconds_split"]) == {"forward", "gram", "quantize"}
     assert (tmp_path / "ptq_quick.png").stat().st_size > 10_000 and (tmp_path / "ptq.md").exists()
+
+
+def test_compensate_a_hugging_face_causal_lm(tmp_path):
+    """A Hugging Face Llama folder (tensor names as transformers has them) compensated on Macbeth: every block
+    linear compensated, none worse than rounding, and the folder still loads through from_pretrained."""
+    transformers = pytest.importorskip("transformers")
+    from test_hf import _byte_tokenizer, tiny_llama
+
+    src = tiny_llama(tmp_path / "src", dtype=torch.float32)
+    transformers.PreTrainedTokenizerFast(tokenizer_object=_byte_tokenizer()).save_pretrained(src)
+    dst = tmp_path / "comp"
+    r = run_hilt("quantize", src, dst, "--method", "kmeans", "--bits", "3", "--block-size", "32", "--compensate",
+                 "--calibration-tokens", "1024")
+    assert r.returncode == 0, r.stderr
+    header = read_json(dst / "hilt.json")
+    assert header["compensation"]["calibration"] == "1024 tokens of macbeth"
+    layers = {n: e for n, e in header["tensors"].items() if "compensated" in e}
+    assert len(layers) == 14 and all(n.startswith("model.layers.") for n in layers)  # 2 blocks x 7 linears
+    assert all(e["output_rel_error"] <= e["output_rel_error_rounded"] for e in layers.values())
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(dst), dtype=torch.float32)
+    with torch.inference_mode():
+        assert torch.isfinite(model(torch.tensor([[40, 41, 42]])).logits).all()
+    # a folder transformers runs, but not as a causal LM: refused in one line before anything is read
+    other = tmp_path / "encoder"
+    other.mkdir()
+    (other / "config.json").write_text('{"model_type": "vit"}')
+    r = run_hilt("quantize", other, tmp_path / "out", "--compensate")
+    assert_clean_failure(r, "'vit' is none of these", dst=tmp_path / "out")

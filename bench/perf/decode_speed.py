@@ -136,12 +136,11 @@ def _weight_bytes(folder: Path) -> int:
     return sum(f.stat().st_size for f in folder.glob("*.safetensors"))
 
 
-def _compensator(config):
-    """The Compensator maker for quantize_checkpoint, on SmolLM2's own GGUF (calibration text)."""
-    from hilt.models.llama import smollm2_path
+def _compensator(folder: Path, config):
+    """The Compensator maker for quantize_checkpoint on the Hugging Face folder itself (Macbeth)."""
     from hilt.tasks.compensate import compensator
 
-    return lambda targets: compensator(smollm2_path(), config, targets=targets)
+    return lambda targets: compensator(folder, config, targets=targets)
 
 
 def _best_time(fn, repeats: int) -> float:
@@ -291,7 +290,7 @@ def run(quick: bool = False, work=None, threads: int = 2, gemv: bool = True, new
             folders[label] = tmp / f"quantized-{i}"
             try:
                 if extra == "compensate":
-                    quantize_checkpoint(dense, folders[label], config, compensate=_compensator(config))
+                    quantize_checkpoint(dense, folders[label], config, compensate=_compensator(dense, config))
                 else:
                     quantize_checkpoint(dense, folders[label], config, embeddings=extra)
             except Exception as e:  # noqa: BLE001 (one row fails, the others are measured)

@@ -150,13 +150,14 @@ def register(sub) -> None:
     q.add_argument("--importance", metavar="FILE",
                    help="kmeans: per-column importance from `hilt calibrate` (weights the k-means error)")
     q.add_argument("--compensate", action="store_true",
-                   help="GPTQ-style error compensation through each layer's calibration inputs (Llama GGUF or "
-                        "BERT folder); layer by layer, one block in memory")
+                   help="GPTQ-style error compensation through each layer's calibration inputs, layer by layer "
+                        "(Llama GGUF or BERT folder: one block in memory; Hugging Face causal LM folder: the "
+                        "model in memory, float32)")
     q.add_argument("--calibration", metavar="TEXT",
                    help="with --compensate: a text file (BERT: one sentence per line), or 'default' (Macbeth; "
                         "the evaluations use Hamlet)")
     q.add_argument("--calibration-tokens", type=POSITIVE, metavar="N",
-                   help="with --compensate on a Llama: calibration tokens, in windows of 512 (default 4096)")
+                   help="with --compensate on a causal LM: calibration tokens, in windows of 512 (default 4096)")
     q.add_argument("--calibration-sentences", type=POSITIVE, metavar="N",
                    help="with --compensate on BERT: calibration sentences (default 256)")
     q.add_argument("--act-order", action="store_true",

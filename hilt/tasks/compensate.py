@@ -1,7 +1,9 @@
-"""`hilt quantize --compensate` on the models hilt runs itself: a Llama GGUF (SmolLM2) or a BERT
-folder (MiniLM). Builds the model with its blocks left unloaded (each block is read from the file
-just before it is quantized and freed after, so memory holds one block), tokenizes the calibration
-text, and returns the Compensator that the checkpoint writer asks for each tensor.
+"""`hilt quantize --compensate`: on the models hilt runs itself, a Llama GGUF (SmolLM2) or a BERT
+folder (MiniLM), and on a Hugging Face folder of any causal language model transformers runs. hilt's
+own models are built with their blocks left unloaded (each block is read from the file just before it
+is quantized and freed after, so memory holds one block); a Hugging Face model is loaded whole by
+transformers, in float32. The calibration text is tokenized by the model's tokenizer, and the
+Compensator that the checkpoint writer asks for each tensor is returned.
 
 Calibration is Macbeth by default; the evaluations use Hamlet, so they never share text. A text
 file given instead is read as running text for a Llama and as one sentence per line for BERT.
@@ -15,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from hilt.errors import HiltError
+from hilt.errors import HiltError, one_line
 from hilt.quant import QuantConfig, open_source
 from hilt.quant.compensate import CompensationConfig, Compensator
 
@@ -24,7 +26,8 @@ CONTEXT = 512  # tokens per calibration window (Llama)
 
 
 def model_kind(src) -> str:
-    """'llama' for a GGUF file, 'bert' for a BERT folder (or its safetensors file)."""
+    """'llama' for a GGUF file, 'bert' for a BERT folder (or its safetensors file), 'hf' for a Hugging Face
+    folder of a causal language model transformers runs."""
     path = Path(src)
     if path.suffix == ".gguf" and path.is_file():
         return "llama"
@@ -35,8 +38,17 @@ def model_kind(src) -> str:
         model_type = None
     if model_type == "bert":
         return "bert"
-    raise HiltError(f"{src}: --compensate runs the model on calibration text, and hilt runs Llama GGUF files "
-                    "(SmolLM2) and BERT folders (MiniLM); this is neither")
+    if model_type and path.is_dir():
+        from hilt.models.hf import require_transformers
+
+        require_transformers()
+        from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+        if model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+            return "hf"
+    raise HiltError(f"{src}: --compensate runs the model on calibration text; hilt runs Llama GGUF files (SmolLM2), "
+                    "BERT folders (MiniLM) and Hugging Face folders of causal language models "
+                    f"(config.json's model_type {model_type!r} is none of these)")
 
 
 def _read_text(path) -> str:
@@ -93,6 +105,8 @@ def compensator(src, config: QuantConfig, comp: CompensationConfig = Compensatio
     from hilt.models.weights import load_part_
 
     kind = model_kind(src)
+    if kind == "hf":
+        return _hf_compensator(src, config, comp, targets, calibration, tokens)
     if kind == "llama":
         from hilt.models import llama
 
@@ -117,3 +131,31 @@ def compensator(src, config: QuantConfig, comp: CompensationConfig = Compensatio
                          load_block=load, release_block=release)
     weakref.finalize(result, source.close)
     return result
+
+
+def _hf_compensator(folder, config: QuantConfig, comp: CompensationConfig, targets, calibration, tokens: int):
+    """A Hugging Face causal LM, loaded whole in float32 by transformers (its tensor names are the folder's,
+    so the targets need no mapping), run without a key/value cache: the Compensator runs each block
+    more than once on the same inputs."""
+    from hilt.models.hf import require_transformers
+
+    transformers = require_transformers()
+    try:
+        tokenizer = transformers.AutoTokenizer.from_pretrained(str(folder))
+    except (OSError, ValueError) as e:
+        raise HiltError(f"{folder}: --compensate needs the model's tokenizer beside it ({one_line(e)})") from None
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()
+    model.config.use_cache = False
+    batches, seen = llama_batches(_Encoder(tokenizer), calibration, tokens)
+    return Compensator(model, batches, config, comp, targets=targets, calibration=seen)
+
+
+class _Encoder:
+    """A transformers tokenizer as llama_batches reads one: ``encode(text)`` -> ids, no special tokens (the
+    text is cut into windows, so a BOS would land only in the first)."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+
+    def encode(self, text: str) -> list[int]:
+        return self.tokenizer(text, add_special_tokens=False)["input_ids"]
