@@ -1,9 +1,10 @@
 """`hilt quantize --compensate`: on the models hilt runs itself, a Llama GGUF (SmolLM2) or a BERT
-folder (MiniLM), and on a Hugging Face folder of any causal language model transformers runs. hilt's
-own models are built with their blocks left unloaded (each block is read from the file just before it
-is quantized and freed after, so memory holds one block); a Hugging Face model is loaded whole by
-transformers, in float32. The calibration text is tokenized by the model's tokenizer, and the
-Compensator that the checkpoint writer asks for each tensor is returned.
+folder (MiniLM), and on a Hugging Face folder of any causal language model transformers runs. The
+model is built with its blocks left unloaded (each block is read from the file just before it is
+quantized and freed after, so memory holds one block besides the embeddings and head, in float32):
+hilt's own Llama and BERT, or the folder's class from transformers. The calibration text is tokenized
+by the model's tokenizer, and the Compensator that the checkpoint writer asks for each tensor is
+returned.
 
 Calibration is Macbeth by default; the evaluations use Hamlet, so they never share text. A text
 file given instead is read as running text for a Llama and as one sentence per line for BERT.
@@ -134,20 +135,53 @@ def compensator(src, config: QuantConfig, comp: CompensationConfig = Compensatio
 
 
 def _hf_compensator(folder, config: QuantConfig, comp: CompensationConfig, targets, calibration, tokens: int):
-    """A Hugging Face causal LM, loaded whole in float32 by transformers (its tensor names are the folder's,
-    so the targets need no mapping), run without a key/value cache: the Compensator runs each block
-    more than once on the same inputs."""
+    """A Hugging Face causal LM built by transformers with its parameters on the meta device (its buffers,
+    such as rotary frequencies, computed as usual), everything outside the blocks read from the folder and
+    each block read just before it is quantized, in float32; run without a key/value cache, since the
+    Compensator runs each block more than once on the same inputs. Its tensor names are the folder's, so
+    the targets need no mapping."""
+    from accelerate import init_empty_weights
+
     from hilt.models.hf import require_transformers
+    from hilt.models.weights import load_part_
+    from hilt.quant.compensate import find_blocks
 
     transformers = require_transformers()
     try:
         tokenizer = transformers.AutoTokenizer.from_pretrained(str(folder))
     except (OSError, ValueError) as e:
         raise HiltError(f"{folder}: --compensate needs the model's tokenizer beside it ({one_line(e)})") from None
-    model = transformers.AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()
+    with init_empty_weights(include_buffers=False):
+        model = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.from_pretrained(str(folder)))
     model.config.use_cache = False
+    path, _ = find_blocks(model)
+    prefix = f"{path}."
+    source = open_source(folder)
+    tied = getattr(model.config, "tie_word_embeddings", False)
+    head = model.get_output_embeddings()
+    outside = {name for name in model.state_dict() if not name.startswith(prefix)}
+    if tied and head is not None:
+        outside -= {n for n, p in model.named_parameters(remove_duplicate=False) if p is head.weight}
+    in_file = set(source.names())
+    missing = sorted(outside - in_file)
+    if missing:
+        raise HiltError(f"{folder}: tensor {missing[0]!r} is missing")
+    model.load_state_dict({n: source.get(n).to(torch.float32).contiguous() for n in outside}, strict=False, assign=True)
+    if tied:
+        model.tie_weights()
+    model.eval().requires_grad_(False)
     batches, seen = llama_batches(_Encoder(tokenizer), calibration, tokens)
-    return Compensator(model, batches, config, comp, targets=targets, calibration=seen)
+
+    def load(i, block):
+        load_part_(block, source, f"{prefix}{i}.")
+
+    def release(i, block):
+        block.to("meta")  # frees the block's weights: the next one is read from the file
+
+    result = Compensator(model, batches, config, comp, targets=targets, calibration=seen, load_block=load,
+                         release_block=release)
+    weakref.finalize(result, source.close)
+    return result
 
 
 class _Encoder:
