@@ -48,6 +48,8 @@ def test_synthetic_folder_loads_in_transformers_and_quantizes(synthetic, tmp_pat
     assert up.dtype == torch.bfloat16 and float(up.float().std()) > 0
     out = model(torch.tensor([[1, 2, 3]])).logits
     assert torch.isfinite(out).all()
+    tokenizer = transformers.AutoTokenizer.from_pretrained(synthetic)  # for --compensate's calibration text
+    assert tokenizer("Macbeth", add_special_tokens=False)["input_ids"] == list(b"Macbeth")
     written = quantize_checkpoint(synthetic, tmp_path / "q", QuantConfig("int", 4))
     assert written.header["totals"]["quantized_tensors"] == 7 * scale.SHAPES["quick"]["layers"]
     assert set(written.seconds) >= {"read", "fit", "pack", "error", "write"}

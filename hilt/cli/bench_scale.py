@@ -16,7 +16,7 @@ def cmd_bench_scale(args) -> int:
     result = scale.run(quick=args.quick, shape=args.shape, keep=args.keep, work=args.work, runs=runs,
                        extra=["--ray"] if args.ray else [])
     for r in result["runs"]:
-        print(f"{r['run']:<9} {r['wall_s']:8.1f} s wall {r['cpu_s']:8.1f} s CPU  peak RSS "
+        print(f"{r['run']:<19} {r['wall_s']:8.1f} s wall {r['cpu_s']:8.1f} s CPU  peak RSS "
               f"{r['peak_rss_bytes'] / 2**30:5.2f} GiB  {r['linear_weights_per_s'] / 1e6:6.1f} M weights/s  "
               f"{r['wall_over_read_ceiling']:5.1f}x the disk read")
     write_json_option(args, result)
@@ -31,6 +31,7 @@ def register(bsub) -> None:
     b.add_argument("--shape", choices=["1b", "8b"], help="default 1b (8b: about 16 GB of disk while it runs)")
     b.add_argument("--keep", action="store_true", help="keep the synthetic folder (in --work)")
     b.add_argument("--work", metavar="DIR", help="where the synthetic folder and outputs go (default: a temporary one)")
-    b.add_argument("--runs", metavar="LIST", help="comma-separated subset of int4,kmeans4,kmeans3 (default all)")
+    b.add_argument("--runs", metavar="LIST", help="comma-separated subset of int4,kmeans4,kmeans3,kmeans4-compensated (default all; "
+                   "8b: all but the compensated one)")
     b.add_argument("--ray", action="store_true", help="quantize with --ray (a local Ray cluster, or RAY_ADDRESS)")
     b.set_defaults(func=cmd_bench_scale)
