@@ -24,7 +24,11 @@ need "$CC_BIN"
 need "$CXX_BIN"
 
 compiler="$("$CXX_BIN" --version | head -n1)"
-stamp_text="llama-cpp-python ${VERSION} | ${compiler} | ${TOOLS[*]}"
+# No AMX: built for this CPU (-march=native), ggml's AMX matmul runs tile instructions the kernel has not
+# enabled for the process, and llama-perplexity dies of SIGILL on batches (seen on a Xeon with AMX).
+NO_AMX=""
+if [[ "$(uname -m)" == x86_64 ]]; then NO_AMX="-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"; fi
+stamp_text="llama-cpp-python ${VERSION} | ${compiler} | ${TOOLS[*]} | ${NO_AMX:-native}"
 stamp="$ROOT/bin/.stamp"
 if [[ -f "$stamp" && "$(cat "$stamp")" == "$stamp_text" ]]; then
   all=1
@@ -58,6 +62,7 @@ src="$work/vendor/llama.cpp"
 echo "build_llama_cpp: configuring (Release, CPU only, static)"
 cmake -S "$src" -B "$work/build" -G "$(command -v ninja >/dev/null && echo Ninja || echo 'Unix Makefiles')" \
   -DCMAKE_BUILD_TYPE=Release -DCMAKE_C_COMPILER="$CC_BIN" -DCMAKE_CXX_COMPILER="$CXX_BIN" \
+  -DCMAKE_C_FLAGS="$NO_AMX" -DCMAKE_CXX_FLAGS="$NO_AMX" \
   -DBUILD_SHARED_LIBS=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_SERVER=OFF -DLLAMA_BUILD_APP=OFF \
   -DLLAMA_BUILD_TOOLS=ON -DLLAMA_BUILD_EXAMPLES=ON -DLLAMA_BUILD_UI=OFF -DLLAMA_USE_PREBUILT_UI=OFF \
   -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF -DLLAMA_LLGUIDANCE=OFF -DGGML_OPENMP=OFF \

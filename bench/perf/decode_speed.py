@@ -6,8 +6,8 @@ binary (1 bit) and compensated k-means 4-bit, each loaded with
 ``AutoModelForCausalLM.from_pretrained(dtype=bfloat16)`` beside transformers' own loading of the
 packed GGUF. All are loaded at once and take turns in each round of timing (greedy ``generate``, then
 one prefill forward of 256 tokens), the median of the rounds kept, so that the ratios come from the
-same moments of the machine. Per token, the time inside the linear layers (timed by hooks in one more
-generate) is split from the rest, the framework's share. Every quantized layer but row-wise int8 runs
+same moments of the machine. Per token, the time is split between the linear layers and the rest, the
+framework's share, by the share hooks measure in one more generate. Every quantized layer but row-wise int8 runs
 the CPU lookup-table kernel (kernels.lut_cpu). Each model's load runs once more in a child process,
 for its peak resident memory against the bytes of its weights.
 
@@ -104,9 +104,10 @@ def _interleaved(models: dict, call, repeats: int) -> dict[str, float]:
 
 
 def _layer_share(model, ids, new_tokens: int) -> float:
-    """Seconds per generated token spent inside the linear layers (the head included; hilt's QuantLinear
-    and tied head, or nn.Linear), timed by hooks in an untimed generate: the rest is the framework's
-    (attention, norms, rotary, the cache, generate's own Python)."""
+    """The share of a generate's time spent inside the linear layers (the head included; hilt's QuantLinear
+    and tied head, or nn.Linear), timed by hooks in one untimed generate; the rest is the framework's
+    (attention, norms, rotary, the cache, generate's own Python). A share, not a time: the hooks slow
+    that generate, and on a tiny model by more than its layers take."""
     from torch import nn
 
     from hilt.quant.nn import QuantLinear, TiedHead
@@ -117,11 +118,13 @@ def _layer_share(model, ids, new_tokens: int) -> float:
                                          m.register_forward_hook(lambda *_: spent.__setitem__(
                                              0, spent[0] + time.perf_counter() - starts.pop())))]
     try:
+        start = time.perf_counter()
         _generate(model, ids, new_tokens)
+        total = time.perf_counter() - start
     finally:
         for h in hooks:
             h.remove()
-    return spent[0] / new_tokens
+    return spent[0] / total
 
 
 def _load_memory(folder: Path, kwargs: dict) -> dict:
@@ -324,7 +327,8 @@ def run(quick: bool = False, work=None, threads: int = 2, gemv: bool = True, new
             per_token = decode[label] / new_tokens
             rows.append({"model": label, "tokens_per_second": round(1 / per_token, 2),
                          "prefill_tokens_per_second": round(prefill / prefills[label], 1), "weight_bytes": weights,
-                         "ms_per_token": round(per_token * 1e3, 2), "layers_ms_per_token": round(shares[label] * 1e3, 2),
+                         "ms_per_token": round(per_token * 1e3, 2),
+                         "layers_ms_per_token": round(shares[label] * per_token * 1e3, 2),
                          "text": texts[label], **{f"rss_{k}": v for k, v in memory.items()}})
         base = rows[0]["tokens_per_second"]
         if quick:
