@@ -28,9 +28,10 @@ _ROWS = 64  # the int4 kernel's widest row tile (AVX-512): pad N to it, convert 
 
 
 # The width QuantLinear runs through these kernels rather than the LUT kernel (kernels.lut_cpu): row-wise
-# int8 at up to 16 rows of x, measured 1.3-1.6x faster at M = 1 (at 256 rows the LUT kernel's bfloat16 bands
-# are the faster: SmolLM2's int8 head made its prefill 0.43x dense through this kernel). At int4 the two are level (docs/results/kernels.md), and the
-# LUT kernel reads hilt's codes as stored where this one needs a second copy of the weight.
+# int8 at up to 16 rows of x, measured 1.3-1.6x faster at M = 1 (at 256 rows the LUT kernel's bfloat16
+# bands are the faster: SmolLM2's int8 head made its prefill 0.43x dense through this kernel). At int4
+# the two are level (docs/results/kernels.md), and the LUT kernel reads hilt's codes as stored where
+# this one needs a second copy of the weight.
 PREFERRED_BITS = (8,)
 
 

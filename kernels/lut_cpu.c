@@ -576,7 +576,7 @@ INLINE TBF void rowsbf(const Wt *w, int64_t n0, const uint16_t *xp, const float 
             for (int r = 0; r < R; r++) sv[r] = chunk_scales(w, n0 + r, k0 / B, G);
         const int64_t at = (k0 * BITS) >> 3;
         /* the next group's codes at the same place: the hardware prefetcher alone leaves the unit waiting
-         * (measured 1.3-1.4x faster on 576-4096 wide layers; a prefetch past the last row is harmless) */
+         * (measured 1.3-1.6x faster on 576-4096 wide layers; a prefetch past the last row is harmless) */
         #pragma GCC unroll 4
         for (int r = 0; r < R; r++) _mm_prefetch((const char *)(row + (r + R) * rb + at), _MM_HINT_T0);
         __m512i v[4];
@@ -818,9 +818,7 @@ static __attribute__((target("avx512f,avx512bf16,avx512vl"))) void to_bf16_512(c
         _mm256_storeu_si256((__m256i *)(out + i), (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(in + i)));
     for (; i < n; i++) out[i] = f32_to_bf16(in[i]);
 }
-#endif
 
-#ifdef HILT_X86
 /* One row of K words in chunks of 16 * cpb (cpb 2, 4 or 8): out word p of output vector o is phase
  * j = 2o + p / 16 of lane i = p % 16, in word i * cpb + j (idx[o][p]). */
 static __attribute__((target("avx512f,avx512bw"))) void order16_bf16(const uint16_t *in, uint16_t *out, int64_t K,

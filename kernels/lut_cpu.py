@@ -51,9 +51,8 @@ class LutWeight(ctypes.Structure):
 def library():
     """The loaded kernel, or None where it cannot be built (no compiler, no write access)."""
     lib = cbuild.load(SOURCE, [FLAGS + ["-fopenmp"], FLAGS],
-                      ("hilt_lut_matmul", "hilt_lut_dequant", "hilt_lut_isa", "hilt_lut_layout",
-                                     "hilt_lut_struct_size", "hilt_lut_bf16_path", "hilt_lut_dequant_bf16",
-                       "hilt_lut_order_x_bf16"))
+                      ("hilt_lut_matmul", "hilt_lut_dequant", "hilt_lut_dequant_bf16", "hilt_lut_order_x_bf16",
+                       "hilt_lut_isa", "hilt_lut_layout", "hilt_lut_struct_size", "hilt_lut_bf16_path"))
     if lib is None:
         return None
     lib.hilt_lut_struct_size.restype = ctypes.c_int64

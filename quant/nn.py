@@ -74,18 +74,22 @@ class _Packed(nn.Module):
         return self._kept("_table", [w.codebook], lambda: byte_table(w.codebook, w.bits))
 
     def _cpu_kernel(self, x: torch.Tensor):
-        """The CPU kernel readied for this weight, a callable ``(x, bias) -> y``: for bfloat16 x of at most
-        lut_cpu.SMALL_M rows and row-wise int8, PyTorch's fused kernel (with its own copy of the weight; kernels.int_cpu.PREFERRED_BITS says
-        why), else the lookup-table kernel on the stored buffers (kernels.lut_cpu.Prepared); None where no
-        C compiler built the latter (lut_matmul then runs the reference, with its warning)."""
+        """The CPU kernel readied for this weight, a callable ``(x, bias) -> y``: for row-wise int8 and
+        bfloat16 x of at most lut_cpu.SMALL_M rows, PyTorch's fused kernel (with its own copy of the
+        weight; kernels.int_cpu.PREFERRED_BITS says why), else the lookup-table kernel on the stored
+        buffers (kernels.lut_cpu.Prepared); None where no C compiler built the latter (lut_matmul then
+        runs the reference, with its warning)."""
         parts = [self.codes, self.codebook, self.scales, self.offsets]
-        rows = x.numel() // max(1, x.shape[-1])  # prefill: the LUT kernel's bfloat16 bands are the faster there
+        rows = x.numel() // max(1, x.shape[-1])  # prefill: the LUT kernel's bfloat16 bands are the faster
         if x.dtype == torch.bfloat16 and self.bits in int_cpu.PREFERRED_BITS and rows <= lut_cpu.SMALL_M:
-            pack = self._kept("_cpu_pack", parts, lambda: int_cpu.prepack(self.packed) if int_cpu.supports(self.packed)
-                              else None)
+            pack = self._kept("_cpu_pack", parts, self._int_pack)
             if pack is not None:
                 return pack
         return self._kept("_cpu_lut", parts, lambda: lut_cpu.prepare(self.packed))
+
+    def _int_pack(self):
+        w = self.packed
+        return int_cpu.prepack(w) if int_cpu.supports(w) else None
 
     def _apply(self, fn, recurse=True):
         """Moves keep each packed part's dtype: ``model.to(torch.bfloat16)`` or ``.half()`` would round the
