@@ -6,10 +6,10 @@ binary (1 bit) and compensated k-means 4-bit, each loaded with
 ``AutoModelForCausalLM.from_pretrained(dtype=bfloat16)`` beside transformers' own loading of the
 packed GGUF. All are loaded at once and take turns in each round of timing (greedy ``generate``, then
 one prefill forward of 256 tokens), the median of the rounds kept, so that the ratios come from the
-same moments of the machine. Per token, the time is split between the linear layers and the rest, the
-framework's share, by the share hooks measure in one more generate. Every quantized layer but row-wise int8 runs
-the CPU lookup-table kernel (kernels.lut_cpu). Each model's load runs once more in a child process,
-for its peak resident memory against the bytes of its weights.
+same moments of the machine. Per token, the time is split between the linear layers and the rest (the
+framework's share) by the share that hooks measure in one more generate. Every quantized layer but
+row-wise int8 runs the CPU lookup-table kernel (kernels.lut_cpu). Each model's load runs once more in a
+child process, for its peak resident memory against the bytes of its weights.
 
 The one-layer GEMV table (M = 1, bfloat16 x) separates the kernel from the per-token framework
 overhead: GB/s of weight bytes read, against the copy bandwidth measured in the same run (a 256 MB
@@ -113,10 +113,15 @@ def _layer_share(model, ids, new_tokens: int) -> float:
     from hilt.quant.nn import QuantLinear, TiedHead
 
     spent, starts = [0.0], []
+
+    def enter(*_):
+        starts.append(time.perf_counter())
+
+    def leave(*_):
+        spent[0] += time.perf_counter() - starts.pop()
+
     layers = [m for m in model.modules() if isinstance(m, (nn.Linear, QuantLinear, TiedHead))]
-    hooks = [h for m in layers for h in (m.register_forward_pre_hook(lambda *_: starts.append(time.perf_counter())),
-                                         m.register_forward_hook(lambda *_: spent.__setitem__(
-                                             0, spent[0] + time.perf_counter() - starts.pop())))]
+    hooks = [h for m in layers for h in (m.register_forward_pre_hook(enter), m.register_forward_hook(leave))]
     try:
         start = time.perf_counter()
         _generate(model, ids, new_tokens)
