@@ -31,7 +31,7 @@ def register(bsub) -> None:
     b.add_argument("--shape", choices=["1b", "8b"], help="default 1b (8b: about 16 GB of disk while it runs)")
     b.add_argument("--keep", action="store_true", help="keep the synthetic folder (in --work)")
     b.add_argument("--work", metavar="DIR", help="where the synthetic folder and outputs go (default: a temporary one)")
-    b.add_argument("--runs", metavar="LIST", help="comma-separated subset of int4,kmeans4,kmeans3,kmeans4-compensated (default all; "
-                   "8b: all but the compensated one)")
+    b.add_argument("--runs", metavar="LIST", help="comma-separated subset of int4,kmeans4,kmeans3,"
+                   "kmeans4-compensated (default all; 8b: all but the compensated one)")
     b.add_argument("--ray", action="store_true", help="quantize with --ray (a local Ray cluster, or RAY_ADDRESS)")
     b.set_defaults(func=cmd_bench_scale)

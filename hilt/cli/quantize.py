@@ -150,9 +150,8 @@ def register(sub) -> None:
     q.add_argument("--importance", metavar="FILE",
                    help="kmeans: per-column importance from `hilt calibrate` (weights the k-means error)")
     q.add_argument("--compensate", action="store_true",
-                   help="GPTQ-style error compensation through each layer's calibration inputs, layer by layer "
-                        "(Llama GGUF or BERT folder: one block in memory; Hugging Face causal LM folder: the "
-                        "model in memory, float32)")
+                   help="GPTQ-style error compensation through each layer's calibration inputs, layer by layer, "
+                        "one block in memory (a Llama GGUF, a BERT folder, or a Hugging Face causal LM folder)")
     q.add_argument("--calibration", metavar="TEXT",
                    help="with --compensate: a text file (BERT: one sentence per line), or 'default' (Macbeth; "
                         "the evaluations use Hamlet)")
