@@ -106,21 +106,26 @@ def compensator(src, config: QuantConfig, comp: CompensationConfig = Compensatio
     from hilt.models.weights import load_part_
 
     kind = model_kind(src)
-    if kind == "hf":
-        return _hf_compensator(src, config, comp, targets, calibration, tokens)
-    if kind == "llama":
-        from hilt.models import llama
-
-        model, tokenizer = llama.load_llama(src, lazy_blocks=True)
-        batches, seen = llama_batches(tokenizer, calibration, tokens)
-        prefix = llama.BLOCKS
-    else:
-        from hilt.models import bert
-
-        model, tokenizer = bert.load_minilm(src, lazy_blocks=True)
-        batches, seen = bert_batches(tokenizer, calibration, sentences)
-        prefix = bert.BLOCKS
     source = open_source(src)  # opened once: parsing a GGUF's index takes seconds
+    try:
+        if kind == "hf":
+            model, prefix, tokenizer = _hf_model(src, source)
+            batches, seen = llama_batches(_Encoder(tokenizer), calibration, tokens)
+        elif kind == "llama":
+            from hilt.models import llama
+
+            model, tokenizer = llama.load_llama(src, lazy_blocks=True)
+            batches, seen = llama_batches(tokenizer, calibration, tokens)
+            prefix = llama.BLOCKS
+        else:
+            from hilt.models import bert
+
+            model, tokenizer = bert.load_minilm(src, lazy_blocks=True)
+            batches, seen = bert_batches(tokenizer, calibration, sentences)
+            prefix = bert.BLOCKS
+    except BaseException:
+        source.close()
+        raise
 
     def load(i, block):
         load_part_(block, source, f"{prefix}{i}.")
@@ -134,16 +139,15 @@ def compensator(src, config: QuantConfig, comp: CompensationConfig = Compensatio
     return result
 
 
-def _hf_compensator(folder, config: QuantConfig, comp: CompensationConfig, targets, calibration, tokens: int):
-    """A Hugging Face causal LM built by transformers with its parameters on the meta device (its buffers,
-    such as rotary frequencies, computed as usual), everything outside the blocks read from the folder and
-    each block read just before it is quantized, in float32; run without a key/value cache, since the
-    Compensator runs each block more than once on the same inputs. Its tensor names are the folder's, so
-    the targets need no mapping."""
+def _hf_model(folder, source):
+    """(model, block prefix, tokenizer) of a Hugging Face causal LM: transformers builds it with its parameters
+    on the meta device (its buffers, such as rotary frequencies, computed as usual) and everything outside
+    the blocks is read from ``source`` in float32; the blocks stay on the meta device for the Compensator to
+    read one at a time. No key/value cache: the Compensator runs each block more than once on the same
+    inputs. Its tensor names are the folder's, so the targets need no mapping."""
     from accelerate import init_empty_weights
 
     from hilt.models.hf import require_transformers
-    from hilt.models.weights import load_part_
     from hilt.quant.compensate import find_blocks
 
     transformers = require_transformers()
@@ -156,32 +160,18 @@ def _hf_compensator(folder, config: QuantConfig, comp: CompensationConfig, targe
     model.config.use_cache = False
     path, _ = find_blocks(model)
     prefix = f"{path}."
-    source = open_source(folder)
     tied = getattr(model.config, "tie_word_embeddings", False)
     head = model.get_output_embeddings()
     outside = {name for name in model.state_dict() if not name.startswith(prefix)}
     if tied and head is not None:
         outside -= {n for n, p in model.named_parameters(remove_duplicate=False) if p is head.weight}
-    in_file = set(source.names())
-    missing = sorted(outside - in_file)
+    missing = sorted(outside - set(source.names()))
     if missing:
         raise HiltError(f"{folder}: tensor {missing[0]!r} is missing")
     model.load_state_dict({n: source.get(n).to(torch.float32).contiguous() for n in outside}, strict=False, assign=True)
     if tied:
         model.tie_weights()
-    model.eval().requires_grad_(False)
-    batches, seen = llama_batches(_Encoder(tokenizer), calibration, tokens)
-
-    def load(i, block):
-        load_part_(block, source, f"{prefix}{i}.")
-
-    def release(i, block):
-        block.to("meta")  # frees the block's weights: the next one is read from the file
-
-    result = Compensator(model, batches, config, comp, targets=targets, calibration=seen, load_block=load,
-                         release_block=release)
-    weakref.finalize(result, source.close)
-    return result
+    return model.eval().requires_grad_(False), prefix, tokenizer
 
 
 class _Encoder:
