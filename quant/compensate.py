@@ -83,33 +83,50 @@ def output_error(w: torch.Tensor, w_hat: torch.Tensor, H: torch.Tensor) -> float
     return float(((d @ H.float()) * d).sum(dtype=torch.float64))
 
 
-def inverse_cholesky(H: torch.Tensor, damp: float, name: str) -> torch.Tensor:
-    """Upper Cholesky factor of (H + damp·mean(diag H)·I)⁻¹, dampening more if H is near singular."""
-    H = H.double().clone()
-    diag = H.diagonal()
+def inverse_factor(H: torch.Tensor, comp: CompensationConfig, name: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """The column order of the sweep and the upper Cholesky factor U of (H + damp·mean(diag H)·I)⁻¹ in
+    that order (float32), dampening more if H is near singular. Layers that share an input share both.
+
+    ``H`` must be a float64 tensor the caller gives up: it is overwritten (its storage holds the
+    identity and then U), so an 8192-wide input needs three k x k float64 arrays at once, not six.
+    """
+    if H.dtype != torch.float64:
+        raise HiltError(f"layer '{name}': inverse_factor needs a float64 Gram matrix, got {H.dtype}")
     if not torch.isfinite(H).all():
         raise HiltError(f"layer '{name}': its input Gram matrix holds NaN or Inf (the calibration run diverged)")
+    order = torch.argsort(H.diagonal(), descending=True) if comp.act_order else torch.arange(H.shape[0])
+    if comp.act_order:
+        H = H[order][:, order]
+    diag = H.diagonal()
     dead = diag <= 0
     mean = float(diag[~dead].mean()) if bool((~dead).any()) else 1.0
     diag[dead] = mean  # an input that is always zero: its column gets plain rounding
+    undamped = diag.clone()
     for attempt in range(4):
-        L, info = torch.linalg.cholesky_ex(H + (damp * 10**attempt) * mean * torch.eye(H.shape[0], dtype=H.dtype))
+        diag.copy_(undamped).add_((comp.damp * 10**attempt) * mean)
+        L, info = torch.linalg.cholesky_ex(H)
         if int(info) == 0:
+            identity = H.zero_().fill_diagonal_(1)
             # cholesky_solve rather than cholesky_inverse: the latter is pathologically slow multithreaded
-            inv = torch.cholesky_solve(torch.eye(H.shape[0], dtype=H.dtype), L)
-            U, info = torch.linalg.cholesky_ex(inv, upper=True)
+            inverse = torch.cholesky_solve(identity, L)
+            del L
+            # into H's storage, column-major as LAPACK leaves it: the sweep's products read U in that
+            # layout, and their float32 rounding depends on it
+            U, info = torch.linalg.cholesky_ex(inverse, upper=True, out=(H.mT, torch.empty((), dtype=torch.int32)))
             if int(info) == 0:
-                return U
+                return order, U.float()
+            break
     raise HiltError(f"layer '{name}': its input Gram matrix is not positive definite even with dampening")
 
 
 def compensated_quantize(
     w: torch.Tensor, H: torch.Tensor, config: QuantConfig, comp: CompensationConfig = CompensationConfig(),
-    name: str = "tensor",
+    name: str = "tensor", factor: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[QuantizedWeight, dict]:
     """Quantize the 2-D ``w`` (out, in) to ``config``'s format minimising tr(ΔW H ΔWᵀ) column by column.
 
-    ``H`` (in, in) is the Gram matrix of the layer's calibration inputs. The sweep is greedy, so the
+    ``H`` (in, in) is the Gram matrix of the layer's calibration inputs; ``factor`` is
+    :func:`inverse_factor` of it, computed here when not given. The sweep is greedy, so the
     result is checked against rounding each weight on its own (same codebook, scales fixed before):
     the one with the smaller output error is returned, so compensation never does worse than
     rounding. Returns (weight, stats): the output errors of both, relative to tr(W H Wᵀ), and which won.
@@ -129,9 +146,8 @@ def compensated_quantize(
     levels = rounded.codebook.float()  # sorted, in its stored precision: the error is that of what is saved
     mids = ((levels[1:] + levels[:-1]) / 2).contiguous()
 
-    order = torch.argsort(H.diagonal(), descending=True) if comp.act_order else torch.arange(k)
-    W = w.float()[:, order].clone()
-    U = inverse_cholesky(H[order][:, order], comp.damp, name).float()
+    order, U = factor if factor is not None else inverse_factor(H.to(torch.float64, copy=True), comp, name)
+    W = w.float()[:, order]
     n_blocks = k // B
     scales = torch.empty(n, n_blocks, dtype=torch.bfloat16)
     offsets = torch.zeros(n, n_blocks, dtype=torch.bfloat16)
@@ -147,7 +163,7 @@ def compensated_quantize(
     S_inv = torch.where(S == 0, torch.ones_like(S), S).reciprocal()
     position = torch.empty(k, dtype=torch.long)
     position[order] = torch.arange(k)  # where each original column sits in the permuted W
-    codes = torch.empty(k, n, dtype=torch.long)  # per permuted column
+    codes = torch.empty(k, n, dtype=torch.uint8 if config.bits <= 8 else torch.int16)  # per permuted column
     block_of = (order // B).tolist()
     diag = U.diagonal().tolist()
 
@@ -379,10 +395,16 @@ class Compensator:
         elif linears:
             for group in self._groups(block, self.inputs, linears):
                 H = self._gram(block, [linears[n] for n in group])
+                t0 = time.perf_counter()
+                H32 = H.float()  # what the statistics need; H itself becomes the factor's work space
+                factor = inverse_factor(H, self.comp, ", ".join(group))
+                del H
+                self.seconds["quantize"] += time.perf_counter() - t0
                 for name in group:
                     t0 = time.perf_counter()
                     lin = linears[name]
-                    q, self.stats[name] = compensated_quantize(lin.weight.detach(), H, self.config, self.comp, name)
+                    q, self.stats[name] = compensated_quantize(lin.weight.detach(), H32, self.config, self.comp,
+                                                               name, factor)
                     with torch.no_grad():
                         lin.weight.copy_(q.dequantize().to(lin.weight.dtype))
                     self.done[name] = q
@@ -400,15 +422,15 @@ class Compensator:
         summed in float64."""
         k = group[0].in_features
         H = torch.zeros(k, k, dtype=torch.float64)
-        # reused buffers: fresh k x k temporaries every batch fragment the heap (gigabytes of RSS)
-        product, product64 = torch.empty(k, k), torch.empty(k, k, dtype=torch.float64)
+        # a reused buffer: fresh k x k temporaries every batch fragment the heap (gigabytes of RSS)
+        product = torch.empty(k, k)
         rows = [0]
 
         def add(x):
             t0 = time.perf_counter()
             x = x.detach().reshape(-1, x.shape[-1]).float()
             torch.mm(x.T, x, out=product)
-            H.add_(product64.copy_(product))
+            H.add_(product)  # widened to float64 element by element, no float64 copy
             rows[0] += x.shape[0]
             self.seconds["gram"] += time.perf_counter() - t0
 
@@ -416,5 +438,5 @@ class Compensator:
         if not torch.isfinite(H).all():
             name = next(n for n, m in self.linears[self.next_block].items() if m is group[0])
             raise HiltError(f"layer '{name}': NaN or Inf in its calibration inputs")
-        return H / max(rows[0], 1)
+        return H.div_(max(rows[0], 1))
 

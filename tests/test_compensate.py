@@ -11,7 +11,8 @@ from torch import nn
 from helpers import read_json, run_hilt
 from hilt.errors import HiltError
 from hilt.quant import QuantConfig, load_checkpoint, quantize_checkpoint, quantize_tensor
-from hilt.quant.compensate import CompensationConfig, Compensator, compensated_quantize, output_error
+from hilt.quant.compensate import (CompensationConfig, Compensator, compensated_quantize, inverse_factor,
+                                   output_error)
 from test_cli_quantize import assert_clean_failure
 
 
@@ -67,6 +68,30 @@ def test_compensation_beats_rounding_on_correlated_inputs(method, bits, scales, 
     # the stats describe the weight that was returned
     base = output_error(w, torch.zeros_like(w), H)
     assert (output_error(w, q.dequantize(), H) / base) ** 0.5 == pytest.approx(stats["output_rel_error"], rel=1e-4)
+
+
+@pytest.mark.parametrize("act_order", [False, True])
+def test_a_shared_factor_gives_the_same_bytes(act_order):
+    """Layers that share an input share one inverse factor, computed in place in the Gram matrix's own
+    storage: it is the factor of (H + damp)⁻¹, and quantizing with it gives what computing it per layer
+    gives, to the bit (the sweep's rounding depends on the factor's memory layout too)."""
+    k, comp = 192, CompensationConfig(act_order=act_order)
+    H = correlated_gram(k, 3)
+    order, U = inverse_factor(H.clone(), comp, "x")
+    Hp = H[order][:, order]
+    damped = Hp + comp.damp * float(Hp.diagonal().mean()) * torch.eye(k, dtype=H.dtype)
+    assert torch.allclose(U.double().T @ U.double() @ damped, torch.eye(k, dtype=H.dtype), atol=1e-4)
+    eye = torch.eye(k, dtype=H.dtype)  # the same steps on fresh arrays: same values, same layout
+    reference = torch.linalg.cholesky(torch.cholesky_solve(eye, torch.linalg.cholesky(damped)), upper=True).float()
+    assert torch.equal(U, reference) and U.stride() == reference.stride()
+    config = QuantConfig(method="kmeans", bits=3)
+    w = torch.randn(40, k, generator=torch.Generator().manual_seed(7))
+    alone, _ = compensated_quantize(w, H, config, comp)
+    shared, _ = compensated_quantize(w, H.float(), config, comp, factor=(order, U))
+    for a, b in zip((alone.codes, alone.scales, alone.codebook), (shared.codes, shared.scales, shared.codebook)):
+        assert torch.equal(a, b)
+    with pytest.raises(HiltError, match="layer 'x'.*float64"):
+        inverse_factor(H.float(), comp, "x")
 
 
 def test_compensation_refuses_bad_gram_and_per_block_codebooks():
