@@ -10,6 +10,7 @@ Imports nothing of the project but the error class, so every package can use it.
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
 import shutil
@@ -113,6 +114,40 @@ def save_safetensors(tensors: dict, path, metadata: dict | None = None) -> None:
             make_readable(tmp)
     except SafetensorError as e:
         raise HiltError(f"{path}: cannot write ({one_line(e)})") from None
+
+
+def copy_safetensors_tensor(src, offset: int, length: int, name: str, dtype: str, shape, path,
+                            metadata: dict | None = None) -> None:
+    """Write a safetensors file holding one tensor whose bytes are ``length`` bytes of ``src`` from
+    ``offset`` (already in safetensors layout: little-endian, row-major), copied file to file by the
+    kernel where it can: a table of gigabytes is never held in memory."""
+    header = {name: {"dtype": dtype, "shape": list(shape), "data_offsets": [0, length]}}
+    if metadata:
+        header["__metadata__"] = metadata
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)  # the data starts 8-byte aligned, as safetensors writes it
+    path = Path(path)
+    with replacing(path) as tmp:
+        with open(src, "rb") as fin, open(tmp, "wb") as fout:
+            fout.write(len(text).to_bytes(8, "little") + text)
+            fout.flush()
+            done, in_kernel = 0, hasattr(os, "copy_file_range")
+            while done < length:
+                n = 0
+                if in_kernel:
+                    try:
+                        n = os.copy_file_range(fin.fileno(), fout.fileno(), length - done, offset + done)
+                    except OSError as e:
+                        if e.errno not in (errno.EXDEV, errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP):
+                            raise
+                        in_kernel = False  # across file systems, or not offered here: through a buffer
+                if not in_kernel:
+                    fin.seek(offset + done)
+                    n = fout.write(fin.read(min(length - done, 1 << 24)))
+                if n == 0:
+                    raise HiltError(f"{src}: tensor '{name}' is cut short")
+                done += n
+        make_readable(tmp)
 
 
 class Appender:

@@ -1,26 +1,18 @@
 """The hilt on-disk format, and quantizing a whole checkpoint into it.
 
-A quantized checkpoint is a folder (documented in docs/format.md):
+A quantized checkpoint is a folder (docs/format.md): ``hilt.json``, the header (format and tool
+versions, settings, per tensor its kind, format, shape, dtype, shard and errors); the shards in Hugging
+Face's layout (``model.safetensors``, or ``model-00001-of-00003.safetensors``... with their index), where
+a quantized ``MODULE.weight`` is QuantLinear's buffers ``MODULE.codes``, ``.codebook``, ``.scales``
+(``.offsets``) and other tensors are as they were; from a Hugging Face folder, its other files and a
+config whose "quantization_config" transformers loads (hilt.quant.hf_quantizer).
 
-    DST/hilt.json                  header: format name and version, tool version,
-                                   settings, and per tensor its kind, method,
-                                   bits, block size, shape, dtype, shard, stats
-    DST/model.safetensors          one shard, or model-00001-of-00003.safetensors ...
-                                   with model.safetensors.index.json (Hugging Face's
-                                   layout): for a quantized weight MODULE.weight the
-                                   parts MODULE.codes, .codebook, .scales (.offsets),
-                                   the buffers of QuantLinear; other tensors as they were
-    DST/config.json, tokenizer...  from a Hugging Face model folder: its files, the
-                                   config with a "quantization_config" (quant_method
-                                   "hilt") that transformers loads (hilt.quant.hf_quantizer)
-
-Writing streams tensor by tensor, so memory follows the few largest tensors in
-flight (two jobs ahead of the one being written) plus one output shard, not the
-model. Everything is written under ``DST.partial/``, each shard to a
-temporary name renamed when complete; the folder becomes DST only when the
-header is written. An interrupted run leaves ``DST.partial/`` (never a
-half-written DST) and ``resume=True`` continues it, giving the same bytes as
-an uninterrupted run.
+Writing streams tensor by tensor, so memory follows the few largest tensors in flight (two jobs ahead
+of the one being written) plus one output shard, not the model; a table as large as a shard is copied
+file to file. Everything is written under ``DST.partial/``, each shard to a temporary name renamed when
+complete; the folder becomes DST only when the header is written. An interrupted run leaves
+``DST.partial/`` (never a half-written DST) and ``resume=True`` continues it, giving the same bytes as an
+uninterrupted run.
 """
 
 from __future__ import annotations
@@ -42,7 +34,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from hilt import __version__
-from hilt.atomic import check_parent, move_into_place, save_safetensors, write_json
+from hilt.atomic import check_parent, copy_safetensors_tensor, move_into_place, save_safetensors, write_json
 from hilt.errors import HiltError, one_line
 from hilt.progress import LOG, Progress
 from hilt.quant import hf_folder
@@ -51,7 +43,7 @@ from hilt.quant.quantize import (
     QuantConfig, check_quantizable, expected_bits_per_weight, quantize_measured, relative_error,
 )
 from hilt.quant.qweight import QuantizedWeight
-from hilt.quant.sources import Source, open_source
+from hilt.quant.sources import SAFETENSORS_DTYPES, Source, open_source
 
 if TYPE_CHECKING:
     from hilt.quant.compensate import Compensator
@@ -285,19 +277,17 @@ def quantize_checkpoint(
 ) -> Written:
     """Quantize the selected tensors of ``src`` into a hilt checkpoint at ``dst``.
 
-    ``importance``: a safetensors file (from `hilt calibrate`) mapping tensor
-    names to per-input-column importance; k-means then weights each weight's
-    error by it. Tensors it does not list are fitted unweighted. ``codebooks``: fixed
-    k-means levels per tensor name (a QAT export), used instead of fitting. ``compensate``: makes a
+    ``importance``: a safetensors file (from `hilt calibrate`) mapping tensor names to per-input-column
+    importance; k-means then weights each weight's error by it. Tensors it does not list are fitted
+    unweighted. ``codebooks``: fixed k-means levels per tensor name (a QAT export), used instead of fitting. ``compensate``: makes a
     :class:`hilt.quant.compensate.Compensator` over the same model from the names of the tensors to
     quantize (called once the destination and the targets are checked); the tensors it covers are
     quantized with error compensation, the others rounded as without it. ``formats``: a format per
     tensor name (mixed precision, from hilt.quant.allocate) replacing ``config`` for the tensors it
     names; ``mixed`` (how they were chosen) is recorded in the header under ``"mixed"``.
     ``embeddings``: also quantize the embeddings and output heads, to symmetric integers of that many
-    bits with one scale per row. ``dense_dtype``: the dtype of every floating tensor left
-    unquantized; by default each keeps the dtype it is stored in, and a GGUF block type (already
-    quantized) becomes bfloat16.
+    bits with one scale per row. ``dense_dtype``: the dtype of every floating tensor left unquantized; by
+    default each keeps the dtype it is stored in, and a GGUF block type (already quantized) becomes bfloat16.
 
     From a Hugging Face model folder (with a config.json) the output is one too: its config with a
     ``quantization_config`` (hilt.quant.hf_folder) and its tokenizer and generation files.
@@ -481,6 +471,20 @@ def _stream(source, targets, importance, codebooks, compensator, config, formats
                      "stored_type": source.stored_type(name), **extra}
             entry = {k: entry[k] for k in ENTRY_ORDER if k in entry} | entry
         else:
+            stored, kind = source.stored_bytes(name) if dense_dtype is None else None, source.stored_type(name)
+            if stored is not None and stored[2] >= shard_bytes:  # a table as large as a shard (8B embeddings:
+                # 1 GB) is a shard of its own, copied file to file: never in memory beside the jobs in flight
+                if buffer:
+                    _flush(partial, state, entries, functools.partial(save_safetensors, buffer))
+                    buffer, entries, size = {}, {}, 0
+                entry = {"kind": "dense", "shape": list(source.shape(name)), "stored_type": kind,
+                         "dtype": str(SAFETENSORS_DTYPES[kind]).removeprefix("torch.")}
+                _flush(partial, state, {name: entry},
+                       functools.partial(copy_safetensors_tensor, *stored, name, kind, entry["shape"]))
+                seconds["write"] += time.perf_counter() - t0
+                if on_tensor is not None:
+                    on_tensor({"name": name, **entry})
+                continue
             t = source.get_stored(name)
             seconds["read"] += time.perf_counter() - t0
             if t.is_floating_point() and (dense_dtype is not None or source.is_block_quantized(name)):
@@ -498,12 +502,12 @@ def _stream(source, targets, importance, codebooks, compensator, config, formats
         if size >= shard_bytes:
             t0 = time.perf_counter()
             submit_until()  # the next jobs run while this shard is written
-            _flush(partial, state, buffer, entries)
+            _flush(partial, state, entries, functools.partial(save_safetensors, buffer))
             seconds["write"] += time.perf_counter() - t0
             buffer, entries, size = {}, {}, 0
     if buffer:
         t0 = time.perf_counter()
-        _flush(partial, state, buffer, entries)
+        _flush(partial, state, entries, functools.partial(save_safetensors, buffer))
         seconds["write"] += time.perf_counter() - t0
 
 
@@ -520,10 +524,11 @@ def _detail(entry: dict) -> str:
     return detail
 
 
-def _flush(partial: Path, state: dict, buffer: dict, entries: dict) -> None:
-    """Write one complete shard (temporary name, then rename), then record it as done."""
+def _flush(partial: Path, state: dict, entries: dict, write: Callable) -> None:
+    """Write one complete shard with ``write(path, metadata=...)`` (temporary name, then rename), then
+    record the tensors of ``entries`` as done."""
     shard = f"shard-{len(state['shards']) + 1:05d}.safetensors"  # named for good once the count is known
-    save_safetensors(buffer, partial / shard, metadata={"format": "pt"})  # one key: map order is not stable
+    write(partial / shard, metadata={"format": "pt"})  # one key: map order is not stable
     for e in entries.values():
         e["shard"] = shard
     state["shards"].append(shard)
@@ -607,8 +612,6 @@ def _header_from_model_config(dst: Path) -> dict | None:
     """The header of a folder that transformers' ``save_pretrained`` wrote from a model loaded from a
     hilt folder (its config.json's quantization_config, no hilt.json), rebuilt from that config and
     the shards: what the tensors are, not how they were made. None for any other folder."""
-    from hilt.quant.sources import SAFETENSORS_DTYPES
-
     if not hf_folder.is_hf_folder(dst):
         return None
     qc = hf_folder.read_config(dst).get("quantization_config") or {}

@@ -216,14 +216,19 @@ def quantize_measured(
         t1 = time.perf_counter()
         seconds["pack"] += t1 - t0
         if measure:  # dequantize_lut's operations on these codes
-            idx = idx.reshape(-1, k // B, B).long()
-            values = book32[idx] if book32.ndim == 1 else torch.gather(book32[r : r + rows], 2, idx)
-            d = values * scales[r : r + rows].float().unsqueeze(-1)
+            idx = idx.reshape(-1, k // B, B)
+            if unit is not None:  # levels first, first + 1, ...: the level by arithmetic, exactly the lookup's
+                values = idx.float().add_(book32[0])
+            elif book32.ndim == 1:
+                values = book32[idx.long()]
+            else:
+                values = torch.gather(book32[r : r + rows], 2, idx.long())
+            d = values.mul_(scales[r : r + rows].float().unsqueeze(-1))  # in place: the same values, fewer passes
             if off is not None:
-                d = d + off.float().unsqueeze(-1)
+                d = d.add_(off.float().unsqueeze(-1))
             band = w[r : r + rows].float()
-            diff2 += float(((band - d.view(-1, k)) ** 2).sum(dtype=torch.float64))
-            ref2 += float((band**2).sum(dtype=torch.float64))
+            diff2 += float(d.view(-1, k).sub_(band).square_().sum(dtype=torch.float64))  # (d - w)² = (w - d)²
+            ref2 += float(band.square().sum(dtype=torch.float64))  # not in place: band may be a view of w
             seconds["error"] += time.perf_counter() - t1
     q = QuantizedWeight(codes, codebook, scales, offsets, (n, k), w.dtype, config.bits, B, config.method)
     error = None if not measure else (diff2 / ref2) ** 0.5 if ref2 > 0 else diff2**0.5

@@ -60,6 +60,11 @@ class Source(ABC):
         """Whether the file stores the tensor in a quantized block type (GGUF's Q4_1, Q8_0, ...)."""
         return False
 
+    def stored_bytes(self, name: str) -> tuple[Path, int, int] | None:
+        """(file, offset, length) of the tensor's bytes when they are already what a safetensors file
+        holds (so a writer can copy them file to file); None where the layout differs."""
+        return None
+
     @abstractmethod
     def nbytes(self) -> int:
         """Bytes of the weight files on disk."""
@@ -125,6 +130,11 @@ class SafetensorsSource(Source):
 
     def is_floating(self, name):
         return SAFETENSORS_DTYPES[self.stored_type(name)].is_floating_point
+
+    def stored_bytes(self, name):
+        f, info, data_start = self._where[name]
+        start, end = info["data_offsets"]
+        return f, data_start + start, end - start
 
     def get_stored(self, name):
         f, info, data_start = self._where[name]

@@ -93,3 +93,47 @@ def test_full_disk_is_one_line_and_leaves_nothing(synthetic, tmp_path, capsys):
         assert list(mnt.iterdir()) == []
     finally:
         subprocess.run(["umount", str(mnt)], check=True)
+
+
+def test_a_table_as_large_as_a_shard_is_copied_file_to_file(synthetic, tmp_path, monkeypatch):
+    """Embeddings and head at least a shard's size: a shard each, their bytes copied from the source
+    (by the kernel, or through a buffer where it cannot), the same checkpoint either way."""
+    from safetensors import safe_open
+
+    from hilt.quant import load_checkpoint
+    from hilt.quant.sources import open_source
+
+    shard = 60_000  # the quick shape's tables are 256 x 128 bf16: 65,536 bytes
+    quantize_checkpoint(synthetic, tmp_path / "kernel", QuantConfig("int", 4), shard_bytes=shard)
+
+    def refused(*args):
+        raise OSError(18, "Invalid cross-device link")  # EXDEV: what two file systems answer
+
+    monkeypatch.setattr("os.copy_file_range", refused)
+    written = quantize_checkpoint(synthetic, tmp_path / "buffered", QuantConfig("int", 4), shard_bytes=shard)
+    assert files(tmp_path / "kernel") == files(tmp_path / "buffered")
+    tensors = written.header["tensors"]
+    with open_source(synthetic) as src:
+        for name in ("model.embed_tokens.weight", "lm_head.weight"):
+            with safe_open(str(tmp_path / "kernel" / tensors[name]["shard"]), framework="pt") as f:
+                assert list(f.keys()) == [name]
+            assert tensors[name]["dtype"] == "bfloat16" and tensors[name]["kind"] == "dense"
+            assert torch.equal(load_checkpoint(tmp_path / "kernel", [name])[name], src.get_stored(name))
+
+
+def test_a_full_disk_while_copying_a_table_is_one_line(synthetic, tmp_path):
+    from hilt.errors import HiltError
+
+    mnt = tmp_path / "small"
+    mnt.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=40k", "tmpfs", str(mnt)],
+                      capture_output=True).returncode != 0:
+        pytest.skip("cannot mount a small tmpfs here")
+    try:
+        with pytest.raises(HiltError, match="No space left on device") as e:
+            quantize_checkpoint(synthetic, mnt / "q", QuantConfig("int", 4), shard_bytes=60_000)
+        assert "\n" not in str(e.value) and "shard-" in str(e.value)
+        assert [p.name for p in mnt.iterdir()] in ([], ["q.partial"])  # a resumable start, no temporaries
+        assert not [p for p in mnt.rglob("*") if p.name.endswith(".tmp")]
+    finally:
+        subprocess.run(["umount", str(mnt)], check=True)
