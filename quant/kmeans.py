@@ -55,12 +55,17 @@ class SortedValues:
 
     GROUP = 64
 
-    def __init__(self, x: torch.Tensor, weights: torch.Tensor | None = None):
+    def __init__(self, x: torch.Tensor, weights: torch.Tensor | None = None, overwrite: bool = False):
+        """``overwrite``: the caller gives ``x`` up, and unweighted values are sorted in its storage."""
         if weights is not None:  # same shape as x, or broadcastable to it
             weights = torch.broadcast_to(weights.float(), x.shape).reshape(-1)
         x = x.reshape(-1).float()
         if weights is None:
-            self.x = torch.from_numpy(np.sort(x.numpy()))  # no index array: saves 8 bytes per value
+            if overwrite and x.is_contiguous():
+                x.numpy().sort()  # np.sort's own algorithm, without its copy
+                self.x = x
+            else:
+                self.x = torch.from_numpy(np.sort(x.numpy()))  # no index array: saves 8 bytes per value
             self.w = None
         else:
             order = torch.argsort(x)

@@ -66,9 +66,11 @@ def check_quantizable(name: str, shape, config: QuantConfig) -> None:
 def block_scales(w: torch.Tensor, config: QuantConfig):
     """(scales, offsets) per block of the 2-D ``w``, rounded to bf16 storage."""
     n, k = w.shape
-    blocks = w.float().view(n, k // config.block_size, config.block_size)
-    s, offsets = config.format.block_scales(blocks, config.bits)
-    return s.to(torch.bfloat16), None if offsets is None else offsets.to(torch.bfloat16)
+    rows = max(1, _ROWS_BYTES // (k * 4))  # in row bands: no float32 copy of the whole weight
+    parts = [config.format.block_scales(w[r : r + rows].float().view(-1, k // config.block_size, config.block_size),
+                                        config.bits) for r in range(0, n, rows)]
+    s = torch.cat([p[0] for p in parts]).to(torch.bfloat16)
+    return s, None if parts[0][1] is None else torch.cat([p[1] for p in parts]).to(torch.bfloat16)
 
 
 def fixed_codebook(config: QuantConfig) -> torch.Tensor | None:
@@ -180,8 +182,8 @@ def quantize_measured(
                 for i in range(0, flat_u.shape[0], step)
             ]).view(n, k // B, levels)
         else:
-            values = kmeans.SortedValues(u, weights)
-            del u, weights  # the sorted copy is all the fit needs; codes below recompute u by rows
+            values = kmeans.SortedValues(u, weights, overwrite=True)  # u sorted in place: no second copy
+            del u, weights  # the sorted values are all the fit needs; codes below recompute u by rows
             if config.solver == "optimal":
                 codebook = kmeans.kmeans_optimal(values, levels).centroids
             else:
