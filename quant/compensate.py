@@ -22,7 +22,8 @@ Inside a block, linears that read the same input form a group (q/k/v, gate/up); 
 in the order the forward reaches them, each from inputs computed with the earlier groups already
 quantized (GPTQ's "true sequential"), and each forward stops as soon as the group's inputs are
 captured. Only one block's weights need to be in memory: ``load_block`` fills a block just before
-it is processed and ``release_block`` frees it after.
+it is processed and ``release_block`` frees it after; ``release_outside`` frees the rest of the model
+once the first block's inputs are captured.
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ from hilt.quant.quantize import QuantConfig, block_scales, check_quantizable, qu
 from hilt.quant.qweight import QuantizedWeight
 
 SCALES = ("before", "during")
+SOLVE_COLUMNS = 1024  # columns of H⁻¹ solved at once: bounds the temporaries, not the result
 
 
 @dataclass(frozen=True)
@@ -87,8 +89,8 @@ def inverse_factor(H: torch.Tensor, comp: CompensationConfig, name: str) -> tupl
     """The column order of the sweep and the upper Cholesky factor U of (H + damp·mean(diag H)·I)⁻¹ in
     that order (float32), dampening more if H is near singular. Layers that share an input share both.
 
-    ``H`` must be a float64 tensor the caller gives up: it is overwritten (its storage holds the
-    identity and then U), so an 8192-wide input needs three k x k float64 arrays at once, not six.
+    ``H`` must be a float64 tensor the caller gives up: it is overwritten (its storage holds H⁻¹), so
+    an 8192-wide input needs two k x k float64 arrays beside it (L, then U), not five.
     """
     if H.dtype != torch.float64:
         raise HiltError(f"layer '{name}': inverse_factor needs a float64 Gram matrix, got {H.dtype}")
@@ -106,13 +108,18 @@ def inverse_factor(H: torch.Tensor, comp: CompensationConfig, name: str) -> tupl
         diag.copy_(undamped).add_((comp.damp * 10**attempt) * mean)
         L, info = torch.linalg.cholesky_ex(H)
         if int(info) == 0:
-            identity = H.zero_().fill_diagonal_(1)
-            # cholesky_solve rather than cholesky_inverse: the latter is pathologically slow multithreaded
-            inverse = torch.cholesky_solve(identity, L)
+            # H⁻¹ into H's own storage (column-major, as cholesky_solve leaves it), a band of columns at a
+            # time by the two triangular solves cholesky_solve makes, without its copies of L and of the
+            # identity: the same bits
+            inverse, k = H.mT, H.shape[0]
+            for j in range(0, k, SOLVE_COLUMNS):
+                cols = torch.arange(min(SOLVE_COLUMNS, k - j))
+                e = torch.zeros(k, len(cols), dtype=H.dtype)
+                e[j + cols, cols] = 1
+                inverse[:, j : j + len(cols)] = torch.linalg.solve_triangular(
+                    L.mT, torch.linalg.solve_triangular(L, e, upper=False), upper=True)
             del L
-            # into H's storage, column-major as LAPACK leaves it: the sweep's products read U in that
-            # layout, and their float32 rounding depends on it
-            U, info = torch.linalg.cholesky_ex(inverse, upper=True, out=(H.mT, torch.empty((), dtype=torch.int32)))
+            U, info = torch.linalg.cholesky_ex(inverse, upper=True)  # column-major: the sweep's rounding depends on it
             if int(info) == 0:
                 return order, U.float()
             break
@@ -262,11 +269,12 @@ class Compensator:
     def __init__(self, model: nn.Module, batches: Iterable[tuple], config: QuantConfig,
                  comp: CompensationConfig = CompensationConfig(), targets: Iterable[str] | None = None,
                  calibration: str = "", load_block: Callable[[int, nn.Module], None] | None = None,
-                 release_block: Callable[[int, nn.Module], None] | None = None):
+                 release_block: Callable[[int, nn.Module], None] | None = None, release_outside: bool = False):
         check_compensable(config)
         self.model, self.config, self.comp = model, config, comp
         self.path, self.blocks = find_blocks(model)
         self.load_block, self.release_block = load_block, release_block
+        self.release_outside = release_outside
         wanted = None if targets is None else set(targets)
         prefix = f"{self.path}." if self.path else ""
         self.linears: list[dict[str, nn.Linear]] = []  # per block: weight name -> linear
@@ -328,6 +336,15 @@ class Compensator:
             _hidden(args, kwargs)
         return captured
 
+    def _release_outside(self) -> None:
+        """Free the parameters outside the blocks (embeddings, final norm, head): past the first block's
+        inputs only the blocks run."""
+        inside = {id(m) for m in self.blocks.modules()}
+        for module in self.model.modules():
+            if id(module) not in inside:
+                for name, p in list(module.named_parameters(recurse=False)):
+                    setattr(module, name, nn.Parameter(torch.empty_like(p, device="meta"), requires_grad=False))
+
     def _forward(self, block: nn.Module, inputs, hooks: dict[nn.Module, Callable] | None = None,
                  stop_after: set | None = None) -> list[torch.Tensor] | None:
         """Run ``block`` on every captured input. With ``stop_after``, stop each forward once all of
@@ -384,6 +401,8 @@ class Compensator:
         block = self.blocks[i]
         if self.inputs is None:
             self.inputs = self._capture_first_inputs()
+            if self.release_outside:
+                self._release_outside()
         if self.load_block is not None:
             self.load_block(i, block)
         linears = self.linears[i]

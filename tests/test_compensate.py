@@ -71,10 +71,12 @@ def test_compensation_beats_rounding_on_correlated_inputs(method, bits, scales, 
 
 
 @pytest.mark.parametrize("act_order", [False, True])
-def test_a_shared_factor_gives_the_same_bytes(act_order):
-    """Layers that share an input share one inverse factor, computed in place in the Gram matrix's own
-    storage: it is the factor of (H + damp)⁻¹, and quantizing with it gives what computing it per layer
-    gives, to the bit (the sweep's rounding depends on the factor's memory layout too)."""
+def test_a_shared_factor_gives_the_same_bytes(act_order, monkeypatch):
+    """Layers that share an input share one inverse factor, computed in the Gram matrix's own storage a
+    band of columns at a time: it is the factor of (H + damp)⁻¹ to the bit that cholesky_solve on the
+    whole identity gives, and quantizing with it gives what computing it per layer gives (the sweep's
+    rounding depends on the factor's memory layout too)."""
+    monkeypatch.setattr("hilt.quant.compensate.SOLVE_COLUMNS", 80)  # three bands, the last one narrower
     k, comp = 192, CompensationConfig(act_order=act_order)
     H = correlated_gram(k, 3)
     order, U = inverse_factor(H.clone(), comp, "x")
@@ -151,6 +153,19 @@ def test_compensator_runs_blocks_in_order_and_beats_rounding():
     err_round = float((torch.cat([rounded_net(*b) for b in data]) - reference).pow(2).mean())
     assert err_comp < 0.7 * err_round, (err_comp, err_round)
     assert all(v >= 0 for v in comp.seconds.values())
+
+
+def test_releasing_what_lies_outside_the_blocks_changes_nothing_but_memory():
+    torch.manual_seed(1)
+    nets = [TinyNet().eval().requires_grad_(False) for _ in range(2)]
+    nets[1].load_state_dict(nets[0].state_dict())
+    data = [(torch.randn(32, 16),) for _ in range(4)]
+    config = QuantConfig(method="kmeans", bits=3, block_size=32)
+    kept, freed = (Compensator(net, data, config, release_outside=r).run_all() for net, r in zip(nets, (False, True)))
+    assert all(torch.equal(kept[n].codes, freed[n].codes) and torch.equal(kept[n].scales, freed[n].scales)
+               for n in kept)
+    assert nets[1].embed.weight.is_meta and nets[1].embed.bias.is_meta and not nets[0].embed.weight.is_meta
+    assert not nets[1].blocks[0].q.weight.is_meta
 
 
 def test_compensator_refuses_a_model_without_blocks():

@@ -1,7 +1,8 @@
 """`hilt quantize --compensate`: on the models hilt runs itself, a Llama GGUF (SmolLM2) or a BERT
 folder (MiniLM), and on a Hugging Face folder of any causal language model transformers runs. The
 model is built with its blocks left unloaded (each block is read from the file just before it is
-quantized and freed after, so memory holds one block besides the embeddings and head, in float32):
+quantized and freed after, and the embeddings and head are freed once the first block's inputs are
+computed, so memory holds one block's weights, in float32):
 hilt's own Llama and BERT, or the folder's class from transformers. The calibration text is tokenized
 by the model's tokenizer, and the Compensator that the checkpoint writer asks for each tensor is
 returned.
@@ -134,7 +135,7 @@ def compensator(src, config: QuantConfig, comp: CompensationConfig = Compensatio
         block.to("meta")  # frees the block's weights: the next one is read from the file
 
     result = Compensator(model, batches, config, comp, targets=targets, calibration=seen,
-                         load_block=load, release_block=release)
+                         load_block=load, release_block=release, release_outside=True)
     weakref.finalize(result, source.close)
     return result
 
