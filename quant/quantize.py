@@ -229,8 +229,8 @@ def quantize_measured(
             if off is not None:
                 d = d.add_(off.float().unsqueeze(-1))
             band = w[r : r + rows].float()
-            diff2 += float(d.view(-1, k).sub_(band).square_().sum(dtype=torch.float64))  # (d - w)² = (w - d)²
-            ref2 += float(band.square().sum(dtype=torch.float64))  # not in place: band may be a view of w
+            diff2 += _sum64(d.view(-1, k).sub_(band).square_())  # (d - w)² = (w - d)²
+            ref2 += _sum64(band.square())  # not in place: band may be a view of w
             seconds["error"] += time.perf_counter() - t1
     q = QuantizedWeight(codes, codebook, scales, offsets, (n, k), w.dtype, config.bits, B, config.method)
     error = None if not measure else (diff2 / ref2) ** 0.5 if ref2 > 0 else diff2**0.5
@@ -246,6 +246,12 @@ def _unit_grid(book: torch.Tensor) -> float | None:
     return float(book[0]) + 0.5
 
 
+def _sum64(x: torch.Tensor) -> float:
+    """The float64 sum of a band, row by row and then over the rows: the same bits whatever the number of
+    threads (one sum over every element is split between threads, and its rounding follows the split)."""
+    return float(x.sum(-1, dtype=torch.float64).sum())
+
+
 def relative_error(w: torch.Tensor, q: QuantizedWeight) -> float:
     """||W - Q(W)||_F / ||W||_F (0 for an all-zero W that is reproduced exactly).
 
@@ -258,8 +264,8 @@ def relative_error(w: torch.Tensor, q: QuantizedWeight) -> float:
     for r in range(0, n, rows):
         d = dequantize_lut(packed.rows(r, r + rows))
         band = w[r : r + rows].float()
-        diff2 += float(((band - d) ** 2).sum(dtype=torch.float64))
-        ref2 += float((band**2).sum(dtype=torch.float64))
+        diff2 += _sum64((band - d) ** 2)
+        ref2 += _sum64(band**2)
     return (diff2 / ref2) ** 0.5 if ref2 > 0 else diff2**0.5
 
 

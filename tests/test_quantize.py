@@ -6,7 +6,7 @@ import torch
 from hilt.errors import HiltError
 from hilt.kernels import unpack_codes
 from hilt.quant import QuantConfig, quantize_tensor, relative_error
-from hilt.quant.quantize import expected_bits_per_weight
+from hilt.quant.quantize import expected_bits_per_weight, quantize_measured
 
 
 def weight(n=96, k=256, seed=0):
@@ -175,3 +175,23 @@ def test_relative_error_by_row_bands_equals_one_pass(monkeypatch):
         with monkeypatch.context() as m:
             m.setattr(quantize_module, "_ROWS_BYTES", 128 * 8 * 7)  # bands of 7 rows, the last one short
             assert relative_error(w, q) == pytest.approx(whole, rel=1e-5)
+
+
+@pytest.mark.parametrize("method,bits", [("kmeans", 4), ("int", 4), ("int", 3)])
+def test_bytes_and_error_do_not_depend_on_the_thread_count(method, bits):
+    """What --ray relies on (each task runs one thread, a local run several): the same codes, scales,
+    codebook and relative error to the bit. One float64 sum over a whole band would round differently
+    with 1 and 2 threads on some of these seeds."""
+    threads = torch.get_num_threads()
+    try:
+        for seed in range(4):
+            w = torch.randn(512, 8192, generator=torch.Generator().manual_seed(seed)) * 0.02
+            made = []
+            for t in (1, 2):
+                torch.set_num_threads(t)
+                q, err, _ = quantize_measured(w, QuantConfig(method=method, bits=bits), name="x")
+                made.append((q.codes, q.scales, q.codebook, err))
+            assert all(torch.equal(a, b) for a, b in zip(made[0][:3], made[1][:3]))
+            assert made[0][3] == made[1][3]
+    finally:
+        torch.set_num_threads(threads)

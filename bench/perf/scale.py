@@ -257,6 +257,8 @@ def run_child(argv: list[str], work: Path) -> dict:
 def quantize_run(name: str, flags: list[str], src: Path, work: Path, linear: int, rate: float,
                  extra: list[str] = ()) -> dict:
     dst, report = work / f"q-{name}", work / f"{name}.json"
+    for old in (dst, dst.with_name(dst.name + ".partial")):  # what an interrupted benchmark left in its folder
+        shutil.rmtree(old, ignore_errors=True)
     drop_cache(sorted(src.glob("*.safetensors")))
     LOG.info(f"scale: hilt quantize {' '.join(flags + list(extra))} ...")
     r = run_child(["quantize", str(src), str(dst), *flags, *extra, "--quiet", "--json", str(report)], work)

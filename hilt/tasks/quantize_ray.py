@@ -4,8 +4,9 @@ at RAY_ADDRESS (as `hilt sweep --ray` does).
 Each task opens the source itself (so the source path must be readable where the workers run: the same
 machine, or a shared file system), reads one tensor, quantizes it and returns its packed parts; this
 process writes the shards in file order, as a local run does, so the bytes are the same. Every task
-runs with this process's torch thread count: a reduction's rounding depends on how many threads split
-it. A worker that dies takes its task with it; Ray runs that task again on another worker
+holds one of Ray's CPUs and runs one torch thread: a tensor's bytes do not depend on how many threads
+made them (tests/test_quantize.py), so N workers are N tensors at once on N cores. A worker that dies
+takes its task with it; Ray runs that task again on another worker
 (``max_retries``), and an interrupted run continues with `hilt quantize --resume` as without Ray.
 """
 
@@ -42,10 +43,10 @@ def check_reachable(address: str, seconds: float = 3.0) -> None:
         raise HiltError(f"cannot reach the Ray cluster at RAY_ADDRESS={address} ({e.strerror or e})") from None
 
 
-def _run_job(fn, path, threads, *args):
+def _run_job(fn, path, *args):
     import torch
 
-    torch.set_num_threads(threads)
+    torch.set_num_threads(1)  # the task's one CPU
     return fn(path, *args)
 
 
@@ -76,8 +77,6 @@ class RayPool:
         self._started = False
 
     def __enter__(self):
-        import torch
-
         ray = self._ray = import_ray()
         if not ray.is_initialized():
             address = os.environ.get("RAY_ADDRESS")
@@ -98,13 +97,12 @@ class RayPool:
         cpus = int(ray.cluster_resources().get("CPU", 1))
         slots = min(self.workers or cpus, cpus)
         self.jobs_ahead = slots + 1  # one more than run at once: the next starts as soon as a slot frees
-        self._threads = torch.get_num_threads()
-        self._remote = ray.remote(_run_job).options(num_cpus=max(1, cpus // slots), max_retries=RETRIES)
+        self._remote = ray.remote(_run_job).options(num_cpus=1, max_retries=RETRIES)
         LOG.info(f"Ray: {cpus} CPUs, {slots} tensors at a time")
         return self
 
     def submit(self, fn, source, *args) -> _Job:
-        return _Job(self._ray, self._remote.remote(fn, str(source.path), self._threads, *args))
+        return _Job(self._ray, self._remote.remote(fn, str(source.path), *args))
 
     def __exit__(self, *exc):
         if self._started:
