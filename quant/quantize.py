@@ -120,6 +120,7 @@ def quantize_measured(
     importance: torch.Tensor | None = None,
     codebook: torch.Tensor | None = None,
     measure: bool = True,
+    dtype: torch.dtype | None = None,
 ) -> tuple[QuantizedWeight, float | None, dict[str, float]]:
     """(the quantized weight, its :func:`relative_error` (None unless ``measure``), seconds spent on
     "fit": block scales and codebook, "pack": codes, "error": the error statistics). The error is
@@ -137,6 +138,10 @@ def quantize_measured(
 
     ``codebook`` (k-means, one per layer): use these 2**bits levels instead of fitting them
     (a QAT export keeps the codebook the model was trained with).
+
+    ``dtype``: the dtype the weight dequantizes to (default ``w``'s). ``w`` may stay in a narrower
+    float type (bf16 as stored): every step widens it to float32 band by band, so the result is that
+    of ``w.float()`` with half the memory.
     """
     t0 = time.perf_counter()
     check_quantizable(name, w.shape, config)
@@ -232,7 +237,7 @@ def quantize_measured(
             diff2 += _sum64(d.view(-1, k).sub_(band).square_())  # (d - w)² = (w - d)²
             ref2 += _sum64(band.square())  # not in place: band may be a view of w
             seconds["error"] += time.perf_counter() - t1
-    q = QuantizedWeight(codes, codebook, scales, offsets, (n, k), w.dtype, config.bits, B, config.method)
+    q = QuantizedWeight(codes, codebook, scales, offsets, (n, k), dtype or w.dtype, config.bits, B, config.method)
     error = None if not measure else (diff2 / ref2) ** 0.5 if ref2 > 0 else diff2**0.5
     return q, error, seconds
 
