@@ -96,7 +96,10 @@ class RayPool:
             self._started = True
         cpus = int(ray.cluster_resources().get("CPU", 1))
         slots = min(self.workers or cpus, cpus)
-        self.jobs_ahead = slots + 1  # one more than run at once: the next starts as soon as a slot frees
+        # as many queued as running where the cluster's CPUs bound what runs: a freed CPU starts the next task
+        # at once, even while the driver waits on the tensor next in file order (a queued task holds no
+        # tensor, a result is small); on a larger cluster, exactly --workers in flight
+        self.jobs_ahead = 2 * slots if slots == cpus else slots
         self._remote = ray.remote(_run_job).options(num_cpus=1, max_retries=RETRIES)
         LOG.info(f"Ray: {cpus} CPUs, {slots} tensors at a time")
         return self
