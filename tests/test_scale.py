@@ -1,5 +1,6 @@
 """The scale benchmark's synthetic Llama folder, the threaded writer, and a full disk."""
 
+import contextlib
 import json
 import subprocess
 from pathlib import Path
@@ -80,19 +81,26 @@ def test_bench_scale_quick(tmp_path, capsys):
     assert "int4" in capsys.readouterr().out
 
 
-def test_full_disk_is_one_line_and_leaves_nothing(synthetic, tmp_path, capsys):
+@contextlib.contextmanager
+def small_disk(tmp_path: Path, size: str):
+    """A tmpfs of ``size`` (e.g. "200k") mounted for the block; the test skips where mounting is not allowed."""
     mnt = tmp_path / "small"
     mnt.mkdir()
-    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=200k", "tmpfs", str(mnt)],
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(mnt)],
                       capture_output=True).returncode != 0:
         pytest.skip("cannot mount a small tmpfs here")
     try:
+        yield mnt
+    finally:
+        subprocess.run(["umount", str(mnt)], check=True)
+
+
+def test_full_disk_is_one_line_and_leaves_nothing(synthetic, tmp_path, capsys):
+    with small_disk(tmp_path, "200k") as mnt:
         assert main(["quantize", str(synthetic), str(mnt / "q"), "--quiet"]) == 1
         err = capsys.readouterr().err.strip()
         assert len(err.splitlines()) == 1 and err.startswith("hilt: error:") and "No space left on device" in err, err
         assert list(mnt.iterdir()) == []
-    finally:
-        subprocess.run(["umount", str(mnt)], check=True)
 
 
 def test_a_table_as_large_as_a_shard_is_copied_file_to_file(synthetic, tmp_path, monkeypatch):
@@ -124,16 +132,9 @@ def test_a_table_as_large_as_a_shard_is_copied_file_to_file(synthetic, tmp_path,
 def test_a_full_disk_while_copying_a_table_is_one_line(synthetic, tmp_path):
     from hilt.errors import HiltError
 
-    mnt = tmp_path / "small"
-    mnt.mkdir()
-    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=40k", "tmpfs", str(mnt)],
-                      capture_output=True).returncode != 0:
-        pytest.skip("cannot mount a small tmpfs here")
-    try:
+    with small_disk(tmp_path, "40k") as mnt:
         with pytest.raises(HiltError, match="No space left on device") as e:
             quantize_checkpoint(synthetic, mnt / "q", QuantConfig("int", 4), shard_bytes=60_000)
         assert "\n" not in str(e.value) and "shard-" in str(e.value)
         assert [p.name for p in mnt.iterdir()] in ([], ["q.partial"])  # a resumable start, no temporaries
         assert not [p for p in mnt.rglob("*") if p.name.endswith(".tmp")]
-    finally:
-        subprocess.run(["umount", str(mnt)], check=True)
