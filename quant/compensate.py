@@ -42,7 +42,7 @@ from hilt.quant.quantize import QuantConfig, block_scales, check_quantizable, qu
 from hilt.quant.qweight import QuantizedWeight
 
 SCALES = ("before", "during")
-SOLVE_COLUMNS = 1024  # columns of H⁻¹ solved at once: bounds the temporaries, not the result
+SOLVE_COLUMNS = 256  # columns of H⁻¹ solved at once: bounds the temporaries, not the result
 
 
 @dataclass(frozen=True)
@@ -89,8 +89,8 @@ def inverse_factor(H: torch.Tensor, comp: CompensationConfig, name: str) -> tupl
     """The column order of the sweep and the upper Cholesky factor U of (H + damp·mean(diag H)·I)⁻¹ in
     that order (float32), dampening more if H is near singular. Layers that share an input share both.
 
-    ``H`` must be a float64 tensor the caller gives up: it is overwritten (its storage holds H⁻¹), so
-    an 8192-wide input needs two k x k float64 arrays beside it (L, then U), not five.
+    ``H`` must be a float64 tensor the caller gives up: it is overwritten (its storage holds H⁻¹, then
+    the factor), so an 8192-wide input needs one k x k float64 array beside it (L), not five.
     """
     if H.dtype != torch.float64:
         raise HiltError(f"layer '{name}': inverse_factor needs a float64 Gram matrix, got {H.dtype}")
@@ -119,7 +119,8 @@ def inverse_factor(H: torch.Tensor, comp: CompensationConfig, name: str) -> tupl
                 inverse[:, j : j + len(cols)] = torch.linalg.solve_triangular(
                     L.mT, torch.linalg.solve_triangular(L, e, upper=False), upper=True)
             del L
-            U, info = torch.linalg.cholesky_ex(inverse, upper=True)  # column-major: the sweep's rounding depends on it
+            # factored in place (LAPACK's column-major layout, on which the sweep's rounding depends)
+            U, info = torch.linalg.cholesky_ex(inverse, upper=True, out=(inverse, torch.empty((), dtype=torch.int32)))
             if int(info) == 0:
                 return order, U.float()
             break

@@ -80,11 +80,11 @@ def fixed_codebook(config: QuantConfig) -> torch.Tensor | None:
 
 def _normalised(w: torch.Tensor, scales, offsets, block_size) -> torch.Tensor:
     n, k = w.shape
-    blocks = w.float().view(n, k // block_size, block_size)
+    blocks = w.to(torch.float32, copy=True).view(n, k // block_size, block_size)  # its own: changed in place
     if offsets is not None:
-        blocks = blocks - offsets.float().unsqueeze(-1)
+        blocks.sub_(offsets.float().unsqueeze(-1))
     s = scales.float().unsqueeze(-1)
-    return blocks / torch.where(s == 0, torch.ones_like(s), s)  # an all-zero block stays zero
+    return blocks.div_(torch.where(s == 0, torch.ones_like(s), s))  # an all-zero block stays zero
 
 
 def normalise_blocks(w: torch.Tensor, config: QuantConfig):
