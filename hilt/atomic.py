@@ -116,38 +116,102 @@ def save_safetensors(tensors: dict, path, metadata: dict | None = None) -> None:
         raise HiltError(f"{path}: cannot write ({one_line(e)})") from None
 
 
-def copy_safetensors_tensor(src, offset: int, length: int, name: str, dtype: str, shape, path,
-                            metadata: dict | None = None) -> None:
-    """Write a safetensors file holding one tensor whose bytes are ``length`` bytes of ``src`` from
-    ``offset`` (already in safetensors layout: little-endian, row-major), copied file to file by the
-    kernel where it can: a table of gigabytes is never held in memory."""
-    header = {name: {"dtype": dtype, "shape": list(shape), "data_offsets": [0, length]}}
-    if metadata:
-        header["__metadata__"] = metadata
-    text = json.dumps(header, separators=(",", ":")).encode()
-    text += b" " * (-len(text) % 8)  # the data starts 8-byte aligned, as safetensors writes it
-    path = Path(path)
-    with replacing(path) as tmp:
-        with open(src, "rb") as fin, open(tmp, "wb") as fout:
-            fout.write(len(text).to_bytes(8, "little") + text)
-            fout.flush()
-            done, in_kernel = 0, hasattr(os, "copy_file_range")
-            while done < length:
-                n = 0
-                if in_kernel:
-                    try:
-                        n = os.copy_file_range(fin.fileno(), fout.fileno(), length - done, offset + done)
-                    except OSError as e:
-                        if e.errno not in (errno.EXDEV, errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP):
-                            raise
-                        in_kernel = False  # across file systems, or not offered here: through a buffer
-                if not in_kernel:
-                    fin.seek(offset + done)
-                    n = fout.write(fin.read(min(length - done, 1 << 24)))
-                if n == 0:
-                    raise HiltError(f"{src}: tensor '{name}' is cut short")
-                done += n
-        make_readable(tmp)
+class SafetensorsWriter:
+    """One safetensors file built a tensor at a time and never held whole in memory: each tensor's bytes go
+    to the file ``scratch`` as they arrive (the page cache keeps them, not this process), or stay where
+    another safetensors file already holds them (:meth:`add_stored`: a table of gigabytes is copied file
+    to file by the kernel). :meth:`finish` writes the file safetensors' ``save_file`` writes for the same
+    tensors, byte for byte: the library itself orders the tensors and names their dtypes."""
+
+    def __init__(self, scratch):
+        self.scratch = Path(scratch)
+        self._file = None
+        self._parts: dict[str, tuple] = {}  # name -> (torch dtype name, shape, file, offset, length)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(p[4] for p in self._parts.values())
+
+    def __len__(self) -> int:
+        return len(self._parts)
+
+    def add(self, name: str, tensor) -> None:
+        import torch
+
+        data = tensor.detach().contiguous().reshape(-1).view(torch.uint8).numpy()  # its bytes, no copy
+        if self._file is None:
+            self._file = open(self.scratch, "w+b")
+        offset = self._file.tell()
+        self._file.write(memoryview(data))
+        self._parts[name] = (str(tensor.dtype).removeprefix("torch."), list(tensor.shape), self.scratch, offset,
+                             data.nbytes)
+
+    def add_stored(self, name: str, dtype, shape, src, offset: int, length: int) -> None:
+        """A tensor whose bytes are ``length`` bytes of the file ``src`` from ``offset``, already in
+        safetensors' layout (little-endian, row-major)."""
+        self._parts[name] = (str(dtype).removeprefix("torch."), list(shape), Path(src), offset, length)
+
+    def finish(self, path, metadata: dict | None = None) -> None:
+        """Write the file at ``path`` (whole or not at all) and remove the scratch file."""
+        from safetensors import TensorSpec, serialize
+
+        if self._file is not None:
+            self._file.flush()
+        # the library's order and dtype names, from a file of the same tensors with no elements
+        probe = serialize({n: TensorSpec(dtype=p[0], shape=[0], data_ptr=0, data_len=0)
+                           for n, p in self._parts.items()}, metadata=metadata)
+        probe = bytes(probe)
+        layout = json.loads(probe[8 : 8 + int.from_bytes(probe[:8], "little")])
+        header, order, end = {}, [n for n in layout if n != "__metadata__"], 0
+        if "__metadata__" in layout:
+            header["__metadata__"] = layout["__metadata__"]
+        for n in order:
+            _, shape, _, _, length = self._parts[n]
+            header[n] = {"dtype": layout[n]["dtype"], "shape": shape, "data_offsets": [end, end + length]}
+            end += length
+        text = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode()
+        text += b" " * (-len(text) % 8)  # the data starts 8-byte aligned, as safetensors writes it
+        path = Path(path)
+        try:
+            with replacing(path) as tmp, open(tmp, "wb") as out:
+                out.write(len(text).to_bytes(8, "little") + text)
+                out.flush()
+                for n in order:
+                    _, _, src, offset, length = self._parts[n]
+                    _copy_range(src, out, offset, length, n)
+        finally:
+            self.discard()
+
+    def discard(self) -> None:
+        """Forget the tensors and remove the scratch file (after finish, or instead of it)."""
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+        self.scratch.unlink(missing_ok=True)
+        self._parts = {}
+
+
+def _copy_range(src: Path, out, offset: int, length: int, name: str) -> None:
+    """Append ``length`` bytes of ``src`` from ``offset`` to the open file ``out``: by the kernel where it
+    can (copy_file_range), through a bounded buffer across file systems or where it is not offered."""
+    with open(src, "rb") as fin:
+        done, in_kernel = 0, hasattr(os, "copy_file_range")
+        while done < length:
+            n = 0
+            if in_kernel:
+                try:
+                    n = os.copy_file_range(fin.fileno(), out.fileno(), length - done, offset + done)
+                except OSError as e:
+                    if e.errno not in (errno.EXDEV, errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP):
+                        raise
+                    in_kernel = False
+            if not in_kernel:
+                fin.seek(offset + done)
+                n = out.write(fin.read(min(length - done, 1 << 24)))
+            if n == 0:
+                raise HiltError(f"{src}: tensor '{name}' is cut short")
+            done += n
+    out.flush()  # what went through the buffer lands before the next kernel copy
 
 
 class Appender:

@@ -8,8 +8,8 @@ a quantized ``MODULE.weight`` is QuantLinear's buffers ``MODULE.codes``, ``.code
 config whose "quantization_config" transformers loads (hilt.quant.hf_quantizer).
 
 Writing streams tensor by tensor, so memory follows the few largest tensors in flight (two jobs ahead
-of the one being written) plus one output shard, not the model; a table as large as a shard is copied
-file to file. Everything is written under ``DST.partial/``, each shard to a temporary name renamed when
+of the one being written), not the model: each tensor's bytes go to disk as they come, and a table as
+large as a shard is copied file to file. Everything is written under ``DST.partial/``, each shard to a temporary name renamed when
 complete; the folder becomes DST only when the header is written. An interrupted run leaves
 ``DST.partial/`` (never a half-written DST) and ``resume=True`` continues it, giving the same bytes as an
 uninterrupted run.
@@ -34,7 +34,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from hilt import __version__
-from hilt.atomic import check_parent, copy_safetensors_tensor, move_into_place, save_safetensors, write_json
+from hilt.atomic import SafetensorsWriter, check_parent, move_into_place, write_json
 from hilt.errors import HiltError, one_line
 from hilt.progress import LOG, Progress
 from hilt.quant import hf_folder
@@ -53,6 +53,7 @@ FORMAT_VERSION = 2  # 2: parts named after the module (MODULE.codes), Hugging Fa
 TOOL_VERSION = __version__  # the installed package's, as `hilt --version` prints
 HEADER = "hilt.json"
 PROGRESS = "progress.json"
+SCRATCH = "next-shard.tmp"  # the bytes of the shard being filled, until it is written
 PARTS = ("codes", "codebook", "scales", "offsets")
 
 # Embeddings and LM heads stay in 16/32-bit by default (docs/references.md §1).
@@ -374,6 +375,7 @@ def quantize_checkpoint(
 
 def _start_or_resume(partial: Path, settings: dict, resume: bool) -> dict:
     if resume and (partial / PROGRESS).exists():
+        (partial / SCRATCH).unlink(missing_ok=True)  # the unfinished shard of the interrupted run
         state = json.loads((partial / PROGRESS).read_text())
         if state["settings"] != json.loads(json.dumps(settings)):
             raise HiltError(f"{partial}: the interrupted run used other settings; rerun them or pass --overwrite")
@@ -415,9 +417,8 @@ def _stream(source, targets, importance, codebooks, compensator, config, formats
     taken in file order, so the shards are the same whatever ran them."""
     done = set(state["tensors"])
     todo = [n for n in source.names() if n not in done]
-    buffer: dict[str, torch.Tensor] = {}
+    shard = SafetensorsWriter(partial / SCRATCH)  # tensors go to disk as they come: no shard in memory
     entries: dict[str, dict] = {}
-    size = 0
     requantized = sorted({source.stored_type(n) for n in targets if source.is_block_quantized(n)})
     jobs = [n for n in todo if n in targets and not (compensator is not None and compensator.covers(n))]
     ahead = 0 if executor is None else getattr(executor, "jobs_ahead", 2)
@@ -474,13 +475,12 @@ def _stream(source, targets, importance, codebooks, compensator, config, formats
             stored, kind = source.stored_bytes(name) if dense_dtype is None else None, source.stored_type(name)
             if stored is not None and stored[2] >= shard_bytes:  # a table as large as a shard (8B embeddings:
                 # 1 GB) is a shard of its own, copied file to file: never in memory beside the jobs in flight
-                if buffer:
-                    _flush(partial, state, entries, functools.partial(save_safetensors, buffer))
-                    buffer, entries, size = {}, {}, 0
+                if len(shard):
+                    _flush(partial, state, entries, shard)
                 entry = {"kind": "dense", "shape": list(source.shape(name)), "stored_type": kind,
                          "dtype": str(SAFETENSORS_DTYPES[kind]).removeprefix("torch.")}
-                _flush(partial, state, {name: entry},
-                       functools.partial(copy_safetensors_tensor, *stored, name, kind, entry["shape"]))
+                shard.add_stored(name, SAFETENSORS_DTYPES[kind], entry["shape"], *stored)
+                _flush(partial, state, {name: entry}, shard)
                 seconds["write"] += time.perf_counter() - t0
                 if on_tensor is not None:
                     on_tensor({"name": name, **entry})
@@ -492,22 +492,21 @@ def _stream(source, targets, importance, codebooks, compensator, config, formats
             parts = {name: t.contiguous()}
             entry = {"kind": "dense", "shape": list(t.shape), "dtype": str(t.dtype).removeprefix("torch."),
                      "stored_type": source.stored_type(name)}
-        buffer.update(parts)
+        for part, t in parts.items():
+            shard.add(part, t)
         entries[name] = entry
-        size += sum(p.numel() * p.element_size() for p in parts.values())
         if on_tensor is not None:
             on_tensor({"name": name, **entry})
         if entry["kind"] == "quantized":
             bar.done(name, _detail(entry))
-        if size >= shard_bytes:
+        if shard.nbytes >= shard_bytes:
             t0 = time.perf_counter()
             submit_until()  # the next jobs run while this shard is written
-            _flush(partial, state, entries, functools.partial(save_safetensors, buffer))
+            _flush(partial, state, entries, shard)
             seconds["write"] += time.perf_counter() - t0
-            buffer, entries, size = {}, {}, 0
-    if buffer:
+    if len(shard):
         t0 = time.perf_counter()
-        _flush(partial, state, entries, functools.partial(save_safetensors, buffer))
+        _flush(partial, state, entries, shard)
         seconds["write"] += time.perf_counter() - t0
 
 
@@ -524,15 +523,16 @@ def _detail(entry: dict) -> str:
     return detail
 
 
-def _flush(partial: Path, state: dict, entries: dict, write: Callable) -> None:
-    """Write one complete shard with ``write(path, metadata=...)`` (temporary name, then rename), then
-    record the tensors of ``entries`` as done."""
-    shard = f"shard-{len(state['shards']) + 1:05d}.safetensors"  # named for good once the count is known
-    write(partial / shard, metadata={"format": "pt"})  # one key: map order is not stable
+def _flush(partial: Path, state: dict, entries: dict, shard: SafetensorsWriter) -> None:
+    """Write the shard being filled (temporary name, then rename), then record the tensors of ``entries``
+    as done and empty it."""
+    name = f"shard-{len(state['shards']) + 1:05d}.safetensors"  # named for good once the count is known
+    shard.finish(partial / name, metadata={"format": "pt"})  # one key: map order is not stable
     for e in entries.values():
-        e["shard"] = shard
-    state["shards"].append(shard)
+        e["shard"] = name
+    state["shards"].append(name)
     state["tensors"].update(entries)
+    entries.clear()
     write_json(partial / PROGRESS, state, sort_keys=True)
 
 

@@ -43,6 +43,7 @@ from hilt.quant.qweight import QuantizedWeight
 
 SCALES = ("before", "during")
 SOLVE_COLUMNS = 256  # columns of H⁻¹ solved at once: bounds the temporaries, not the result
+GRAM_ROWS = 512  # rows of the Gram matrix widened and summed at once (the same sums)
 
 
 @dataclass(frozen=True)
@@ -450,7 +451,8 @@ class Compensator:
             t0 = time.perf_counter()
             x = x.detach().reshape(-1, x.shape[-1]).float()
             torch.mm(x.T, x, out=product)
-            H.add_(product)  # widened to float64 element by element, no float64 copy
+            for r in range(0, k, GRAM_ROWS):  # widening to float64 makes a copy: one band's, not k x k
+                H[r : r + GRAM_ROWS].add_(product[r : r + GRAM_ROWS])
             rows[0] += x.shape[0]
             self.seconds["gram"] += time.perf_counter() - t0
 

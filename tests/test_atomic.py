@@ -1,5 +1,6 @@
 """hilt.atomic: a file or folder appears whole or not at all, and a refused write is one clear line."""
 
+import json
 import os
 from pathlib import Path
 
@@ -7,7 +8,7 @@ import pytest
 import torch
 
 from helpers import run_hilt
-from hilt.atomic import Appender, replacing, save_safetensors, write_json, write_text
+from hilt.atomic import Appender, SafetensorsWriter, replacing, save_safetensors, write_json, write_text
 from hilt.errors import HiltError
 from hilt.quant import QuantConfig, quantize_checkpoint
 from test_gguf_export import _source
@@ -63,6 +64,37 @@ def test_safetensors_are_readable_by_the_group(tmp_path):
         os.umask(old)
     assert (tmp_path / "w.safetensors").stat().st_mode & 0o777 == 0o644
     assert torch.equal(load_file(tmp_path / "w.safetensors")["w"], torch.ones(2))
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_a_file_written_tensor_by_tensor_is_what_save_file_writes(tmp_path, seed):
+    """Tensors streamed to a scratch file, or taken from where another file stores them, give the bytes of
+    safetensors' own writer for the same dictionary: its order (dtype, then name), dtype names, alignment."""
+    g = torch.Generator().manual_seed(seed)
+    dtypes = [torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.float16, torch.bfloat16,
+              torch.float32, torch.float64, torch.bool]
+    tensors = {}
+    for i in range(int(torch.randint(1, 12, (1,), generator=g))):
+        dtype = dtypes[int(torch.randint(len(dtypes), (1,), generator=g))]
+        shape = torch.randint(0, 5, (int(torch.randint(0, 3, (1,), generator=g)),), generator=g).tolist()
+        name = ["w", "é.codes", "Z", "layers.10.x", "layers.9.x"][i % 5] + str(int(torch.randint(99, (1,), generator=g)))
+        tensors[name] = (torch.randn(shape, generator=g) * 9).to(dtype)
+    metadata = None if seed % 2 else {"format": "pt"}
+    save_safetensors(tensors, tmp_path / "lib.safetensors", metadata=metadata)
+    stored = list(tensors)[::2]  # every other one copied from the library's file
+    raw = (tmp_path / "lib.safetensors").read_bytes()
+    n = int.from_bytes(raw[:8], "little")
+    layout = json.loads(raw[8:8 + n])
+    w = SafetensorsWriter(tmp_path / "scratch.tmp")
+    for name, t in tensors.items():
+        if name in stored:
+            a, b = layout[name]["data_offsets"]
+            w.add_stored(name, t.dtype, t.shape, tmp_path / "lib.safetensors", 8 + n + a, b - a)
+        else:
+            w.add(name, t)
+    w.finish(tmp_path / "ours.safetensors", metadata=metadata)
+    assert (tmp_path / "ours.safetensors").read_bytes() == raw
+    assert not (tmp_path / "scratch.tmp").exists() and len(w) == 0
 
 
 def test_rows_append_whole(tmp_path):

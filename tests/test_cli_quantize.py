@@ -323,6 +323,7 @@ def test_interrupt_then_resume_gives_identical_bytes(tmp_path):
     r = run_hilt("quantize", src, dst, *args)  # without --resume: refuse, keep the partial run
     assert_clean_failure(r, "--resume")
     assert partial.exists()
+    (partial / "next-shard.tmp").write_bytes(b"stale")  # the shard being filled when it stopped: never output
     r = run_hilt("quantize", src, dst, *args, "--resume")
     assert r.returncode == 0, r.stderr
     assert not partial.exists()
