@@ -28,6 +28,8 @@ once the first block's inputs are captured.
 
 from __future__ import annotations
 
+import ctypes
+import functools
 import time
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
@@ -72,6 +74,23 @@ def _one_thread():
         yield
     finally:
         torch.set_num_threads(threads)
+
+
+@functools.cache
+def _malloc_trim():
+    try:
+        return ctypes.CDLL("libc.so.6").malloc_trim  # glibc
+    except (OSError, AttributeError):
+        return None
+
+
+def trim_heap() -> None:
+    """Hand the pages of freed memory back to the system. glibc keeps what a forward pass frees in its heaps,
+    fragmented, and each block's peak lands on top: over the 16 blocks of a 1B model the peak grew from
+    2.5 to 2.8 GB; trimmed after every pass it stays at 2.4 GB. A no-op where the C library is not glibc."""
+    trim = _malloc_trim()
+    if trim is not None:
+        trim(0)
 
 
 def check_compensable(config: QuantConfig) -> None:
@@ -372,6 +391,7 @@ class Compensator:
         finally:
             for h in handles:
                 h.remove()
+            trim_heap()
         return None if stop_after is not None else outputs
 
     def _groups(self, block: nn.Module, inputs, linears: dict[str, nn.Linear]) -> list[list[str]]:
@@ -434,6 +454,7 @@ class Compensator:
         self.inputs = [_with_hidden(a, kw, h) for (a, kw), h in zip(self.inputs, outputs)]
         if self.release_block is not None:
             self.release_block(i, block)
+            trim_heap()
         self.next_block += 1
         others = self.seconds["gram"] + self.seconds["quantize"]
         self.seconds["forward"] += time.perf_counter() - start - (others - before)
