@@ -66,7 +66,7 @@ def test_distillation_losses_vanish_on_the_teacher_and_dwp_weights_disagreement(
     g = torch.Generator().manual_seed(0)
     teacher = torch.randn(6, 11, generator=g)
     same = teacher.expand(3, 6, 11)
-    for method in ("noise", "dwp"):
+    for method in ["noise", "dwp"]:
         cfg = NoisyTraining(method=method, copies=3)
         assert float(distillation_loss(same, teacher, cfg)) == pytest.approx(0, abs=1e-6)
         assert float(embedding_distillation_loss(same, teacher, cfg)) == pytest.approx(0, abs=1e-6)

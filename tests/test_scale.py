@@ -57,7 +57,7 @@ def test_synthetic_folder_loads_in_transformers_and_quantizes(synthetic, tmp_pat
 
 
 def test_threaded_writer_writes_the_bytes_of_one_thread(synthetic, tmp_path):
-    for method in ("kmeans", "int"):
+    for method in ["kmeans", "int"]:
         one = quantize_checkpoint(synthetic, tmp_path / f"{method}1", QuantConfig(method, 3), threads=1,
                                   shard_bytes=100_000)
         two = quantize_checkpoint(synthetic, tmp_path / f"{method}2", QuantConfig(method, 3), threads=2,

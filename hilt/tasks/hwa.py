@@ -119,7 +119,9 @@ def tune(model: str, out, method: str = "noise", preset_name: str = "pcm", overr
          resume: bool = False, overwrite: bool = False, progress: bool = True) -> dict:
     """Fine-tune ``model`` for the chip of ``preset_name`` (+ ``overrides``, AnalogConfig fields); see the
     module docstring. Returns the settings and the loss per step."""
-    from hilt.cim_sim.training import NoisyTraining, clip_columns_, distillation_loss, embedding_distillation_loss
+    from hilt.cim_sim.training import (
+        METHODS, NoisyTraining, clip_columns_, distillation_loss, embedding_distillation_loss,
+    )
     from hilt.models import bert, llama
     from hilt.tasks.drift_lm import chip_config, load_language_model
     from hilt.tasks.training_state import load_state, save_state, state_meta
@@ -134,7 +136,8 @@ def tune(model: str, out, method: str = "noise", preset_name: str = "pcm", overr
     if config.device not in ("pcm", "rram"):
         raise HiltError(f"--preset {preset_name}: the device is {config.device!r}; hwa trains against pcm or rram noise")
     cfg = NoisyTraining(method=method, noise_model=config.device, eta=eta, eta_min=eta_min, eta_max=eta_max,
-                        copies=copies if method == "dwp" else 1, weighting=weighting).validate()
+                        copies=copies if METHODS[method].min_copies > 1 else 1,  # noise draws one copy
+                        weighting=weighting).validate()
     _check_out(out, None, overwrite)
     state_dir = out.with_name(out.name + ".hwa-state")
     if overwrite and not resume:
