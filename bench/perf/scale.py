@@ -305,4 +305,4 @@ def run(quick: bool = False, shape: str | None = None, keep: bool = False, work:
     return {"machine": {"cpus": os.cpu_count(), "torch_threads": torch.get_num_threads(),
                         "platform": platform.platform(), "torch": torch.__version__,
                         "max_rss_of_bench_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024},
-            "model": made, "read": rate, "runs": rows, "kept": str(src) if keep else None}
+            "model": made, "read": rate, "runs": rows, "kept": src.name if keep else None}  # in the work folder
