@@ -1,6 +1,7 @@
 """The scale benchmark's synthetic Llama folder, the threaded writer, and a full disk."""
 
 import contextlib
+import hashlib
 import json
 import subprocess
 from pathlib import Path
@@ -54,6 +55,24 @@ def test_synthetic_folder_loads_in_transformers_and_quantizes(synthetic, tmp_pat
     written = quantize_checkpoint(synthetic, tmp_path / "q", QuantConfig("int", 4))
     assert written.header["totals"]["quantized_tensors"] == 7 * scale.SHAPES["quick"]["layers"]
     assert set(written.seconds) >= {"read", "fit", "pack", "error", "write"}
+
+
+# SHA-256 of the shard and the mean error each format gets from the quick synthetic folder, as the writer
+# wrote them before its speed and memory work (commit c6f3209, and every commit since): the bytes stay.
+WRITTEN_BEFORE = {
+    ("int", 4): ("ef2869157e749af28e15b25ee0fb0e006593ee0d8864ee7d1d38c50ebf86bde6", 0.119414),
+    ("kmeans", 4): ("5730e384d9ff767cb7d02f30a68c75b2a798d63fcfecc5e81bc466420a80d5e3", 0.092111),
+    ("kmeans", 3): ("59a9ff4fdb6e1734c38f5cd7f5c2691bafa0754832c0d0adff5d1ee5443d7dc3", 0.189235),
+}
+
+
+@pytest.mark.parametrize("method,bits", list(WRITTEN_BEFORE))
+def test_the_writer_writes_the_bytes_it_wrote_before(synthetic, tmp_path, method, bits):
+    written = quantize_checkpoint(synthetic, tmp_path / "q", QuantConfig(method, bits))
+    digest, error = WRITTEN_BEFORE[method, bits]
+    assert written.header["shards"] == ["model.safetensors"]
+    assert hashlib.sha256((tmp_path / "q" / "model.safetensors").read_bytes()).hexdigest() == digest
+    assert written.header["totals"]["rel_error_mean"] == error
 
 
 def test_threaded_writer_writes_the_bytes_of_one_thread(synthetic, tmp_path):
