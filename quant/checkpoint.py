@@ -9,10 +9,10 @@ config whose "quantization_config" transformers loads (hilt.quant.hf_quantizer).
 
 Writing streams tensor by tensor, so memory follows the few largest tensors in flight (two jobs ahead
 of the one being written), not the model: each tensor's bytes go to disk as they come, and a table as
-large as a shard is copied file to file. Everything is written under ``DST.partial/``, each shard to a temporary name renamed when
-complete; the folder becomes DST only when the header is written. An interrupted run leaves
-``DST.partial/`` (never a half-written DST) and ``resume=True`` continues it, giving the same bytes as an
-uninterrupted run.
+large as a shard is copied file to file. Everything is written under ``DST.partial/``, each shard to a
+temporary name renamed when complete; the folder becomes DST only when the header is written. An
+interrupted run leaves ``DST.partial/`` (never a half-written DST) and ``resume=True`` continues it,
+giving the same bytes as an uninterrupted run.
 """
 
 from __future__ import annotations
