@@ -33,14 +33,14 @@ def _kl_llama_cpp(quantized, dense, text_file, context, chunks) -> dict:
     their top tokens agree: the effect of llama.cpp's activation rounding, inside llama.cpp."""
     import re
 
-    from hilt.tasks.llama_cpp import _run
+    from hilt.tasks.llama_cpp import run_tool
 
     base = Path(str(dense) + ".kld")
     common = ["-f", text_file, "-c", context, "-b", context, "--chunks", chunks, "-t", 1, "-tb", 1, "--no-warmup",
               "--kl-divergence-base", base]
     try:
-        _run("llama-perplexity", ["-m", dense, *common])
-        text = "\n".join(_run("llama-perplexity", ["-m", quantized, *common, "--kl-divergence"]))
+        run_tool("llama-perplexity", ["-m", dense, *common])
+        text = "\n".join(run_tool("llama-perplexity", ["-m", quantized, *common, "--kl-divergence"]))
     finally:
         base.unlink(missing_ok=True)
     kld = re.search(r"Mean\s+KLD:\s+([0-9.]+)", text)

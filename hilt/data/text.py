@@ -46,7 +46,7 @@ def shakespeare_text(work: str = "hamlet") -> str:
     return text.strip() + "\n"
 
 
-def _all_sentences(text: str, min_words: int, max_words: int) -> list[str]:
+def spoken_sentences(text: str, min_words: int, max_words: int) -> list[str]:
     """Spoken sentences in reading order: stage directions and speaker labels removed."""
     if (m := re.search(r"^ACT I\b", text, re.MULTILINE)) is not None:
         text = text[m.start():]  # skip the cast list of the plays
@@ -71,7 +71,7 @@ def _all_sentences(text: str, min_words: int, max_words: int) -> list[str]:
 
 def sentences(n: int = 128, work: str = "hamlet", min_words: int = 6, max_words: int = 40) -> list[str]:
     """`n` distinct real sentences spread evenly over the work; the same every call."""
-    pool = _all_sentences(shakespeare_text(work), min_words, max_words)
+    pool = spoken_sentences(shakespeare_text(work), min_words, max_words)
     if n > len(pool):
         raise HiltError(f"{work!r} has only {len(pool)} sentences of {min_words}-{max_words} words; asked for {n}")
     # Evenly spaced picks cover the whole play rather than just Act I.
@@ -95,5 +95,5 @@ def training_sentences(limit: int, min_words: int = 6, max_words: int = 40) -> l
     out: list[str] = []
     for work in available_works():
         if work != HELD_OUT and len(out) < limit:
-            out += _all_sentences(shakespeare_text(work), min_words, max_words)
+            out += spoken_sentences(shakespeare_text(work), min_words, max_words)
     return out[:limit]

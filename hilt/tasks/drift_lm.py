@@ -115,9 +115,9 @@ def eval_data(lm: LanguageModel, text=None, tokens: int = 256, context: int = 12
             raise HiltError(f"{name}: only {len(ids)} tokens, need at least 2")
         windows = [w for w in ids.split(context) if w.numel() >= 2]
         return windows, f"{name}, {len(ids)} tokens in windows of {context}"
-    from hilt.data.text import _all_sentences, sentences as hamlet_sentences
+    from hilt.data.text import spoken_sentences, sentences as hamlet_sentences
 
-    batch = hamlet_sentences(sentences) if text is None else _all_sentences(body, 6, 40)[:sentences]
+    batch = hamlet_sentences(sentences) if text is None else spoken_sentences(body, 6, 40)[:sentences]
     if not batch:
         raise HiltError(f"{name}: no sentence of 6 to 40 words in it")
     return [lm.encode(batch[i:i + 32]) for i in range(0, len(batch), 32)], f"{name}, {len(batch)} sentences"

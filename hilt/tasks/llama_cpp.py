@@ -42,7 +42,8 @@ def missing_tools() -> list[str]:
     return [t for t in TOOLS if tool(t) is None]
 
 
-def _run(name: str, args: list, timeout: int = 900) -> tuple[str, str]:
+def run_tool(name: str, args: list, timeout: int = 900) -> tuple[str, str]:
+    """(stdout, stderr) of the llama.cpp tool ``name`` run on ``args``; a missing tool or a failure is one line."""
     exe = tool(name)
     if exe is None:
         raise HiltError(f"{name}: not built; run scripts/build_llama_cpp.sh (tools go to {tools_dir()})")
@@ -55,7 +56,7 @@ def _run(name: str, args: list, timeout: int = 900) -> tuple[str, str]:
 
 def llama_perplexity(gguf, text_file, context: int, chunks: int) -> float:
     """``llama-perplexity``'s final estimate over the first ``chunks`` chunks of ``context`` tokens."""
-    out = _run("llama-perplexity", ["-m", gguf, "-f", text_file, "-c", context, "-b", context, "--chunks", chunks,
+    out = run_tool("llama-perplexity", ["-m", gguf, "-f", text_file, "-c", context, "-b", context, "--chunks", chunks,
                                     "-t", 1, "-tb", 1, "--no-warmup"])
     text = "\n".join(out)
     m = re.search(r"Final estimate: PPL = ([0-9.]+)", text)
@@ -73,7 +74,7 @@ def llama_tokenize(gguf, text: str) -> list[int]:
     with tempfile.NamedTemporaryFile("w", suffix=".txt", encoding="utf-8", delete=False) as f:
         f.write(text)
     try:
-        out, _ = _run("llama-tokenize", ["-m", gguf, "-f", f.name, "--ids", "--no-bos", "--log-disable"])
+        out, _ = run_tool("llama-tokenize", ["-m", gguf, "-f", f.name, "--ids", "--no-bos", "--log-disable"])
     finally:
         os.unlink(f.name)
     m = re.search(r"^\[([0-9, ]*)\]\s*$", out, re.M)
@@ -84,7 +85,7 @@ def llama_tokenize(gguf, text: str) -> list[int]:
 
 def llama_generate(gguf, prompt: str, new_tokens: int) -> str:
     """Greedy continuation of ``prompt`` by ``llama-completion`` (the new text only)."""
-    out, _ = _run("llama-completion", ["-m", gguf, "-p", prompt, "-n", new_tokens, "--temp", 0, "-t", 1, "-tb", 1,
+    out, _ = run_tool("llama-completion", ["-m", gguf, "-p", prompt, "-n", new_tokens, "--temp", 0, "-t", 1, "-tb", 1,
                                     "-no-cnv", "-c", 256, "--no-warmup", "--no-display-prompt"])
     return out.removesuffix("\n\n")  # the tool ends its text with a blank line
 
