@@ -127,10 +127,7 @@ class SafetensorsWriter:
         self.scratch = Path(scratch)
         self._file = None
         self._parts: dict[str, tuple] = {}  # name -> (torch dtype name, shape, file, offset, length)
-
-    @property
-    def nbytes(self) -> int:
-        return sum(p[4] for p in self._parts.values())
+        self.nbytes = 0  # of the tensors added so far
 
     def __len__(self) -> int:
         return len(self._parts)
@@ -145,11 +142,13 @@ class SafetensorsWriter:
         self._file.write(memoryview(data))
         self._parts[name] = (str(tensor.dtype).removeprefix("torch."), list(tensor.shape), self.scratch, offset,
                              data.nbytes)
+        self.nbytes += data.nbytes
 
     def add_stored(self, name: str, dtype, shape, src, offset: int, length: int) -> None:
         """A tensor whose bytes are ``length`` bytes of the file ``src`` from ``offset``, already in
         safetensors' layout (little-endian, row-major)."""
         self._parts[name] = (str(dtype).removeprefix("torch."), list(shape), Path(src), offset, length)
+        self.nbytes += length
 
     def finish(self, path, metadata: dict | None = None) -> None:
         """Write the file at ``path`` (whole or not at all) and remove the scratch file."""
@@ -188,7 +187,7 @@ class SafetensorsWriter:
             self._file.close()
             self._file = None
         self.scratch.unlink(missing_ok=True)
-        self._parts = {}
+        self._parts, self.nbytes = {}, 0
 
 
 def _copy_range(src: Path, out, offset: int, length: int, name: str) -> None:
