@@ -1,171 +1,395 @@
-"""`hilt bench analog-lm-diagnosis`: where a language model's error on a CIM chip comes from.
+"""`hilt bench analog-lm`: language models on CIM chips over a year, as trained and tuned for the chip.
 
-Each Linear of the chosen decoder blocks is put alone on one analog chip, programmed, read
-``time`` after programming (global drift compensation) and fed the inputs it sees in the digital
-model on Hamlet tokens. Its relative output error ||y_chip - y|| / ||y|| is measured with every
-non-ideality on, then with each one alone (devices only, DAC only, ADC only, output noise only),
-then with the mapping and range options. Static input ranges are calibrated on Macbeth.
+For each model (SmolLM2 and MiniLM by default) three variants: the model as trained and two copies
+fine-tuned for the chip by `hilt hwa` (``noise``: noise injection with one device read per step;
+``dwp``: two reads per step at spread noise levels, half the steps, as many reads). The tuned
+copies are trained once against the ``pcm`` device, with column mapping, and kept in the work
+folder: a rerun with the same settings reads them back, other settings are refused.
 
-Beside the errors, the inputs themselves: with dynamic ranges each token's input row is divided by
-its abs-max, so a row whose largest entry is an outlier channel puts most of its entries below
-half a DAC step, where they read as zero.
+Each variant is deployed on every preset with the mapping the diagnosis found best (column
+mapping, smoothing 0.5 calibrated on Macbeth; docs/results/cim_lm.md), programmed on ``chips``
+chips (``group`` per pass: a SmolLM2 chip holds about 3 GB) and read at each time after programming
+with global drift compensation. Chip k is the chip `hilt drift` draws as chip k.
+
+Beside the chips, each variant digital on the same tokens: float, W4 (int4 round to nearest in
+groups of 64, every layer the chip would hold) and W4A8 (W4 with each such layer's input rounded
+to 8 bits in a static per-tensor range, its abs-max over the calibration text). A causal LM is
+scored by perplexity on Hamlet, an encoder by the cosine of its sentence embeddings to the
+original model's float embeddings (so tuned copies are held to the original).
+
+Per model also the energy per token of the layers the chip holds (the rram-22nm chip model against
+the GPU model, cim_sim.energy), and, when aihwkit is installed, aihwkit's default inference
+configuration on the same weights and tokens beside hilt's ``pcm`` preset as it is (layer mapping,
+aihwkit's per-array compensation), the model as trained.
 """
 
 from __future__ import annotations
 
+import copy
+import json
+import math
 import time
+from pathlib import Path
 
 import torch
 from torch import nn
 
 from hilt.errors import HiltError
-from hilt.progress import LOG, Progress
+from hilt.progress import LOG
 
-# name -> AnalogConfig fields over the preset
-SCENARIOS = {
-    "all": {},
-    "devices only": {"dac_bits": None, "adc_bits": None, "out_noise": 0.0},
-    "DAC only": {"device": "ideal", "adc_bits": None, "out_noise": 0.0, "bound_management": False},
-    "ADC only": {"device": "ideal", "dac_bits": None, "out_noise": 0.0},
-    "output noise only": {"device": "ideal", "dac_bits": None, "adc_bits": None, "bound_management": False},
-    "all, weight scaling": {"weight_scaling": True},
-    "all, column mapping": {"weight_mapping": "column"},
-    "all, column mapping, static ranges": {"weight_mapping": "column", "input_range": "static"},
-    "all, column mapping, smoothing 0.5": {"weight_mapping": "column", "smoothing": 0.5},
-}
-KINDS = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
+DEPLOY = {"weight_mapping": "column", "smoothing": 0.5}
+TUNE_PRESET = "pcm"
+VARIANTS = ("as trained", "noise", "dwp")
+FULL = dict(models=("smollm2", "minilm"), presets=("pcm", "rram"), times=("1s", "1h", "1d", "1mo", "1y"), chips=8,
+            group=2, tokens=128, context=128, sentences=64, steps={"noise": 80, "dwp": 40}, batch=None,
+            peer_times=("1h", "1y"), peer_chips=8)
+QUICK = dict(models=("smollm2", "minilm"), presets=("pcm",), times=("1s", "1y"), chips=2, group=2, tokens=64,
+             context=64, sentences=16, steps={"noise": 2, "dwp": 1}, batch=1, peer_times=("1y",), peer_chips=1)
+LR = 5e-5  # the tuning rate measured in docs/results/cim_lm.md
+GOALS = {"ppl_mean_over_w4": 1.15, "ppl_worst_over_w4": 1.3}
 
 
-def _layer_inputs(model, windows, names) -> dict[str, torch.Tensor]:
-    """The input rows each named Linear sees over ``windows`` (digital forward)."""
-    seen, hooks = {n: [] for n in names}, []
-    for n in names:
-        hooks.append(model.get_submodule(n).register_forward_pre_hook(
-            lambda mod, args, n=n: seen[n].append(args[0].detach().reshape(-1, args[0].shape[-1]).float())))
-    try:
-        with torch.no_grad():
-            for w in windows:
-                model(w.view(1, -1))
-    finally:
-        for h in hooks:
-            h.remove()
-    return {n: torch.cat(v) for n, v in seen.items()}
+def _stats(values: list[float], worst) -> dict:
+    v = torch.tensor(values, dtype=torch.float64)
+    return {"mean": float(v.mean()), "std": float(v.std()) if len(values) > 1 else 0.0,
+            "worst": float(worst(values)), "all": list(values)}
 
 
-def input_stats(x: torch.Tensor, dac_bits: int = 7) -> dict:
-    """Per token row: abs-max over the RMS (the crest factor), and the share of entries that a
-    ``dac_bits`` DAC over the row's abs-max reads as zero."""
-    peak = x.abs().amax(1).clamp_min(1e-30)
-    step = 2 / (2**dac_bits - 2)  # the DAC step over [-1, 1]
-    zero = ((x.abs() / peak.unsqueeze(1)) < step / 2).float().mean(1)
-    crest = peak / x.square().mean(1).sqrt().clamp_min(1e-30)
-    return {"crest_median": float(crest.median()), "crest_max": float(crest.max()),
-            "zero_share": float(zero.mean())}
+# -- the digital rows ------------------------------------------------------------------------------
+
+def chip_linears(model: nn.Module) -> list[tuple[str, nn.Linear]]:
+    """The Linear layers convert_to_analog puts on the chip: all but an ``lm_head``."""
+    return [(n, m) for n, m in model.named_modules() if isinstance(m, nn.Linear) and n.rsplit(".", 1)[-1] != "lm_head"]
 
 
 @torch.no_grad()
-def layer_error(linear: nn.Linear, x: torch.Tensor, config, t: float, calibration: torch.Tensor | None = None,
-                seed: int = 0) -> tuple[float, float]:
-    """(relative output error of ``linear`` alone on one chip at ``t`` seconds, share of its weights clipped)."""
-    from hilt.cim_sim import calibrate_inputs, clipped_share, convert_to_analog, drift_to, needs_calibration, program
+def w4_copy(model: nn.Module, activations_from=None) -> nn.Module:
+    """A copy whose chip layers hold int4 round-to-nearest weights (groups of 64, or the row where
+    shorter). ``activations_from``: a ``run(model)`` over calibration text; each such layer's input is
+    then rounded to 8 bits in a static symmetric range, its abs-max over that run (W4A8)."""
+    from hilt.quant.quantize import QuantConfig, quantize_tensor
 
-    analog = convert_to_analog(nn.Sequential(linear), config)
-    if needs_calibration(analog):
-        calibrate_inputs(analog, lambda m: m(calibration))
-    program(analog, seeds=[seed])
-    drift_to(analog, t, seeds=[10_000 * seed], gdc="global")
-    y = linear(x)
-    err = (analog(x).reshape(y.shape) - y).norm() / y.norm().clamp_min(1e-30)
-    return float(err), clipped_share(analog)
+    q = copy.deepcopy(model)
+    layers = chip_linears(q)
+    for name, m in layers:
+        config = QuantConfig(method="int", bits=4, block_size=math.gcd(64, m.in_features))
+        m.weight.copy_(quantize_tensor(m.weight.detach().float(), config, name=f"{name}.weight").dequantize())
+    if activations_from is None:
+        return q
+    ranges = {name: 0.0 for name, _ in layers}
+
+    def record(name):
+        def hook(module, args):
+            ranges[name] = max(ranges[name], float(args[0].abs().max()))
+        return hook
+
+    hooks = [m.register_forward_pre_hook(record(n)) for n, m in layers]
+    try:
+        activations_from(q)
+    finally:
+        for h in hooks:
+            h.remove()
+
+    def round8(step):
+        def hook(module, args):
+            return (torch.clamp(torch.round(args[0] / step), -127, 127) * step,) + tuple(args[1:])
+        return hook
+
+    for name, m in layers:
+        if ranges[name] > 0:
+            m.register_forward_pre_hook(round8(ranges[name] / 127))
+    return q
 
 
-def diagnose(model: str = "smollm2", preset_name: str = "pcm", time_text: str = "1s", blocks=None, tokens: int = 128,
-             quick: bool = False, progress: bool = False, lm=None) -> dict:
-    """The per-layer account: relative output error per Linear of ``blocks`` (default: the first,
-    the middle and the last block) per scenario, and the statistics of its inputs."""
-    import dataclasses
+def digital_rows(lm, data, reference, calibration) -> dict:
+    """float, W4 and W4A8 of ``lm`` on ``data``: perplexity, or cosine to ``reference``."""
+    from hilt.tasks.drift_lm import chip_metric
 
-    from hilt.cim_sim import parse_time, preset
-    from hilt.data.text import shakespeare_text
-    from hilt.tasks.drift_lm import load_language_model
+    models = {"float": lm.model, "w4": w4_copy(lm.model), "w4a8": w4_copy(lm.model, calibration)}
+    return {k: chip_metric(lm, m, data, reference)[0] for k, m in models.items()}
 
-    t = parse_time(time_text)  # a bad time before the model loads
-    lm = lm or load_language_model(model)
-    if lm.kind != "causal" or not hasattr(lm.model, "blk"):
-        raise HiltError(f"--model {model}: the diagnosis runs on a causal language model (smollm2 or a Llama GGUF)")
-    n_blocks = len(lm.model.blk)
-    if quick:
-        blocks, tokens = [0, n_blocks - 1], min(tokens, 32)
-    blocks = sorted(set(blocks if blocks is not None else [0, n_blocks // 2, n_blocks - 1]))
-    if not blocks or blocks[0] < 0 or blocks[-1] >= n_blocks:
-        raise HiltError(f"--blocks {','.join(map(str, blocks))}: {lm.name} has blocks 0 to {n_blocks - 1}")
-    base = preset(preset_name)
-    names = [f"blk.{b}.{k}" for b in blocks for k in KINDS]
-    hamlet = torch.tensor(lm.encode(shakespeare_text("hamlet"))[:tokens], dtype=torch.long)
-    macbeth = torch.tensor(lm.encode(shakespeare_text("macbeth"))[:tokens], dtype=torch.long)
+
+# -- chips ------------------------------------------------------------------------------------------
+
+def on_chips(lm, preset_name: str, overrides: dict, times, chips: int, group: int, budget: dict, gdc="global",
+             reference_model=None) -> dict:
+    """Every chip at every time, ``group`` chips per pass -> {time: stats over chips}, memory, seconds."""
+    from hilt.tasks.drift_lm import lm_drift_study
+
+    values = {t: [] for t in times}
+    start, memory = time.perf_counter(), None
+    for first in range(0, chips, group):
+        r = lm_drift_study(lm.name, preset_name, ",".join(times), min(group, chips - first), gdc,
+                           tokens=budget["tokens"], context=budget["context"], sentences=budget["sentences"],
+                           overrides=overrides, lm=lm, first_chip=first, uncompensated=False,
+                           reference_model=reference_model)
+        memory = r["memory_per_chip"]
+        for row in r["rows"]:
+            values[row["time"]].extend(row["all"])
+    worst = max if lm.kind == "causal" else min
+    return {"times": {t: _stats(v, worst) for t, v in values.items()}, "memory_per_chip": memory,
+            "seconds": round(time.perf_counter() - start, 1)}
+
+
+# -- the tuned copies -------------------------------------------------------------------------------
+
+def tuned_copy(model: str, method: str, work: Path, steps: int, batch: int | None, context: int) -> tuple[str, dict]:
+    """The path of ``model`` tuned by ``method`` in ``work``, trained now or read back when a
+    previous run trained it with the same settings. -> (path, training record)."""
+    from hilt.tasks import hwa
+
+    causal = model == "smollm2" or model.endswith(".gguf")
+    stem = Path(model).stem if model not in ("smollm2", "minilm") else model
+    out = work / (f"{stem}-{method}.gguf" if causal else f"{stem}-{method}")
+    record_path = work / f"{stem}-{method}.json"
+    settings = {"model": model, "method": method, "preset": TUNE_PRESET, "overrides": {"weight_mapping": "column"},
+                "steps": steps, "batch": batch or (4 if causal else 8), "context": context, "lr": LR}
+    if out.exists():
+        try:
+            record = json.loads(record_path.read_text())
+        except (OSError, ValueError):
+            record = None
+        if not record or record.get("settings") != settings:
+            raise HiltError(f"{out}: a tuned model trained with other settings (or no record {record_path.name}); "
+                            f"remove it or choose another --work folder")
+        LOG.info(f"{out}: tuned earlier with the same settings; read back")
+        return str(out), record
+    work.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
-    inputs = _layer_inputs(lm.model, [hamlet], names)
-    calibration = _layer_inputs(lm.model, [macbeth], names)
-    rows = []
-    bar = Progress(len(names), "diagnose", "layer", steps=len(SCENARIOS), enabled=progress)
-    with bar:
-        for n in names:
-            linear = lm.model.get_submodule(n)
-            row = {"layer": n, "block": int(n.split(".")[1]), "kind": n.split(".")[2], "shape": list(linear.weight.shape),
-                   "weight_absmax_over_std": float(linear.weight.abs().max() / linear.weight.std()),
-                   **input_stats(inputs[n], base.dac_bits or 7), "error": {}, "clipped": {}}
-            for s, fields in SCENARIOS.items():
-                err, clipped = layer_error(linear, inputs[n], dataclasses.replace(base, **fields), t, calibration[n])
-                row["error"][s] = err
-                if clipped:
-                    row["clipped"][s] = clipped
-                bar.tick()
-            rows.append(row)
-            bar.done(n, f"all {row['error']['all']:.3g}, devices {row['error']['devices only']:.3g}, "
-                        f"DAC {row['error']['DAC only']:.3g}, output noise {row['error']['output noise only']:.3g}")
-    by_kind = {k: {s: sum(r["error"][s] for r in rows if r["kind"] == k) / len(blocks) for s in SCENARIOS}
-               for k in KINDS}
-    result = {"model": lm.name, "preset": preset_name, "time": time_text, "blocks": blocks, "tokens": len(hamlet),
-              "data": f"Hamlet, the first {len(hamlet)} tokens (static ranges calibrated on Macbeth)",
-              "scenarios": {s: f or "the preset as is" for s, f in SCENARIOS.items()},
-              "seconds": round(time.perf_counter() - start, 1), "by_kind": by_kind, "layers": rows}
-    LOG.info(render(result))
+    r = hwa.tune(model, out, method=method, preset_name=TUNE_PRESET, overrides=settings["overrides"],
+                 steps=steps, lr=LR, batch=settings["batch"], context=context, resume=out.with_name(
+                     out.name + ".hwa-state").exists())
+    record = {"settings": settings, "losses": r["losses"], "seconds": round(time.perf_counter() - start, 1)}
+    from hilt.atomic import write_json
+
+    write_json(record_path, record)
+    return str(out), record
+
+
+# -- energy and the peer ----------------------------------------------------------------------------
+
+def energy_per_token(lm, data, chip_name: str = "rram-22nm") -> dict:
+    """Joules per token of the layers the chip holds: on the CIM chip model against the GPU model."""
+    from hilt.cim_sim.energy import chip, estimate
+
+    class Forward(nn.Module):  # estimate feeds one tensor; an encoder also takes its mask
+        def __init__(self):
+            super().__init__()
+            self.inner = lm.model
+
+        def forward(self, ids):
+            if lm.kind == "causal":
+                return lm.logits(self.inner, ids)
+            return lm.hidden(self.inner, ids, torch.ones_like(ids))
+
+    example = data[0].view(1, -1) if lm.kind == "causal" else data[0][0][:1]
+    result = estimate(Forward(), example, chip(chip_name))
+    on_chip = {f"inner.{n}" for n, _ in chip_linears(lm.model)}
+    layers = [r for r in result["layers"] if r["layer"] in on_chip]
+    tokens = example.shape[1]
+    cim = sum(r["cim"]["total"] for r in layers) / tokens
+    gpu = sum(r["gpu"]["total"] for r in layers) / tokens
+    return {"chip": chip_name, "layers": len(layers), "tokens": tokens, "cim_joules_per_token": cim,
+            "gpu_joules_per_token": gpu, "cim_over_gpu": cim / gpu}
+
+
+def beside_aihwkit(lm, data, times, chips: int) -> dict | None:
+    """aihwkit's default inference configuration on the model's weights, chips one at a time as its
+    examples run them (programming and drift seeded per chip; its forward noise has no seed). None
+    when aihwkit is not installed."""
+    from hilt.bench.studies.cim_peers import aihwkit_model, aihwkit_version
+    from hilt.cim_sim import parse_time
+    from hilt.tasks.drift_lm import chip_metric
+
+    version = aihwkit_version()
+    if version is None:
+        return None
+    reference = None if lm.kind == "causal" else chip_metric(lm, lm.model, data)[0]
+    start = time.perf_counter()
+    analog = aihwkit_model(lm.model)
+    values = {t: [] for t in times}
+    with torch.random.fork_rng():
+        for k in range(chips):
+            torch.manual_seed(k)
+            analog.program_analog_weights()
+            for i, t in enumerate(times):
+                torch.manual_seed(10_000 * k + i)
+                analog.drift_analog_weights(parse_time(t))
+                values[t].append(chip_metric(lm, analog, data, reference)[0])
+    worst = max if lm.kind == "causal" else min
+    return {"version": version, "times": {t: _stats(v, worst) for t, v in values.items()},
+            "seconds": round(time.perf_counter() - start, 1)}
+
+
+# -- the study --------------------------------------------------------------------------------------
+
+def study(quick: bool = False, models=None, presets=None, chips: int | None = None, work=None,
+          peer: bool = True, progress: bool = True) -> dict:
+    """The study on each model (see the module doc); ``work``: where the tuned copies are kept."""
+    from hilt.tasks.drift_lm import calibration_run, chip_metric, eval_data, load_language_model
+
+    budget = dict(QUICK if quick else FULL)
+    budget["models"] = tuple(models or budget["models"])
+    budget["presets"] = tuple(presets or budget["presets"])
+    if chips is not None:
+        if chips < 1:
+            raise HiltError(f"--chips must be at least 1, got {chips}")
+        budget["chips"] = chips
+    work = Path(work) if work is not None else Path("analog-lm-work")
+    start = time.perf_counter()
+    result = {"quick": quick, "budget": {k: v for k, v in budget.items()}, "deploy": DEPLOY,
+              "tune_preset": TUNE_PRESET, "gdc": "global", "models": {}}
+    for spec in budget["models"]:
+        base = lm = load_language_model(spec)
+        data, data_name = eval_data(lm, None, budget["tokens"], budget["context"], budget["sentences"])
+        original = lm.model
+        reference = None if lm.kind == "causal" else chip_metric(lm, original, data)[0]
+        metric = "perplexity" if lm.kind == "causal" else "cosine"
+        entry = {"kind": lm.kind, "metric": metric, "data": data_name, "variants": {},
+                 "energy": energy_per_token(lm, data)}
+        LOG.info(f"{spec}: {metric} on {data_name}; the chip layers {entry['energy']['cim_over_gpu']:.3g}x "
+                 f"the GPU's energy per token")
+        for variant in VARIANTS:
+            lm, record = base, None
+            if variant != "as trained":
+                path, record = tuned_copy(spec, variant, work, budget["steps"][variant], budget["batch"],
+                                          budget["context"])
+                lm = load_language_model(path)
+            row = {"digital": digital_rows(lm, data, reference, calibration_run(lm)), "chips": {},
+                   "training": record}
+            LOG.info(f"{spec} {variant}: digital " + ", ".join(f"{k} {v:.4g}" for k, v in row["digital"].items()))
+            for preset_name in budget["presets"]:
+                row["chips"][preset_name] = on_chips(lm, preset_name, DEPLOY, budget["times"], budget["chips"],
+                                                     budget["group"], budget, reference_model=original)
+                LOG.info(f"{spec} {variant} on {preset_name}: " + ", ".join(
+                    f"{t} {s['mean']:.4g} (worst {s['worst']:.4g})" for t, s in row["chips"][preset_name]["times"].items()))
+            entry["variants"][variant] = row
+        if peer:
+            from hilt.bench.studies.cim_peers import agreement
+
+            peer_row = beside_aihwkit(base, data, budget["peer_times"], budget["peer_chips"])
+            if peer_row is not None:
+                hilt_row = on_chips(base, "pcm", {}, budget["peer_times"], budget["peer_chips"], budget["group"], budget,
+                                    gdc="aihwkit")
+                peer_row["hilt"] = hilt_row
+                peer_row["agreement"] = {t: agreement(hilt_row["times"][t]["all"], peer_row["times"][t]["all"])
+                                         for t in budget["peer_times"]}
+            entry["aihwkit"] = peer_row
+        result["models"][spec] = entry
+    result["goals"] = goals(result)
+    result["seconds"] = round(time.perf_counter() - start, 1)
     return result
 
 
+def goals(result: dict) -> dict:
+    """The issue's quality goals at the last time on ``pcm``, where the study measured them."""
+    out = {}
+    for spec, entry in result["models"].items():
+        variants = entry["variants"]
+        last = result["budget"]["times"][-1]
+        if "pcm" not in result["budget"]["presets"]:
+            continue
+        w4 = variants["as trained"]["digital"]["w4"]
+        year = {v: variants[v]["chips"]["pcm"]["times"][last] for v in VARIANTS}
+        tuned = [v for v in VARIANTS if v != "as trained"]
+        if entry["kind"] == "causal":
+            best = min(tuned, key=lambda v: year[v]["mean"])
+            out[spec] = {"time": last, "best": best, "w4": w4, "mean_over_w4": year[best]["mean"] / w4,
+                         "worst_over_w4": year[best]["worst"] / w4,
+                         "met": year[best]["mean"] <= GOALS["ppl_mean_over_w4"] * w4
+                         and year[best]["worst"] <= GOALS["ppl_worst_over_w4"] * w4}
+        else:
+            best = max(tuned, key=lambda v: year[v]["mean"])
+            out[spec] = {"time": last, "best": best, "w4": w4, "mean": year[best]["mean"],
+                         "met": year[best]["mean"] >= w4}
+        dwp, noise = year["dwp"], year["noise"]
+        if entry["kind"] == "causal":
+            out[spec]["dwp_at_least_noise"] = dwp["mean"] <= noise["mean"] and dwp["worst"] <= noise["worst"]
+        else:
+            out[spec]["dwp_at_least_noise"] = dwp["mean"] >= noise["mean"] and dwp["worst"] >= noise["worst"]
+    return out
+
+
+# -- output -----------------------------------------------------------------------------------------
+
+def _cell(s: dict) -> str:
+    return f"{s['mean']:.4g} ± {s['std']:.3g} ({s['worst']:.4g})"
+
+
 def render(result: dict) -> str:
-    """The mean relative output error per layer kind and scenario, as Markdown."""
-    scen = list(result["scenarios"])
-    lines = [f"Relative output error per layer kind (mean over blocks {', '.join(map(str, result['blocks']))}), "
-             f"{result['model']} on `{result['preset']}` at {result['time']}, global compensation, "
-             f"{result['tokens']} tokens", "",
-             "| layer | " + " | ".join(scen) + " |", "|---|" + "---|" * len(scen)]
-    for k, errs in result["by_kind"].items():
-        lines.append(f"| {k} | " + " | ".join(f"{errs[s]:.3f}" for s in scen) + " |")
-    lines += ["", "| layer | weight abs-max / std | input crest factor (median) | (max) | inputs read as zero by "
-              "the DAC |", "|---|---|---|---|---|"]
-    for r in result["layers"]:
-        lines.append(f"| {r['layer']} | {r['weight_absmax_over_std']:.1f} | {r['crest_median']:.1f} | "
-                     f"{r['crest_max']:.1f} | {100 * r['zero_share']:.1f}% |")
-    return "\n".join(lines)
+    """The study's tables as Markdown."""
+    times = result["budget"]["times"]
+    lines = []
+    for spec, entry in result["models"].items():
+        lines += [f"### {spec} ({entry['metric']}, {entry['data']})", ""]
+        for preset_name in result["budget"]["presets"]:
+            lines += [f"On `{preset_name}`, {result['budget']['chips']} chips, mean ± std over chips (worst chip):", "",
+                      "| model | float | W4 | W4A8 | " + " | ".join(times) + " |",
+                      "|---" * (4 + len(times)) + "|"]
+            for variant, row in entry["variants"].items():
+                d = row["digital"]
+                cells = [_cell(row["chips"][preset_name]["times"][t]) for t in times]
+                lines.append(f"| {variant} | {d['float']:.4g} | {d['w4']:.4g} | {d['w4a8']:.4g} | " + " | ".join(cells) + " |")
+            lines.append("")
+        e = entry["energy"]
+        lines += [f"Energy per token of the {e['layers']} chip layers: {e['cim_joules_per_token'] * 1e6:.3g} uJ on the "
+                  f"{e['chip']} chip model against {e['gpu_joules_per_token'] * 1e6:.3g} uJ on the GPU model "
+                  f"({e['cim_over_gpu']:.3g}x).", ""]
+        peer = entry.get("aihwkit", "not run")
+        if peer is None:
+            lines += ["aihwkit: not installed.", ""]
+        elif isinstance(peer, dict):
+            lines += [f"Beside aihwkit {peer['version']} (the model as trained, `pcm` as it is, hilt with aihwkit's "
+                      "per-array compensation):", "", "| time | hilt | aihwkit | within 2 std of aihwkit |",
+                      "|---|---|---|---|"]
+            for t, agree in peer["agreement"].items():
+                lines.append(f"| {t} | {_cell(peer['hilt']['times'][t])} | {_cell(peer['times'][t])} | "
+                             f"{'yes' if agree['within_2std'] else 'no'} |")
+            lines.append("")
+    for spec, g in result["goals"].items():
+        if "mean_over_w4" in g:
+            lines.append(f"- {spec} at {g['time']}, best tuned ({g['best']}): mean {g['mean_over_w4']:.3g}x W4, worst chip "
+                         f"{g['worst_over_w4']:.3g}x (goal {GOALS['ppl_mean_over_w4']}x and {GOALS['ppl_worst_over_w4']}x): "
+                         f"{'met' if g['met'] else 'not met'}; DWP at least as good as noise: {g['dwp_at_least_noise']}")
+        else:
+            lines.append(f"- {spec} at {g['time']}, best tuned ({g['best']}): mean cosine {g['mean']:.3g} against W4's "
+                         f"{g['w4']:.3g}: {'met' if g['met'] else 'not met'}; DWP at least as good as noise: "
+                         f"{g['dwp_at_least_noise']}")
+    return "\n".join(lines) + "\n"
 
 
 def plot(result: dict, path) -> None:
-    """Relative output error per layer (x) for each scenario (one line each), log scale."""
+    """One panel per model and preset: the chips' mean (band: worst chip) per variant over time, the
+    digital float, W4 and W4A8 of the model as trained as flat lines."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    rows = result["layers"]
-    fig, ax = plt.subplots(figsize=(max(8, 0.35 * len(rows)), 4.5))
-    for s in result["scenarios"]:
-        ax.plot(range(len(rows)), [r["error"][s] for r in rows], marker="o", ms=3, label=s)
-    ax.set_xticks(range(len(rows)), [r["layer"].removeprefix("blk.") for r in rows], rotation=90, fontsize=7)
-    ax.set_yscale("log")
-    ax.set_ylabel("relative output error")
-    ax.set_title(f"{result['model']} on {result['preset']} at {result['time']}: each Linear alone on a chip")
-    ax.legend(fontsize=7, ncol=2)
+    from hilt.cim_sim import parse_time
+
+    times = result["budget"]["times"]
+    seconds = [parse_time(t) for t in times]
+    panels = [(spec, p) for spec in result["models"] for p in result["budget"]["presets"]]
+    fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 4), squeeze=False)
+    for ax, (spec, preset_name) in zip(axes[0], panels):
+        entry = result["models"][spec]
+        for variant, row in entry["variants"].items():
+            stats = [row["chips"][preset_name]["times"][t] for t in times]
+            line, = ax.plot(seconds, [s["mean"] for s in stats], marker="o", label=f"{variant} on chip")
+            ax.fill_between(seconds, [s["mean"] for s in stats], [s["worst"] for s in stats], color=line.get_color(),
+                            alpha=0.15)
+        digital = entry["variants"]["as trained"]["digital"]
+        for key, style in (("float", "-"), ("w4", "--"), ("w4a8", ":")):
+            ax.axhline(digital[key], color="grey", linestyle=style, label=f"{key} (digital)")
+        ax.set_xscale("log")
+        if entry["kind"] == "causal":
+            ax.set_yscale("log")
+        ax.set_xticks(seconds, times)
+        ax.set_xlabel("time after programming")
+        ax.set_ylabel(entry["metric"])
+        ax.set_title(f"{spec} on {preset_name}")
+        ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

@@ -59,14 +59,31 @@ def cmd_bench_robustness(args) -> int:
 
 
 def cmd_bench_analog_lm_diagnosis(args) -> int:
-    from hilt.bench.studies import analog_lm
+    from hilt.bench.studies import analog_lm_diagnosis
 
     try:
         blocks = None if args.blocks is None else [int(b) for b in args.blocks.split(",")]
     except ValueError:
         raise HiltError(f"--blocks {args.blocks}: expected block numbers separated by commas, e.g. 0,15,29") from None
-    result = analog_lm.diagnose(args.model, args.preset, args.time, blocks, args.tokens, quick=args.quick,
+    result = analog_lm_diagnosis.diagnose(args.model, args.preset, args.time, blocks, args.tokens, quick=args.quick,
                                 progress=True)
+    write_outputs(args, result, analog_lm_diagnosis.plot)
+    if args.markdown:
+        write_text(args.markdown, analog_lm_diagnosis.render(result))
+        LOG.info(f"wrote {args.markdown}")
+    return 0
+
+
+def cmd_bench_analog_lm(args) -> int:
+    from hilt.bench.studies import analog_lm
+
+    models = args.models and [m.strip() for m in args.models.split(",") if m.strip()]
+    presets = args.presets and [p.strip() for p in args.presets.split(",") if p.strip()]
+    for p in presets or []:
+        if p not in CIM_PRESETS:
+            raise HiltError(f"--presets {args.presets}: {p!r} is not a preset; choose from {', '.join(CIM_PRESETS)}")
+    result = analog_lm.study(quick=args.quick, models=models, presets=presets, chips=args.chips, work=args.work,
+                             peer=not args.no_aihwkit)
     write_outputs(args, result, analog_lm.plot)
     if args.markdown:
         write_text(args.markdown, analog_lm.render(result))
@@ -118,3 +135,18 @@ def register(bsub) -> None:
     bd.add_argument("--quick", action="store_true", help="the first and the last block, 32 tokens (under 2 minutes)")
     bd.add_argument("--markdown", metavar="FILE", help="the tables as Markdown")
     bd.set_defaults(func=cmd_bench_analog_lm_diagnosis)
+    bl = command(bsub, "analog-lm", "SmolLM2 and MiniLM on pcm and rram chips over a year: as trained, tuned by noise "
+                 "injection and by DWP (hilt hwa), beside float, W4 and W4A8 on the same tokens; energy per token; "
+                 "aihwkit on the same weights when installed",
+                 "hilt bench analog-lm --quick --json analog_lm.json --plot analog_lm.png --markdown analog_lm.md",
+                 [OUTPUT, PLOT], plot="the metric over time per model and preset, one line per variant")
+    bl.add_argument("--quick", action="store_true",
+                    help="pcm only, 2 chips, 1 s and 1 y, 64 tokens, tuning of 1-2 steps (a few minutes)")
+    bl.add_argument("--models", help="comma-separated: smollm2, minilm or a Llama GGUF file (default smollm2,minilm)")
+    bl.add_argument("--presets", help="comma-separated chip presets (default pcm,rram; --quick: pcm)")
+    bl.add_argument("--chips", type=integer(1), help="chips per configuration (default 8; --quick: 2)")
+    bl.add_argument("--work", type=Path, default=Path("analog-lm-work"),
+                    help="where the tuned models are kept and read back by a rerun (default ./analog-lm-work)")
+    bl.add_argument("--no-aihwkit", action="store_true", help="skip the side-by-side run of aihwkit")
+    bl.add_argument("--markdown", metavar="FILE", help="the tables as Markdown")
+    bl.set_defaults(func=cmd_bench_analog_lm)

@@ -151,9 +151,9 @@ def chip_metric(lm: LanguageModel, model: nn.Module, data, reference=None) -> li
     return F.cosine_similarity(emb.double(), reference.double().unsqueeze(0), dim=-1).mean(1).tolist()
 
 
-def calibrate(lm: LanguageModel, analog: nn.Module, tokens: int = 256, context: int = 128) -> None:
-    """Static input ranges and smoothing scales from Macbeth (causal: ``tokens`` tokens; encoder: 64 sentences)."""
-    from hilt.cim_sim import calibrate_inputs
+def calibration_run(lm: LanguageModel, tokens: int = 256, context: int = 128) -> Callable:
+    """``run(model)``: the model over the calibration text, Macbeth (causal: ``tokens`` tokens in windows of
+    ``context``; encoder: 64 sentences), never the evaluation text."""
     from hilt.data.text import sentences as play_sentences, shakespeare_text
 
     if lm.kind == "causal":
@@ -162,13 +162,20 @@ def calibrate(lm: LanguageModel, analog: nn.Module, tokens: int = 256, context: 
         def run(m):
             for w in ids.split(context):
                 lm.logits(m, w.view(1, -1))
-    else:
-        batch = play_sentences(64, work="macbeth")
+        return run
+    batch = play_sentences(64, work="macbeth")
 
-        def run(m):
-            lm.hidden(m, *lm.encode(batch))
+    def run(m):
+        lm.hidden(m, *lm.encode(batch))
+    return run
+
+
+def calibrate(lm: LanguageModel, analog: nn.Module, tokens: int = 256, context: int = 128) -> None:
+    """Static input ranges and smoothing scales from the calibration text (:func:`calibration_run`)."""
+    from hilt.cim_sim import calibrate_inputs
+
     saved = getattr(analog, "chips", 1)
-    calibrate_inputs(analog, run)
+    calibrate_inputs(analog, calibration_run(lm, tokens, context))
     assert getattr(analog, "chips", 1) == saved
 
 
@@ -187,10 +194,13 @@ def chip_config(preset_name: str, overrides: dict | None = None):
 
 def lm_drift_study(model="smollm2", preset_name="pcm", times="1s,1h,1d,1mo,1y", chips=2, gdc="global", text=None,
                    tokens=256, context=128, sentences=64, overrides: dict | None = None, progress=False,
-                   lm: LanguageModel | None = None) -> dict:
-    """The metric at each time after programming over ``chips`` chips, with and without ``gdc``.
-    ``overrides``: AnalogConfig fields replacing the preset's. Chip k is programmed with seed k and
-    read with seed 10000 k + (time index), as for the classifiers."""
+                   lm: LanguageModel | None = None, first_chip: int = 0, uncompensated: bool = True,
+                   reference_model: nn.Module | None = None) -> dict:
+    """The metric at each time after programming over ``chips`` chips, with ``gdc`` and (``uncompensated``)
+    without. ``overrides``: AnalogConfig fields replacing the preset's. Chip k (``first_chip`` .. ``first_chip``
+    + ``chips`` - 1) is programmed with seed k and read with seed 10000 k + (time index), as for the
+    classifiers, so chips run a few at a time are the chips one pass would hold. An encoder's chips are
+    compared with the digital embeddings of ``reference_model`` (default: the model itself)."""
     from hilt.cim_sim import (analog_layers, chip_memory, clipped_share, convert_to_analog, drift_to,
                               needs_calibration, parse_time, program)
 
@@ -207,22 +217,23 @@ def lm_drift_study(model="smollm2", preset_name="pcm", times="1s,1h,1d,1mo,1y", 
     metric = "perplexity" if lm.kind == "causal" else "cosine"
     reference = None
     if lm.kind == "encoder":
-        reference = chip_metric(lm, lm.model, data)[0]
-        digital = 1.0
+        reference = chip_metric(lm, lm.model if reference_model is None else reference_model, data)[0]
+        digital = 1.0 if reference_model is None else chip_metric(lm, lm.model, data, reference)[0]
     else:
         digital = chip_metric(lm, lm.model, data)[0]
     analog = convert_to_analog(lm.model, config)
     if needs_calibration(analog):
         calibrate(lm, analog)
     start = time.perf_counter()
-    program(analog, seeds=range(chips))
+    chip_ids = range(first_chip, first_chip + chips)
+    program(analog, seeds=chip_ids)
     memory = chip_memory(analog)
-    modes = ["none"] if gdc == "none" else ["none", gdc]
+    modes = ["none"] if gdc == "none" else ["none", gdc] if uncompensated else [gdc]
     values = {m: [] for m in modes}
     steps = Progress(len(seconds), "drift", "time", steps=len(modes), enabled=progress)
     for i, t in enumerate(seconds):
         for m in modes:
-            drift_to(analog, t, seeds=[10_000 * k + i for k in range(chips)], gdc=m)
+            drift_to(analog, t, seeds=[10_000 * k + i for k in chip_ids], gdc=m)
             values[m].append(chip_metric(lm, analog, data, reference))
             steps.tick()
         steps.done(labels[i], f"{chips} chips, mean {metric}: "
