@@ -35,6 +35,17 @@ def smollm2_gguf() -> Path:
     return Path(spec.submodule_search_locations[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
+@pytest.fixture(scope="session")
+def tiny_gguf(smollm2_gguf, tmp_path_factory) -> Path:
+    """A 2-block Llama of width 32 (seeded) with SmolLM2's vocabulary and tokenizer, as a GGUF file."""
+    from hilt.models import llama
+
+    torch.manual_seed(0)
+    cfg = llama.LlamaConfig(vocab_size=49152, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=64, max_seq_len=128)
+    path = tmp_path_factory.mktemp("tiny-llama") / "tiny.gguf"
+    return llama.save_gguf(llama.Llama(cfg).eval(), smollm2_gguf, path)
+
+
 @pytest.fixture
 def tiny_ckpt(tmp_path) -> Path:
     path = tmp_path / "tiny.safetensors"

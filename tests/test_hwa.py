@@ -24,15 +24,6 @@ def _one_line_failure(r, *needles, absent=()):
         assert not path.exists(), path
 
 
-@pytest.fixture(scope="module")
-def tiny_gguf(smollm2_gguf, tmp_path_factory):
-    """A 2-block Llama of width 32 (seeded) with SmolLM2's vocabulary and tokenizer, as a GGUF file."""
-    torch.manual_seed(0)
-    cfg = llama.LlamaConfig(vocab_size=49152, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=64, max_seq_len=128)
-    path = tmp_path_factory.mktemp("hwa") / "tiny.gguf"
-    return llama.save_gguf(llama.Llama(cfg).eval(), smollm2_gguf, path)
-
-
 SMALL = {"steps": 2, "batch": 1, "context": 16, "save_every": 1, "progress": False,
          "overrides": {"weight_mapping": "column"}}
 

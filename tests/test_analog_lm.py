@@ -1,0 +1,94 @@
+"""`hilt bench analog-lm` (bench/studies/analog_lm.py): its digital baselines, chips run a few at a time,
+the tuned copies it keeps, and the --quick study on a tiny Llama through the command line."""
+
+import json
+
+import pytest
+import torch
+from torch import nn
+
+from helpers import run_hilt
+from hilt.bench.studies import analog_lm
+from hilt.errors import HiltError
+
+
+def test_w4a8_rounds_each_chip_layer_input_to_its_static_8bit_range():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 32), nn.ReLU(), nn.Linear(32, 8))
+    calib = torch.randn(16, 64) * 3
+
+    w4 = analog_lm.w4_copy(model)
+    w4a8 = analog_lm.w4_copy(model, lambda m: m(calib))
+    for layer in (w4[0], w4[2]):  # int4 grid: at most 16 levels per group
+        groups = layer.weight.reshape(layer.out_features, -1, min(64, layer.in_features))
+        assert max(len(torch.unique(g)) for row in groups for g in row) <= 16
+    assert torch.equal(w4[0].weight, w4a8[0].weight) and not torch.equal(w4[0].weight, model[0].weight)
+
+    seen = {}
+    w4a8[0].register_forward_hook(lambda m, args, out: seen.__setitem__("x", args[0]))
+    x = torch.randn(8, 64) * 5  # beyond the calibrated range: clipped to it
+    y = w4a8(x)
+    step = float(calib.abs().max()) / 127
+    codes = seen["x"] / step
+    assert torch.allclose(codes, codes.round(), atol=1e-3) and codes.abs().max() <= 127 + 1e-3
+    assert not torch.allclose(y, w4(x), atol=1e-4)  # the rounding is not ignored
+    assert torch.isfinite(y).all()
+
+
+def test_chips_run_a_few_at_a_time_are_the_chips_of_one_pass(tiny_gguf):
+    from hilt.tasks.drift_lm import load_language_model
+
+    lm = load_language_model(str(tiny_gguf))
+    budget = {"tokens": 32, "context": 16, "sentences": 8}
+    one_pass = analog_lm.on_chips(lm, "pcm", analog_lm.DEPLOY, ["1s", "1y"], 3, 3, budget)
+    in_groups = analog_lm.on_chips(lm, "pcm", analog_lm.DEPLOY, ["1s", "1y"], 3, 2, budget)
+    for t in ("1s", "1y"):
+        assert len(in_groups["times"][t]["all"]) == 3
+        assert in_groups["times"][t]["all"] == pytest.approx(one_pass["times"][t]["all"], rel=1e-5)
+        assert in_groups["times"][t]["worst"] == max(in_groups["times"][t]["all"])
+
+
+def test_energy_counts_the_layers_the_chip_holds(tiny_gguf):
+    from hilt.tasks.drift_lm import eval_data, load_language_model
+
+    lm = load_language_model(str(tiny_gguf))
+    data, _ = eval_data(lm, None, 32, 16)
+    e = analog_lm.energy_per_token(lm, data)
+    assert e["layers"] == 2 * 7 and e["tokens"] == 16
+    assert 0 < e["cim_joules_per_token"] and e["cim_over_gpu"] == pytest.approx(
+        e["cim_joules_per_token"] / e["gpu_joules_per_token"])
+
+
+def test_quick_study_on_a_tiny_llama_keeps_its_tuned_models(tiny_gguf, tmp_path, monkeypatch):
+    work = tmp_path / "work"
+    out = tmp_path / "study.json"
+    r = run_hilt("bench", "analog-lm", "--quick", "--models", tiny_gguf, "--work", work, "--no-aihwkit",
+                 "--json", out, "--plot", tmp_path / "study.png", "--markdown", tmp_path / "study.md")
+    assert r.returncode == 0, r.stderr
+    result = json.loads(out.read_text())
+    entry = result["models"][str(tiny_gguf)]
+    assert list(entry["variants"]) == list(analog_lm.VARIANTS)
+    for variant, row in entry["variants"].items():
+        assert set(row["digital"]) == {"float", "w4", "w4a8"}
+        for stats in row["chips"]["pcm"]["times"].values():
+            assert len(stats["all"]) == 2 and stats["worst"] == max(stats["all"])
+        assert (row["training"] is None) == (variant == "as trained")
+    assert entry["variants"]["noise"]["training"]["settings"]["steps"] == analog_lm.QUICK["steps"]["noise"]
+    assert "mean_over_w4" in result["goals"][str(tiny_gguf)]
+    assert (tmp_path / "study.png").stat().st_size > 0 and "| as trained |" in (tmp_path / "study.md").read_text()
+
+    # a rerun reads the tuned models back; other settings are refused, naming the file
+    from hilt.tasks import hwa
+
+    monkeypatch.setattr(hwa, "tune", lambda *a, **k: pytest.fail("retrained a kept model"))
+    path, record = analog_lm.tuned_copy(str(tiny_gguf), "noise", work, analog_lm.QUICK["steps"]["noise"],
+                                        analog_lm.QUICK["batch"], analog_lm.QUICK["context"])
+    assert path.endswith("tiny-noise.gguf") and record["settings"]["method"] == "noise"
+    with pytest.raises(HiltError, match="tiny-noise.gguf.*other settings"):
+        analog_lm.tuned_copy(str(tiny_gguf), "noise", work, 99, 1, 64)
+
+
+def test_bad_preset_is_one_line(tmp_path):
+    r = run_hilt("bench", "analog-lm", "--presets", "pcm,nope", "--work", tmp_path / "w")
+    assert r.returncode == 1 and "nope" in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
+    assert not (tmp_path / "w").exists()
