@@ -42,9 +42,9 @@ TUNE_PRESET = "pcm"
 VARIANTS = ("as trained", "noise", "dwp")
 FULL = dict(models=("smollm2", "minilm"), presets=("pcm", "rram"), times=("1s", "1h", "1d", "1mo", "1y"), chips=8,
             group=2, tokens=128, context=128, sentences=64, steps={"noise": 80, "dwp": 40}, batch=None,
-            peer_times=("1h", "1y"), peer_chips=8)
+            peer_times=("1h", "1y"), peer_chips=8, speed_tokens=512)
 QUICK = dict(models=("smollm2", "minilm"), presets=("pcm",), times=("1s", "1y"), chips=2, group=2, tokens=64,
-             context=64, sentences=16, steps={"noise": 2, "dwp": 1}, batch=1, peer_times=("1y",), peer_chips=1)
+             context=64, sentences=16, steps={"noise": 2, "dwp": 1}, batch=1, peer_times=("1y",), peer_chips=1, speed_tokens=64)
 LR = 5e-5  # the tuning rate measured in docs/results/cim_lm.md
 GOALS = {"ppl_mean_over_w4": 1.15, "ppl_worst_over_w4": 1.3}
 
@@ -166,7 +166,40 @@ def tuned_copy(model: str, method: str, work: Path, steps: int, batch: int | Non
     return str(out), record
 
 
-# -- energy and the peer ----------------------------------------------------------------------------
+# -- speed, energy and the peer ----------------------------------------------------------------------------
+
+def forward_speed(lm, tokens: int, group: int, repeats: int = 2) -> dict:
+    """Seconds of one forward over ``tokens`` Hamlet tokens (an encoder: 64 sentences), best of ``repeats``
+    after a warm-up: digital, and on 1 and ``group`` chips in one pass (deployed as the study deploys)."""
+    from hilt.cim_sim import convert_to_analog, drift_to, needs_calibration, program
+    from hilt.tasks.drift_lm import calibrate, chip_config, chip_metric, eval_data
+
+    data, _ = eval_data(lm, None, tokens, tokens, 64)
+
+    def best(model, reference=None):
+        chip_metric(lm, model, data, reference)
+        times = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            chip_metric(lm, model, data, reference)
+            times.append(time.perf_counter() - start)
+        return min(times)
+
+    reference = None if lm.kind == "causal" else chip_metric(lm, lm.model, data)[0]
+    out = {"tokens": sum(w.numel() for w in data) if lm.kind == "causal" else None,
+           "digital_s": best(lm.model, reference), "chips_s": {}}
+    analog = convert_to_analog(lm.model, chip_config("pcm", DEPLOY))
+    if needs_calibration(analog):
+        calibrate(lm, analog)
+    for n in sorted({1, group}):
+        program(analog, seeds=range(n))
+        drift_to(analog, 3600.0, seeds=range(n))
+        out["chips_s"][str(n)] = best(analog, reference)  # str: the keys JSON keeps
+    del analog
+    out["one_chip_over_digital"] = out["chips_s"]["1"] / out["digital_s"]
+    out["group_over_one_chip"] = out["chips_s"][str(group)] / out["chips_s"]["1"]
+    return out
+
 
 def energy_per_token(lm, data, chip_name: str = "rram-22nm") -> dict:
     """Joules per token of the layers the chip holds: on the CIM chip model against the GPU model."""
@@ -224,7 +257,7 @@ def beside_aihwkit(lm, data, times, chips: int) -> dict | None:
 # -- the study --------------------------------------------------------------------------------------
 
 def study(quick: bool = False, models=None, presets=None, chips: int | None = None, work=None,
-          peer: bool = True, progress: bool = True) -> dict:
+          peer: bool = True) -> dict:
     """The study on each model (see the module doc); ``work``: where the tuned copies are kept."""
     from hilt.tasks.drift_lm import calibration_run, chip_metric, eval_data, load_language_model
 
@@ -246,9 +279,11 @@ def study(quick: bool = False, models=None, presets=None, chips: int | None = No
         reference = None if lm.kind == "causal" else chip_metric(lm, original, data)[0]
         metric = "perplexity" if lm.kind == "causal" else "cosine"
         entry = {"kind": lm.kind, "metric": metric, "data": data_name, "variants": {},
-                 "energy": energy_per_token(lm, data)}
+                 "energy": energy_per_token(lm, data), "speed": forward_speed(lm, budget["speed_tokens"], budget["group"])}
+        speed = entry["speed"]
         LOG.info(f"{spec}: {metric} on {data_name}; the chip layers {entry['energy']['cim_over_gpu']:.3g}x "
-                 f"the GPU's energy per token")
+                 f"the GPU's energy per token; one forward on one chip {speed['one_chip_over_digital']:.3g}x the "
+                 f"digital one, {budget['group']} chips in one pass {speed['group_over_one_chip']:.3g}x one chip")
         for variant in VARIANTS:
             lm, record = base, None
             if variant != "as trained":
@@ -331,6 +366,11 @@ def render(result: dict) -> str:
                 cells = [_cell(row["chips"][preset_name]["times"][t]) for t in times]
                 lines.append(f"| {variant} | {d['float']:.4g} | {d['w4']:.4g} | {d['w4a8']:.4g} | " + " | ".join(cells) + " |")
             lines.append("")
+        sp = entry["speed"]
+        lines += [f"One forward ({sp['tokens'] or 64} {'tokens' if sp['tokens'] else 'sentences'}): digital "
+                  f"{sp['digital_s']:.3g} s; on one chip {sp['one_chip_over_digital']:.3g}x that; "
+                  + ", ".join(f"{n} chips in one pass {s / sp['chips_s']['1']:.3g}x one chip"
+                              for n, s in sp["chips_s"].items() if n != "1") + ".", ""]
         e = entry["energy"]
         lines += [f"Energy per token of the {e['layers']} chip layers: {e['cim_joules_per_token'] * 1e6:.3g} uJ on the "
                   f"{e['chip']} chip model against {e['gpu_joules_per_token'] * 1e6:.3g} uJ on the GPU model "
