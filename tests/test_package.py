@@ -267,16 +267,3 @@ def test_startup_target_is_over_the_bare_interpreter():
     assert not summarize({**fast, "hilt quantize --help": 0.33}, 1)["met"]  # one command over: missed
     assert not summarize({**fast, "hilt --help": 0.5}, 1)["met"]  # from the interpreter: against torch it would pass
 
-
-def test_committed_files_name_no_path_outside_the_repository():
-    """Results, docs and the README name files by their place in the repository or by their name only."""
-    import re
-    import subprocess
-
-    root = Path(__file__).resolve().parents[1]
-    files = subprocess.run(["git", "ls-files", "bench/results", "docs", "README.md"], cwd=root, capture_output=True,
-                           text=True, check=True).stdout.split()
-    absolute = re.compile(r"(?<![\w.~])/(?:tmp|work|root|home)/[\w.-]")
-    found = [f"{name}: {m.group(0)}" for name in files if name.endswith((".json", ".md"))
-             for m in [absolute.search((root / name).read_text(errors="replace"))] if m]
-    assert not found, found
