@@ -317,3 +317,64 @@ def test_a_failing_cell_is_named(tmp_path, capsys, monkeypatch):
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and f"{grid}: cell chips=2 1h: the model returned shape" in err, err
     assert [r["chips"] for r in rows_of(tmp_path / "out")] == [1]
+
+
+def test_language_models_in_a_grid_name_their_metric(tiny_gguf, tmp_path):
+    """A tiny Llama file beside the grid and the MLP in one sweep: perplexity rows (worst = highest) beside
+    accuracy rows, each row naming its metric; a chip's perplexity is the one `hilt drift` reads with the
+    same seeds."""
+    import shutil
+
+    import torch
+
+    from hilt.cim_sim import convert_to_analog, drift_to, program
+    from hilt.tasks.drift_lm import chip_metric, eval_data, load_language_model
+    from hilt.tasks.grid import parse_grid, program_seeds, read_seeds
+
+    shutil.copy(tiny_gguf, tmp_path / "tiny.gguf")
+    grid = write_grid(tmp_path, """
+chips = 2
+images = 100
+tokens = 32
+
+[axes]
+model = ["tiny", "mlp"]
+time = ["1s", "1y"]
+
+[models.tiny]
+spec = "tiny.gguf"
+""")
+    from hilt.tasks.sweep import run_sweep
+
+    run_sweep(grid, tmp_path / "out")  # in this process: the kernels the other tests compiled are reused
+    rows = rows_of(tmp_path / "out")
+    assert [(row["model"], row["metric"]) for row in rows] == [("tiny", "perplexity")] * 2 + [("mlp", "accuracy")] * 2
+    for row in rows:
+        assert len(row["values"]) == 2 and "accuracies" not in row
+        assert row["worst"] == (max if row["metric"] == "perplexity" else min)(row["values"])
+    assert rows[0]["digital"] > 1 and (tmp_path / "out" / "accuracy_by_model.png").is_file()
+
+    # chip 1 of the 1y cell, by hand with the cell's seeds
+    lm = load_language_model(str(tmp_path / "tiny.gguf"))
+    data, _ = eval_data(lm, None, 32, 128)
+    seed = rows[1]["seed"]
+    analog = convert_to_analog(lm.model, parse_grid(grid).config({"preset": "pcm"}))
+    program(analog, seeds=program_seeds(seed, 2))
+    drift_to(analog, 365 * 86400.0, seeds=read_seeds(seed, rows[1]["seconds"], 2))
+    by_hand = [math.log(p) for p in chip_metric(lm, analog, data)]
+    assert by_hand == pytest.approx([math.log(p) for p in rows[1]["values"]], abs=1e-3)  # nats per token
+    assert torch.isfinite(torch.tensor(rows[1]["values"])).all()
+
+
+def test_a_language_model_takes_no_checkpoint_and_needs_a_text(tiny_gguf, tmp_path):
+    import shutil
+
+    shutil.copy(tiny_gguf, tmp_path / "tiny.gguf")
+    (tmp_path / "empty.txt").write_text("")
+    base = '[axes]\nmodel = "tiny"\ntime = "1s"\n[models.tiny]\nspec = "tiny.gguf"\n'
+    for text, needle in ((base + 'checkpoint = "w.safetensors"\n', "takes no checkpoint"),
+                         ('text = "empty.txt"\n' + base, "empty")):
+        r = run_hilt("sweep", write_grid(tmp_path, text), "--out", tmp_path / "out")
+        err = r.stderr.strip()
+        assert r.returncode == 1 and len(err.splitlines()) == 1 and needle in err and "grid.toml" in err, err
+        assert not (tmp_path / "out").exists()

@@ -19,7 +19,7 @@ from hilt.cim_sim.model import GDC_MODES
 from hilt.errors import HiltError
 
 FORMAT = "hilt-sweep/1"  # part of every seed: a change in how seeds derive must change this
-TOP_KEYS = ("seed", "chips", "data", "images", "batch_size", "axes", "models")
+TOP_KEYS = ("seed", "chips", "data", "images", "batch_size", "text", "tokens", "sentences", "axes", "models")
 CONFIG_FIELDS = tuple(f.name for f in dataclasses.fields(AnalogConfig))
 AXES = ("model", "preset", *CONFIG_FIELDS, "chips", "gdc", "time")  # grid order, time innermost
 GROUP_AXES = AXES[: AXES.index("gdc")]  # what a group's cells share
@@ -41,15 +41,21 @@ class Grid:
     axes: dict  # axis -> list of values as written (times as strings), in grid order (AXES)
     models: dict  # model name -> {"spec": str, "checkpoint": str | None}
     declared: tuple = ()  # the model names that have a [models.NAME] table
+    language: dict = field(default_factory=dict)  # language models' text, tokens and sentences, where set
 
     def normalized(self) -> dict:
         """What the rows depend on, as JSON (DIR/grid.json): resume compares it with the grid file's."""
         models = {m: self.models[m] for m in self.axes["model"]}
-        files = [f for f in (self.data, *(e["checkpoint"] for e in models.values())) if f and f != "fashion-mnist"]
+        files = [f for f in (self.data, self.language.get("text"), *(e["checkpoint"] for e in models.values()),
+                             *(e["spec"] for e in models.values() if is_model_file(e["spec"])))
+                 if f and f != "fashion-mnist"]
         return {"format": FORMAT, "seed": self.seed, "data": self.data, "images": self.images,
-                "batch_size": self.batch_size, "axes": self.axes, "models": models,
+                "batch_size": self.batch_size, **self.language, "axes": self.axes, "models": models,
                 # the files' contents too: a retrained checkpoint under the same name is another grid
                 "sha256": {f: _sha256(self.path.parent / f) for f in sorted(set(files))}}
+
+    def is_language_model(self, name: str) -> bool:
+        return is_language_spec(self.models[name]["spec"], self.path.parent)
 
     def config(self, values: dict) -> AnalogConfig:
         fields = {k: values[k] for k in CONFIG_FIELDS if k in values}
@@ -80,6 +86,19 @@ class Group:
     chips: int
     seed: int
     cells: list = field(default_factory=list)
+
+
+LANGUAGE_MODELS = ("smollm2", "minilm")
+
+
+def is_model_file(spec: str) -> bool:
+    """A GGUF file or a model folder named by a grid (relative to it), not a workload or a factory."""
+    return spec.endswith(".gguf") or ("/" in spec and ":" not in spec)
+
+
+def is_language_spec(spec: str, folder: Path) -> bool:
+    """smollm2, minilm, a GGUF file or a model folder (config.json) beside the grid: a language model."""
+    return spec in LANGUAGE_MODELS or spec.endswith(".gguf") or (":" not in spec and (folder / spec / "config.json").is_file())
 
 
 def _sha256(path: Path) -> str | None:
@@ -147,6 +166,10 @@ def parse_grid(path) -> Grid:
     data = raw.get("data")
     if data is not None and (not isinstance(data, str) or not data):
         raise HiltError(f"{where}: data: expected 'fashion-mnist' or a file name, got {data!r}")
+    language = {k: v for k, v in (("text", raw.get("text")), ("tokens", integer("tokens", 2, None)),
+                                  ("sentences", integer("sentences", 1, None))) if v is not None}
+    if "text" in language and (not isinstance(language["text"], str) or not language["text"]):
+        raise HiltError(f"{where}: text: expected a text file's name, got {language['text']!r}")
 
     axes_raw = raw.get("axes")
     if not isinstance(axes_raw, dict):
@@ -189,7 +212,11 @@ def parse_grid(path) -> Grid:
             raise HiltError(f"{where}: axes.{axis} is empty; give at least one value")
         axes[axis] = _check_axis(where, axis, values, models)
     grid = Grid(path, seed, data, images, batch_size, axes,
-                {m: models.get(m, {"spec": m, "checkpoint": None}) for m in axes["model"]}, tuple(models))
+                {m: models.get(m, {"spec": m, "checkpoint": None}) for m in axes["model"]}, tuple(models), language)
+    for name in axes["model"]:
+        if grid.is_language_model(name) and grid.models[name]["checkpoint"] is not None:
+            raise HiltError(f"{where}: models.{name}: a language model's weights are its file or folder "
+                            "(spec); it takes no checkpoint")
     for values in _combinations(grid, GROUP_AXES):  # every configuration must be one the simulator takes
         config = grid.config(values)
         try:

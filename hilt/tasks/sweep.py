@@ -1,5 +1,6 @@
-"""`hilt sweep GRID.toml --out DIR`: accuracy on simulated CIM chips over a grid of models x presets x
-AnalogConfig fields x chips x drift compensation x times after programming, locally or on a Ray cluster.
+"""`hilt sweep GRID.toml --out DIR`: accuracy (a language model: perplexity or embedding cosine) on
+simulated CIM chips over a grid of models x presets x AnalogConfig fields x chips x drift compensation x
+times after programming, locally or on a Ray cluster.
 
 The grid (its format, cells, groups and seeds) is `hilt.tasks.grid`; this module runs the groups (here
 or as Ray tasks), writes the rows, resumes, and draws the plots. The grid format, the output files and
@@ -24,7 +25,8 @@ from hilt.atomic import Appender, write_text
 from hilt.cim_sim import convert_to_analog, drift_to, evaluate, program
 from hilt.errors import HiltError
 from hilt.progress import LOG, Progress
-from hilt.tasks.grid import GROUP_AXES, Cell, Grid, canonical, cells_of, parse_grid, program_seeds, read_seeds, show
+from hilt.tasks.grid import (GROUP_AXES, LANGUAGE_MODELS, Cell, Grid, canonical, cells_of, parse_grid, program_seeds,
+                             read_seeds, show)
 
 RESULTS_JSONL, RESULTS_CSV, GRID_JSON, TIMING_JSON = "results.jsonl", "results.csv", "grid.json", "timing.json"
 
@@ -44,31 +46,52 @@ class CellError(HiltError):
         return f"cell {self.cell}: {self.reason}"
 
 
+def _scoring(model, data, batch):
+    """(the network to put on chips, its digital score, score(analog) -> one number per chip, metric, calibrate).
+    A classifier scores accuracy; a language model (hilt.tasks.drift_lm.LanguageModel) perplexity or,
+    an encoder, the cosine of its embeddings to the digital ones."""
+    from hilt.tasks.drift_lm import LanguageModel, calibrate, chip_metric
+
+    if not isinstance(model, LanguageModel):
+        return (model, float(evaluate(model, data, batch_size=batch)[0]),
+                lambda analog: evaluate(analog, data, batch_size=batch).tolist(), "accuracy", None)
+    if model.kind == "causal":
+        return (model.model, chip_metric(model, model.model, data)[0],
+                lambda analog: chip_metric(model, analog, data), "perplexity", lambda analog: calibrate(model, analog))
+    reference = chip_metric(model, model.model, data)[0]
+    return (model.model, 1.0, lambda analog: chip_metric(model, analog, data, reference), "cosine",
+            lambda analog: calibrate(model, analog))
+
+
 def run_group(model, data, task: dict, threads: int | None = None):
     """Evaluate one group: program its chips once, then per cell drift to the cell's time and gdc.
 
     ``task``: {"config", "chips", "seed", "batch_size", "cells": [(cell index, seconds, gdc), ...]}.
-    Yields (cell index, per-chip accuracies, digital accuracy, seconds spent) per cell, in order.
+    Yields (cell index, per-chip scores, digital score, seconds spent, metric) per cell, in order.
     """
+    from hilt.cim_sim import needs_calibration
+
     if threads:
         torch.set_num_threads(threads)
     start = time.perf_counter()
     batch = task["batch_size"]
     index = task["cells"][0][0]
     try:
-        digital = float(evaluate(model, data, batch_size=batch)[0])
-        analog = convert_to_analog(model, task["config"])
+        network, digital, score, metric, calibrate = _scoring(model, data, batch)
+        analog = convert_to_analog(network, task["config"])
+        if calibrate is not None and needs_calibration(analog):
+            calibrate(analog)
         program(analog, seeds=program_seeds(task["seed"], task["chips"]))
     except HiltError as e:
         raise CellError(index, str(e)) from None
     for index, seconds, gdc in task["cells"]:
         try:
             drift_to(analog, seconds, gdc=gdc, seeds=read_seeds(task["seed"], seconds, task["chips"]))  # also seeds the forward noise
-            accuracies = evaluate(analog, data, batch_size=batch).tolist()
+            scores = score(analog)
         except HiltError as e:
             raise CellError(index, str(e)) from None
         now = time.perf_counter()
-        yield index, accuracies, digital, now - start
+        yield index, scores, digital, now - start, metric
         start = now
 
 
@@ -79,14 +102,20 @@ def _round(x: float) -> float:
     return round(float(x), 6)
 
 
-def make_row(cell: Cell, accuracies, digital: float) -> dict:
-    acc = [_round(a) for a in accuracies]
-    mean = sum(acc) / len(acc)
-    std = math.sqrt(sum((a - mean) ** 2 for a in acc) / (len(acc) - 1)) if len(acc) > 1 else 0.0
+def make_row(cell: Cell, scores, digital: float, metric: str | None = None) -> dict:
+    """A cell's row. A grid of classifiers only keeps the rows it always had (``accuracies``, no
+    ``metric``); a grid with a language model names each row's ``metric`` and keeps its ``values``."""
+    values = [_round(a) for a in scores]
+    mean = sum(values) / len(values)
+    std = math.sqrt(sum((a - mean) ** 2 for a in values) / (len(values) - 1)) if len(values) > 1 else 0.0
     row = dict(cell.values)
     row["seconds"] = cell.seconds
-    row.update(mean=_round(mean), std=_round(std), worst=min(acc), accuracies=acc, seed=cell.seed,
-               digital=_round(digital))
+    worst = max(values) if metric == "perplexity" else min(values)
+    if metric is None:
+        row.update(mean=_round(mean), std=_round(std), worst=worst, accuracies=values)
+    else:
+        row.update(metric=metric, mean=_round(mean), std=_round(std), worst=worst, values=values)
+    row.update(seed=cell.seed, digital=_round(digital))
     return row
 
 
@@ -169,14 +198,20 @@ def _resume_rows(out: Path, grid: Grid, cells: list[Cell]) -> dict[int, dict]:
 
 
 def _load_model(grid: Grid, name: str):
+    """A classifier (nn.Module) or a language model (hilt.tasks.drift_lm.LanguageModel)."""
     from hilt.tasks.cim_inputs import load_model
 
     entry = grid.models[name]
-    checkpoint = entry["checkpoint"]
-    if checkpoint is not None:
-        checkpoint = grid.path.parent / checkpoint
     key = f"models.{name}" if name in grid.declared else "axes.model"
     try:
+        if grid.is_language_model(name):
+            from hilt.tasks.drift_lm import load_language_model
+
+            spec = entry["spec"]
+            return load_language_model(spec if spec in LANGUAGE_MODELS else str(grid.path.parent / spec))
+        checkpoint = entry["checkpoint"]
+        if checkpoint is not None:
+            checkpoint = grid.path.parent / checkpoint
         model, _ = load_model(entry["spec"], checkpoint)
     except HiltError as e:
         raise HiltError(f"{grid.path}: {key}: {e}") from None
@@ -193,6 +228,20 @@ def _load_data(grid: Grid):
         return load_data(spec, limit=grid.images)
     except HiltError as e:
         raise HiltError(f"{grid.path}: data: {e}") from None
+
+
+def _language_data(grid: Grid, lm):
+    """A language model's evaluation inputs: ``tokens`` tokens (default 128, windows of 128) or
+    ``sentences`` sentences (default 64) of the grid's ``text`` (default Hamlet)."""
+    from hilt.tasks.drift_lm import eval_data
+
+    text = grid.language.get("text")
+    try:
+        data, _ = eval_data(lm, None if text is None else grid.path.parent / text, grid.language.get("tokens", 128),
+                            128, grid.language.get("sentences", 64))
+    except HiltError as e:
+        raise HiltError(f"{grid.path}: text: {e}") from None
+    return data
 
 
 # ------------------------------------------------------------------ running
@@ -227,8 +276,12 @@ def run_sweep(grid_path, out, *, resume: bool = False, overwrite: bool = False, 
         LOG.info(f"{out}: no finished cells to resume; running all {len(cells)}")
     todo = [g for g in groups if any(c.index not in done for c in g.cells)]
     models = {name: _load_model(grid, name) for name in dict.fromkeys(g.model for g in todo)}
-    data = _load_data(grid) if todo else None
-    for name, model in models.items():  # a model the data does not fit fails here, before DIR is touched
+    classifiers = [name for name in models if not grid.is_language_model(name)]
+    data = _load_data(grid) if classifiers else None
+    inputs = {name: data if name in classifiers else _language_data(grid, models[name]) for name in models}
+    named = any(grid.is_language_model(m) for m in grid.axes["model"])  # then every row names its metric
+    for name in classifiers:  # a model the data does not fit fails here, before DIR is touched
+        model = models[name]
         try:
             evaluate(model, (data[0][:1], data[1][:1]))
         except HiltError as e:
@@ -249,7 +302,7 @@ def run_sweep(grid_path, out, *, resume: bool = False, overwrite: bool = False, 
     else:  # the csv follows the kept rows (the run that wrote them may have died between the two files)
         write_text(out / RESULTS_CSV, "".join(_csv_line(r, i == 0) for i, r in enumerate(done.values())), fsync=True)
     LOG.info(f"{grid.path}: {len(cells)} cells in {len(groups)} groups (model x configuration x chips)"
-        + (f"; {len(done)} already in {results}" if done else "") + f"; {len(data[1]) if data else 0} samples")
+        + (f"; {len(done)} already in {results}" if done else "") + (f"; {len(data[1])} samples" if data else ""))
 
     rows = dict(done)
     group_seconds = {}
@@ -257,16 +310,17 @@ def run_sweep(grid_path, out, *, resume: bool = False, overwrite: bool = False, 
     bar = Progress(len(cells), "sweep", "cell", initial=len(done), enabled=progress)
     header = not done
 
-    def finished(index, accuracies, digital, seconds):
+    def finished(index, scores, digital, seconds, cell_metric):
         nonlocal header
         cell = cells[index]
-        row = make_row(cell, accuracies, digital)
+        row = make_row(cell, scores, digital, cell_metric if named else None)
         jsonl.write(_jsonl(row))
         csv_file.write(_csv_line(row, header))
         header = False
         rows[index] = row
         group_seconds[cell.group] = group_seconds.get(cell.group, 0.0) + seconds
-        bar.done(cell.label(grid), f"mean {row['mean']:.4f} ± {row['std']:.4f}, worst {row['worst']:.4f}")
+        bar.done(cell.label(grid), (f"{row['metric']} " if "metric" in row else "")
+                 + f"mean {row['mean']:.4f} ± {row['std']:.4f}, worst {row['worst']:.4f}")
         if on_row is not None:
             on_row(row)
 
@@ -275,11 +329,11 @@ def run_sweep(grid_path, out, *, resume: bool = False, overwrite: bool = False, 
              for g in todo]
     try:
         if use_ray and tasks:
-            placement = _run_ray(tasks, models, data, workers, finished)
+            placement = _run_ray(tasks, models, inputs, workers, finished)
         else:
             placement = None
             for g, task in tasks:
-                for item in run_group(models[g.model], data, task):
+                for item in run_group(models[g.model], inputs[g.model], task):
                     finished(*item)
     except Exception as e:
         if not rows:  # failed before its first row (a model that cannot run on analog arrays): leave no sweep behind
@@ -318,7 +372,7 @@ def import_ray():
     return ray
 
 
-def _run_ray(tasks, models, data, workers, finished) -> dict:
+def _run_ray(tasks, models, inputs, workers, finished) -> dict:
     """One Ray task per group on the cluster at RAY_ADDRESS, the one this process already joined,
     or a local instance on every CPU; rows come back cell by cell (the tasks are generators)."""
     ray = import_ray()
@@ -340,9 +394,10 @@ def _run_ray(tasks, models, data, workers, finished) -> dict:
         per_task = max(1, cpus // slots)
         LOG.info(f"Ray: {cpus} CPUs, {per_task} per task ({slots} tasks at a time), {len(tasks)} tasks")
         remote = ray.remote(run_group).options(num_cpus=per_task)
-        data_ref = ray.put(data)
+        refs = {}  # one object per distinct input (the classifiers share theirs)
+        input_refs = {name: refs.setdefault(id(x), ray.put(x)) for name, x in inputs.items()}
         model_refs = {name: ray.put(m) for name, m in models.items()}
-        pending = [remote.remote(model_refs[g.model], data_ref, task, per_task) for g, task in tasks]
+        pending = [remote.remote(model_refs[g.model], input_refs[g.model], task, per_task) for g, task in tasks]
         while pending:
             ready, pending = ray.wait(pending, num_returns=1)
             for stream in ready:
@@ -380,6 +435,7 @@ def plot_sweep(grid: Grid, rows: list[dict], out: Path, max_panels: int = 12) ->
 
     varying = [a for a in grid.axes if a != "time" and len(grid.axes[a]) > 1]
     log_x = all(r["seconds"] > 0 for r in rows)
+    metrics = sorted({r.get("metric", "accuracy") for r in rows})
     paths = []
     for axis in varying or [None]:
         others = [a for a in varying if a != axis]
@@ -401,14 +457,16 @@ def plot_sweep(grid: Grid, rows: list[dict], out: Path, max_panels: int = 12) ->
             for d in sorted({r["digital"] for r in mine}):
                 ax.axhline(d, color="gray", ls="--", lw=1)
             ax.set_xscale("log" if log_x else "symlog")
-            ax.set_title(", ".join(show(a, v) for a, v in fixed.items()) or "accuracy over time", fontsize=9)
+            if metrics == ["perplexity"]:
+                ax.set_yscale("log")
+            ax.set_title(", ".join(show(a, v) for a, v in fixed.items()) or f"{' / '.join(metrics)} over time", fontsize=9)
             ax.grid(alpha=0.3)
             ax.set_xlabel("time after programming (s)")
             ax.legend(fontsize=8)
         for ax in list(axs.flat)[len(panels):]:
             ax.set_visible(False)
         for ax in axs[:, 0]:
-            ax.set_ylabel("accuracy (mean ± std over chips)")
+            ax.set_ylabel(f"{' / '.join(metrics)} (mean ± std over chips)")
         fig.suptitle(f"{grid.path.name}: dashed = digital" + (f", by {axis}" if axis else ""))
         fig.tight_layout()
         path = out / (f"accuracy_by_{axis}.png" if axis else "accuracy.png")
