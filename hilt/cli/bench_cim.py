@@ -2,8 +2,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from hilt.atomic import write_text
-from hilt.cli.common import CIM_PRESETS, LOG, OUTPUT, PLOT, SEED, WORKLOADS, command, integer
+from hilt.cli.common import CIM_PRESETS, OUTPUT, PLOT, SEED, WORKLOADS, command, integer
 from hilt.cli.output import write_json_option, write_outputs
 from hilt.errors import HiltError
 
@@ -12,10 +11,7 @@ def cmd_bench_certify(args) -> int:
     from hilt.bench.studies import certify
 
     result = certify.study(quick=args.quick, progress=True, seed=args.seed)
-    write_outputs(args, result, certify.plot)
-    if args.markdown:
-        write_text(args.markdown, certify.render(result))
-        LOG.info(f"wrote {args.markdown}")
+    write_outputs(args, result, certify.plot, certify.render)
     if any(result["sound_violations"].values()):
         raise HiltError(f"an input certified by an exact or Lipschitz certificate flipped under an allowed "
                         f"perturbation: {result['sound_violations']} (the results are written)")
@@ -51,10 +47,7 @@ def cmd_bench_robustness(args) -> int:
     from hilt.bench.studies import robustness
 
     result = robustness.study(quick=args.quick)
-    write_outputs(args, result, robustness.plot)
-    if args.markdown:
-        write_text(args.markdown, robustness.render(result))
-        LOG.info(f"wrote {args.markdown}")
+    write_outputs(args, result, robustness.plot, robustness.render)
     return 0
 
 
@@ -67,10 +60,7 @@ def cmd_bench_analog_lm_diagnosis(args) -> int:
         raise HiltError(f"--blocks {args.blocks}: expected block numbers separated by commas, e.g. 0,15,29") from None
     result = analog_lm_diagnosis.diagnose(args.model, args.preset, args.time, blocks, args.tokens, quick=args.quick,
                                 progress=True)
-    write_outputs(args, result, analog_lm_diagnosis.plot)
-    if args.markdown:
-        write_text(args.markdown, analog_lm_diagnosis.render(result))
-        LOG.info(f"wrote {args.markdown}")
+    write_outputs(args, result, analog_lm_diagnosis.plot, analog_lm_diagnosis.render)
     return 0
 
 
@@ -84,10 +74,7 @@ def cmd_bench_analog_lm(args) -> int:
             raise HiltError(f"--presets {args.presets}: {p!r} is not a preset; choose from {', '.join(CIM_PRESETS)}")
     result = analog_lm.study(quick=args.quick, models=models, presets=presets, chips=args.chips, work=args.work,
                              peer=not args.no_aihwkit)
-    write_outputs(args, result, analog_lm.plot)
-    if args.markdown:
-        write_text(args.markdown, analog_lm.render(result))
-        LOG.info(f"wrote {args.markdown}")
+    write_outputs(args, result, analog_lm.plot, analog_lm.render)
     return 0
 
 

@@ -56,8 +56,9 @@ def check_output_folders(args) -> None:
             raise HiltError(f"--{flag} {path}: folder {Path(path).parent} does not exist")
 
 
-def write_outputs(args, result, plot=None) -> None:
-    """--json and, where the command has one, --plot FILE drawn by ``plot(result, path)``."""
+def write_outputs(args, result, plot=None, render=None) -> None:
+    """--json and, where the command has them, --plot FILE drawn by ``plot(result, path)`` and --markdown
+    FILE written by ``render(result)``."""
     write_json_option(args, result)
     if plot is not None and args.plot:
         try:
@@ -65,3 +66,8 @@ def write_outputs(args, result, plot=None) -> None:
         except OSError as e:
             raise HiltError(f"--plot {args.plot}: cannot write ({e.strerror or e})") from None
         LOG.info(f"wrote {args.plot}")
+    if render is not None and args.markdown:
+        from hilt.atomic import write_text
+
+        write_text(args.markdown, render(result))
+        LOG.info(f"wrote {args.markdown}")
