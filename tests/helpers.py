@@ -6,6 +6,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 from safetensors.torch import save_file
 
@@ -36,3 +37,14 @@ def run_hilt(*args, cwd=None, timeout=300):
 
 def read_json(path) -> dict:
     return json.loads(Path(path).read_text())
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_torch_thread():
+    """Where a module imports it: hilt's side on one thread, as llama.cpp's tools run: correctness checks,
+    and on shared cores a second thread mostly waits (a 64-token forward took 1.9 s on two busy cores, 0.55 s
+    on one)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

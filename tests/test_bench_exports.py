@@ -4,19 +4,8 @@ import json
 
 import pytest
 
+from helpers import one_torch_thread  # noqa: F401  (a fixture)
 from hilt.tasks import llama_cpp
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_torch_thread():
-    """hilt's side on one thread, as llama.cpp's tools run: correctness checks, and on shared cores a second
-    thread mostly waits (a 64-token forward took 1.9 s on two busy cores, 0.55 s on one)."""
-    import torch
-
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 @pytest.mark.skipif(bool(llama_cpp.missing_tools()), reason="llama.cpp tools not built (scripts/build_llama_cpp.sh)")

@@ -11,22 +11,12 @@ import pytest
 
 from hilt.quant import QuantConfig, quantize_checkpoint
 from hilt.quant.gguf_export import export_gguf
+from helpers import one_torch_thread  # noqa: F401  (a fixture)
 from hilt.tasks import llama_cpp
 
 pytestmark = pytest.mark.skipif(bool(llama_cpp.missing_tools()),
                                 reason=f"llama.cpp tools not built (run scripts/build_llama_cpp.sh; looked in "
                                        f"{llama_cpp.tools_dir()})")
-
-@pytest.fixture(autouse=True, scope="module")
-def one_torch_thread():
-    """hilt's side on one thread, as llama.cpp's tools run: correctness checks, and on shared cores a second
-    thread mostly waits (a 64-token forward took 1.9 s on two busy cores, 0.55 s on one)."""
-    import torch
-
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 TEXT_CHARS = 2000  # about 500 tokens: two chunks of 64 and the whole text tokenized both ways
