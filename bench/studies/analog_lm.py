@@ -136,6 +136,7 @@ def on_chips(lm, preset_name: str, overrides: dict, times, chips: int, group: in
 def tuned_copy(model: str, method: str, work: Path, steps: int, batch: int | None, context: int) -> tuple[str, dict]:
     """The path of ``model`` tuned by ``method`` in ``work``, trained now or read back when a
     previous run trained it with the same settings. -> (path, training record)."""
+    from hilt.atomic import write_json
     from hilt.tasks import hwa
 
     causal = model == "smollm2" or model.endswith(".gguf")
@@ -160,13 +161,11 @@ def tuned_copy(model: str, method: str, work: Path, steps: int, batch: int | Non
                  steps=steps, lr=LR, batch=settings["batch"], context=context, resume=out.with_name(
                      out.name + ".hwa-state").exists())
     record = {"settings": settings, "losses": r["losses"], "seconds": round(time.perf_counter() - start, 1)}
-    from hilt.atomic import write_json
-
     write_json(record_path, record)
     return str(out), record
 
 
-# -- speed, energy and the peer ----------------------------------------------------------------------------
+# -- speed, energy and the peer --------------------------------------------------------------------
 
 def forward_speed(lm, tokens: int, group: int, repeats: int = 2) -> dict:
     """Seconds of one forward over ``tokens`` Hamlet tokens (an encoder: 64 sentences), best of ``repeats``
