@@ -22,8 +22,8 @@ def cmd_sweep(args) -> int:
 
 
 def register(sub) -> None:
-    sw = command(sub, "sweep", "CIM accuracy over a grid (models x presets x AnalogConfig fields x chips x drift "
-                 "compensation x times, in a TOML file), locally or on a Ray cluster; one tidy row per cell in "
+    sw = command(sub, "sweep", "CIM accuracy (language models: perplexity or embedding cosine) over a grid (models x "
+                 "presets x AnalogConfig fields x chips x drift compensation x times, in a TOML file), locally or on a Ray cluster; one tidy row per cell in "
                  "DIR/results.jsonl and DIR/results.csv, plots per axis",
                  "hilt sweep hilt/tasks/grids/example.toml --out sweep/\n"
                  "  hilt sweep hilt/tasks/grids/example.toml --out sweep/ --resume        # after an interruption\n"
