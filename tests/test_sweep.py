@@ -293,6 +293,9 @@ def test_the_example_grid_reads():
     model, _ = load_model(entry["spec"], grid.path.parent / entry["checkpoint"])  # paths: from the grid's folder
     assert sum(p.numel() for p in model.parameters()) > 100_000
 
+    lm_grid = parse_grid(Path(tasks.__file__).parent / "grids" / "smollm2.toml")
+    assert len(cells_of(lm_grid)[1]) == 4 and lm_grid.is_language_model("smollm2") and lm_grid.language["tokens"] == 128
+
 
 def test_a_failing_cell_is_named(tmp_path, capsys, monkeypatch):
     """A model that runs on one chip but not on two (it reshapes its logits to its input's batch):
