@@ -34,6 +34,7 @@ from hilt.cim_sim.output_pass import output_pass
 from hilt.errors import HiltError
 
 _ZERO = torch.zeros(())  # addmm's ignored input (beta=0): a product scaled inside BLAS
+WEIGHT_MAPPINGS = ("layer", "column", "tile")  # AnalogConfig.weight_mapping
 
 
 def _combine_eager(planes, column_scale):
@@ -103,7 +104,9 @@ class AnalogConfig:
     weight_scaling: bool = False
     # Weight mapping (programming): "layer" maps the layer's abs-max weight to g_max; "column" maps
     # each output column's own abs-max to g_max (its scale applied digitally, so output noise and ADC
-    # step are relative to that column's largest weight, as aihwkit's columnwise weight scaling).
+    # step are relative to that column's largest weight, as aihwkit's columnwise weight scaling);
+    # "tile" maps each tile's abs-max (tile_size inputs x tile_size outputs, split as the arrays
+    # split a layer) to g_max, as aihwkit programs its tiles; the arrays still hold the weights.
     weight_mapping: str = "layer"
     # Outliers clipped per output column before mapping (0 = off): at clip_std times the column's
     # weight std, or at the clip_percentile-th percentile of its |w| (e.g. 99.9).
@@ -130,8 +133,8 @@ class AnalogConfig:
     def device_model(self):
         if self.device not in ("ideal", "pcm", "rram"):
             raise HiltError(f"unknown device {self.device!r}; choose ideal, pcm or rram")
-        if self.weight_mapping not in ("layer", "column"):
-            raise HiltError(f"unknown weight_mapping {self.weight_mapping!r}; choose layer or column")
+        if self.weight_mapping not in WEIGHT_MAPPINGS:
+            raise HiltError(f"unknown weight_mapping {self.weight_mapping!r}; choose {', '.join(WEIGHT_MAPPINGS)}")
         if self.input_range not in ("dynamic", "static"):
             raise HiltError(f"unknown input_range {self.input_range!r}; choose dynamic or static")
         if not 0 <= self.smoothing <= 1:
@@ -173,6 +176,16 @@ class ChipForward:
 
     def __init__(self, batch: int):
         self.batch, self.stacked = batch, False
+
+
+def tile_unit(w: torch.Tensor, tile_size: int) -> torch.Tensor:
+    """weight_mapping="tile": each weight's tile abs-max, shaped like ``w`` (out, in); tiles of
+    ``tile_size`` inputs by ``tile_size`` outputs, cut into equal parts as :func:`array_bounds` cuts."""
+    unit = torch.empty_like(w)
+    for n0, n1 in array_bounds(w.shape[0], tile_size):
+        for k0, k1 in array_bounds(w.shape[1], tile_size):
+            unit[n0:n1, k0:k1] = w[n0:n1, k0:k1].abs().max()
+    return unit.clamp_min_(1e-30)
 
 
 def array_bounds(n_in: int, tile_size: int) -> list[tuple[int, int]]:
@@ -348,7 +361,10 @@ class AnalogMixin:
             w = mapped.clone()
             self.set_weights(w if self.chips == 1 else w.expand(self.chips, *w.shape))
             return None
-        scale = dev.g_max / (self.w_max if self.column_unit is None else self.column_unit.view(-1, 1))
+        if self.config.weight_mapping == "tile":
+            scale = dev.g_max / tile_unit(mapped, self.config.tile_size)
+        else:
+            scale = dev.g_max / (self.w_max if self.column_unit is None else self.column_unit.view(-1, 1))
         # G+ and G- stacked: one tensor op per step for both devices of every pair
         g_target = torch.stack([(mapped * scale).clamp(0, dev.g_max), (-mapped * scale).clamp(0, dev.g_max)])
         chips = []

@@ -7,8 +7,8 @@ device model:
 
 * ``mismatch`` (default): w (1 + eta N(0, 1)), the generic robustness model;
   the gradient reaches w through the multiplicative factor;
-* ``pcm`` / ``rram``: w mapped to conductance pairs (the layer's abs-max, or each output
-  column's, to g_max, as ``AnalogConfig.weight_mapping``), programmed, read at a time
+* ``pcm`` / ``rram``: w mapped to conductance pairs (the layer's abs-max, each output column's
+  or each tile's, to g_max, as ``AnalogConfig.weight_mapping``), programmed, read at a time
   drawn log-uniformly between 1 s and 1 year, globally compensated; eta scales
   the device's programming and read noise (eta = 1 is the published device).
   The gradient passes straight through the device (w + (w_device - w).detach()).
@@ -49,6 +49,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.func import functional_call
 
+from hilt.cim_sim.analog import WEIGHT_MAPPINGS, tile_unit
 from hilt.cim_sim.devices import PCM, RRAM, compiled, hashed_normal
 from hilt.errors import HiltError
 
@@ -137,17 +138,19 @@ _device_read_compiled = compiled(_device_read)
 
 
 def perturb(w: torch.Tensor, eta: float, noise_model: str, gen: torch.Generator,
-            mapping: str = "layer") -> torch.Tensor:
+            mapping: str = "layer", tile: int = 512) -> torch.Tensor:
     """One noisy copy of weight ``w`` (differentiable to w), per the module docstring. ``mapping``:
-    the device models' weight mapping, "layer" or "column" (AnalogConfig.weight_mapping)."""
+    the device models' weight mapping, "layer", "column" or "tile" (AnalogConfig.weight_mapping; ``tile``:
+    its tile_size)."""
     if noise_model == "mismatch":
         return w * (1 + eta * torch.randn(w.shape, generator=gen, dtype=w.dtype))
-    if mapping not in ("layer", "column"):
-        raise HiltError(f"unknown weight mapping {mapping!r}; choose layer or column")
+    if mapping not in WEIGHT_MAPPINGS:
+        raise HiltError(f"unknown weight mapping {mapping!r}; choose {', '.join(WEIGHT_MAPPINGS)}")
     device = {"pcm": PCM, "rram": RRAM}[noise_model](prog_noise_scale=eta, read_noise_scale=eta)
     with torch.no_grad():
         wd = w.detach().float().reshape(w.shape[0], -1)
-        unit = wd.abs().amax(1, keepdim=True) if mapping == "column" else wd.abs().max().view(1, 1)
+        unit = wd.abs().amax(1, keepdim=True) if mapping == "column" else tile_unit(wd, tile) if mapping == "tile" \
+            else wd.abs().max().view(1, 1)
         scale = device.g_max / unit.clamp_min(1e-30)
         target = torch.stack([(wd * scale).clamp_min(0), (-wd * scale).clamp_min(0)])
         t = math.exp(float(torch.rand((), generator=gen)) * math.log(_YEAR))  # log-uniform, 1 s .. 1 y

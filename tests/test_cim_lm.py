@@ -99,6 +99,37 @@ def test_clipping_clips_what_it_says():
     assert err[1] < 0.5 * err[0]
 
 
+def test_tile_mapping_scales_each_tile_and_is_layer_mapping_within_one():
+    """weight_mapping="tile" (aihwkit's programming scale): within one tile it is the layer mapping, bit
+    for bit; a layer of 2 x 2 tiles with an outlier in one programs the other tiles with their own,
+    finer scale."""
+    from hilt.cim_sim.analog import tile_unit
+    from hilt.cim_sim.training import perturb
+
+    devices = dict(dac_bits=None, adc_bits=None, out_noise=0.0, bound_management=False)
+    pcm = dataclasses.replace(preset("pcm"), **devices)
+    torch.manual_seed(0)
+    small = torch.nn.Linear(48, 40, bias=False)
+    one = {m: convert_to_analog(small, dataclasses.replace(pcm, weight_mapping=m)) for m in ("layer", "tile")}
+    assert torch.equal(one["layer"].w_eff, one["tile"].w_eff)
+    w = small.weight.detach()
+    read = {m: perturb(w, 1.0, "pcm", torch.Generator().manual_seed(3), m, 512) for m in ("layer", "tile")}
+    assert torch.equal(read["layer"], read["tile"])
+
+    big = torch.nn.Linear(64, 64, bias=False)
+    with torch.no_grad():
+        big.weight.normal_(0, 0.05)
+        big.weight[0, 0] = 5.0  # 100x the others: the layer's g_max goes to it
+    unit = tile_unit(big.weight.detach(), 32)
+    assert unit[0, 0] == 5.0 and unit[40, 40] == big.weight[32:, 32:].abs().max() and unit[0, 40] < 1
+    error = {}
+    for m in ("layer", "tile"):
+        chip = convert_to_analog(big, dataclasses.replace(pcm, weight_mapping=m, tile_size=32))
+        diff = (chip.w_eff - big.weight.detach())[32:, 32:]
+        error[m] = float(diff.norm() / big.weight[32:, 32:].norm())
+    assert error["tile"] < error["layer"] / 5, error  # the noise floor in g keeps it from 100x
+
+
 def test_static_input_ranges_are_calibrated_and_clip():
     torch.manual_seed(0)
     lin = torch.nn.Linear(64, 8, bias=False)

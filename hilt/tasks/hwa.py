@@ -83,10 +83,11 @@ def _training_data(lm):
     return training_sentences(4096)
 
 
-def _digital_and_noisy(lm, teacher, student, data, batch: int, context: int, cfg, device: str, mapping: str,
+def _digital_and_noisy(lm, teacher, student, data, batch: int, context: int, cfg, chip,
                        gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
-    """One step's inputs through the digital model and through cfg's noisy reads of the student:
-    (K, N, C) noisy outputs and (N, C) digital ones, N tokens or sentences."""
+    """One step's inputs through the digital model and through cfg's noisy reads of the student on
+    ``chip``'s devices (an AnalogConfig: its device and weight mapping): (K, N, C) noisy outputs and
+    (N, C) digital ones, N tokens or sentences."""
     from hilt.cim_sim.training import analog_weights, perturb
     from hilt.models.bert import mean_pool
 
@@ -109,7 +110,8 @@ def _digital_and_noisy(lm, teacher, student, data, batch: int, context: int, cfg
         digital = run(teacher)
     params = dict(student.named_parameters())
     names = analog_weights(student)
-    outs = [run(student, {n: perturb(params[n], eta, device, gen, mapping) for n in names}) for eta in cfg.levels()]
+    outs = [run(student, {n: perturb(params[n], eta, chip.device, gen, chip.weight_mapping, chip.tile_size)
+                          for n in names}) for eta in cfg.levels()]
     return torch.stack(outs), digital
 
 
@@ -164,8 +166,7 @@ def tune(model: str, out, method: str = "noise", preset_name: str = "pcm", overr
     bar = Progress(steps, "hwa", "step", initial=start, enabled=progress)
     for step in range(start, steps):
         gen = torch.Generator().manual_seed(seed * 1_000_003 + step)  # the same batch and noise, resumed or not
-        noisy, digital = _digital_and_noisy(lm, teacher, student, data, batch, context, cfg, config.device,
-                                            config.weight_mapping, gen)
+        noisy, digital = _digital_and_noisy(lm, teacher, student, data, batch, context, cfg, config, gen)
         loss = loss_of(noisy, digital, cfg)
         if not torch.isfinite(loss):
             raise HiltError(f"hwa loss became {float(loss)} at step {step}; lower --lr")
