@@ -19,8 +19,8 @@ original model's float embeddings (so tuned copies are held to the original).
 
 Per model also the energy per token of the layers the chip holds (the rram-22nm chip model against
 the GPU model, cim_sim.energy), and, when aihwkit is installed, aihwkit's default inference
-configuration on the same weights and tokens beside hilt's ``pcm`` preset as it is (layer mapping,
-aihwkit's per-array compensation), the model as trained.
+configuration on the same weights and tokens beside hilt's ``pcm`` preset with aihwkit's programming
+scale (``weight_mapping="tile"``) and per-array compensation, the model as trained.
 """
 
 from __future__ import annotations
@@ -38,6 +38,7 @@ from hilt.errors import HiltError
 from hilt.progress import LOG
 
 DEPLOY = {"weight_mapping": "column", "smoothing": 0.5}
+PEER_MAPPING = {"weight_mapping": "tile"}  # beside aihwkit: its programming scale, one per tile
 TUNE_PRESET = "pcm"
 VARIANTS = ("as trained", "noise", "dwp")
 FULL = dict(models=("smollm2", "minilm"), presets=("pcm", "rram"), times=("1s", "1h", "1d", "1mo", "1y"), chips=8,
@@ -167,10 +168,19 @@ def tuned_copy(model: str, method: str, work: Path, steps: int, batch: int | Non
 
 # -- speed, energy and the peer --------------------------------------------------------------------
 
-def forward_speed(lm, tokens: int, group: int, repeats: int = 2) -> dict:
+def _available_bytes() -> int | None:
+    try:
+        with open("/proc/meminfo") as f:
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
+    except (OSError, StopIteration, ValueError):
+        return None
+
+
+def forward_speed(lm, tokens: int, group: int, repeats: int = 2, most: int = 8) -> dict:
     """Seconds of one forward over ``tokens`` Hamlet tokens (an encoder: 64 sentences), best of ``repeats``
-    after a warm-up: digital, and on 1 and ``group`` chips in one pass (deployed as the study deploys)."""
-    from hilt.cim_sim import convert_to_analog, drift_to, needs_calibration, program
+    after a warm-up: digital, and on 1, ``group`` and ``most`` chips in one pass (deployed as the study
+    deploys); ``most`` only where its chips fit in half the memory available (else its bytes are kept)."""
+    from hilt.cim_sim import chip_memory, convert_to_analog, drift_to, needs_calibration, program
     from hilt.tasks.drift_lm import calibrate, chip_config, chip_metric, eval_data
 
     data, _ = eval_data(lm, None, tokens, tokens, 64)
@@ -190,13 +200,19 @@ def forward_speed(lm, tokens: int, group: int, repeats: int = 2) -> dict:
     analog = convert_to_analog(lm.model, chip_config("pcm", DEPLOY))
     if needs_calibration(analog):
         calibrate(lm, analog)
-    for n in sorted({1, group}):
+    need = most * chip_memory(analog)["bytes_per_chip"]
+    available = _available_bytes()
+    fits = available is not None and need < available / 2
+    out["most"], out["most_bytes"] = most, need
+    for n in sorted({1, group} | ({most} if fits else set())):
         program(analog, seeds=range(n))
         drift_to(analog, 3600.0, seeds=range(n))
         out["chips_s"][str(n)] = best(analog, reference)  # str: the keys JSON keeps
     del analog
     out["one_chip_over_digital"] = out["chips_s"]["1"] / out["digital_s"]
     out["group_over_one_chip"] = out["chips_s"][str(group)] / out["chips_s"]["1"]
+    if str(most) in out["chips_s"]:
+        out["most_over_one_chip"] = out["chips_s"][str(most)] / out["chips_s"]["1"]
     return out
 
 
@@ -303,8 +319,8 @@ def study(quick: bool = False, models=None, presets=None, chips: int | None = No
 
             peer_row = beside_aihwkit(base, data, budget["peer_times"], budget["peer_chips"])
             if peer_row is not None:
-                hilt_row = on_chips(base, "pcm", {}, budget["peer_times"], budget["peer_chips"], budget["group"], budget,
-                                    gdc="aihwkit")
+                hilt_row = on_chips(base, "pcm", PEER_MAPPING, budget["peer_times"], budget["peer_chips"],
+                                    budget["group"], budget, gdc="aihwkit")
                 peer_row["hilt"] = hilt_row
                 peer_row["agreement"] = {t: agreement(hilt_row["times"][t]["all"], peer_row["times"][t]["all"])
                                          for t in budget["peer_times"]}
@@ -369,7 +385,10 @@ def render(result: dict) -> str:
         lines += [f"One forward ({sp['tokens'] or 64} {'tokens' if sp['tokens'] else 'sentences'}): digital "
                   f"{sp['digital_s']:.3g} s; on one chip {sp['one_chip_over_digital']:.3g}x that; "
                   + ", ".join(f"{n} chips in one pass {s / sp['chips_s']['1']:.3g}x one chip"
-                              for n, s in sp["chips_s"].items() if n != "1") + ".", ""]
+                              for n, s in sp["chips_s"].items() if n != "1")
+                  + ("" if str(sp["most"]) in sp["chips_s"] else
+                     f"; {sp['most']} chips would hold {sp['most_bytes'] / 1e9:.1f} GB, more than half the memory "
+                     "available: not run") + ".", ""]
         e = entry["energy"]
         lines += [f"Energy per token of the {e['layers']} chip layers: {e['cim_joules_per_token'] * 1e6:.3g} uJ on the "
                   f"{e['chip']} chip model against {e['gpu_joules_per_token'] * 1e6:.3g} uJ on the GPU model "
@@ -378,8 +397,8 @@ def render(result: dict) -> str:
         if peer is None:
             lines += ["aihwkit: not installed.", ""]
         elif isinstance(peer, dict):
-            lines += [f"Beside aihwkit {peer['version']} (the model as trained, `pcm` as it is, hilt with aihwkit's "
-                      "per-array compensation):", "", "| time | hilt | aihwkit | within 2 std of aihwkit |",
+            lines += [f"Beside aihwkit {peer['version']} (the model as trained; hilt's `pcm` with aihwkit's per-tile "
+                      "programming scale and per-array compensation):", "", "| time | hilt | aihwkit | within 2 std of aihwkit |",
                       "|---|---|---|---|"]
             for t, agree in peer["agreement"].items():
                 lines.append(f"| {t} | {_cell(peer['hilt']['times'][t])} | {_cell(peer['times'][t])} | "
