@@ -17,6 +17,7 @@ from pathlib import Path
 from hilt.cim_sim import AnalogConfig, parse_time, preset
 from hilt.cim_sim.model import GDC_MODES
 from hilt.errors import HiltError
+from hilt.tasks.drift_lm import LANGUAGE_MODELS
 
 FORMAT = "hilt-sweep/1"  # part of every seed: a change in how seeds derive must change this
 TOP_KEYS = ("seed", "chips", "data", "images", "batch_size", "text", "tokens", "sentences", "axes", "models")
@@ -47,7 +48,7 @@ class Grid:
         """What the rows depend on, as JSON (DIR/grid.json): resume compares it with the grid file's."""
         models = {m: self.models[m] for m in self.axes["model"]}
         files = [f for f in (self.data, self.language.get("text"), *(e["checkpoint"] for e in models.values()),
-                             *(e["spec"] for e in models.values() if is_model_file(e["spec"])))
+                             *(e["spec"] for e in models.values() if e["spec"].endswith(".gguf")))
                  if f and f != "fashion-mnist"]
         return {"format": FORMAT, "seed": self.seed, "data": self.data, "images": self.images,
                 "batch_size": self.batch_size, **self.language, "axes": self.axes, "models": models,
@@ -88,17 +89,10 @@ class Group:
     cells: list = field(default_factory=list)
 
 
-LANGUAGE_MODELS = ("smollm2", "minilm")
-
-
-def is_model_file(spec: str) -> bool:
-    """A GGUF file or a model folder named by a grid (relative to it), not a workload or a factory."""
-    return spec.endswith(".gguf") or ("/" in spec and ":" not in spec)
-
-
 def is_language_spec(spec: str, folder: Path) -> bool:
     """smollm2, minilm, a GGUF file or a model folder (config.json) beside the grid: a language model."""
-    return spec in LANGUAGE_MODELS or spec.endswith(".gguf") or (":" not in spec and (folder / spec / "config.json").is_file())
+    return spec in LANGUAGE_MODELS or spec.endswith(".gguf") or (
+        ":" not in spec and (folder / spec / "config.json").is_file())
 
 
 def _sha256(path: Path) -> str | None:

@@ -25,8 +25,8 @@ from hilt.atomic import Appender, write_text
 from hilt.cim_sim import convert_to_analog, drift_to, evaluate, program
 from hilt.errors import HiltError
 from hilt.progress import LOG, Progress
-from hilt.tasks.grid import (GROUP_AXES, LANGUAGE_MODELS, Cell, Grid, canonical, cells_of, parse_grid, program_seeds,
-                             read_seeds, show)
+from hilt.tasks.drift_lm import LANGUAGE_MODELS
+from hilt.tasks.grid import GROUP_AXES, Cell, Grid, canonical, cells_of, parse_grid, program_seeds, read_seeds, show
 
 RESULTS_JSONL, RESULTS_CSV, GRID_JSON, TIMING_JSON = "results.jsonl", "results.csv", "grid.json", "timing.json"
 
