@@ -209,6 +209,9 @@ def cim_perturbations(model: nn.Module, config="pcm", times=(0.0,), delta: float
         raise HiltError(f"certificates take drift compensation {', '.join(modes)}; got {gdc!r}")
     if not 0 < delta < 1:
         raise HiltError(f"delta must be in (0, 1), got {delta}")
+    if config.weight_mapping != "layer":  # the moments below map each layer with one scale
+        raise HiltError(f"certificates model one programming scale per layer; got weight_mapping="
+                        f"{config.weight_mapping!r}")
     times = [float(t) for t in times]
     if not all(t >= 0 for t in times):
         raise HiltError(f"time after programming must be >= 0 s, got {min(times)}")

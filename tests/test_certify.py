@@ -638,3 +638,13 @@ def test_all_layers_bound_is_attained_through_an_overlapping_pool():
     achieved = float((z - z0)[0, 1] - (z - z0)[0, 0])
     bound = float(a.output_bound(torch.tensor([eps, 0.0], dtype=torch.float64))[0])
     assert achieved == pytest.approx(bound, rel=1e-5) and achieved <= bound * (1 + 1e-6)
+
+
+@pytest.mark.parametrize("mapping", ["column", "tile"])
+def test_chip_certificates_refuse_a_mapping_they_do_not_model(mapping):
+    import dataclasses
+
+    from hilt.cim_sim import preset
+
+    with pytest.raises(HiltError, match=f"weight_mapping='{mapping}'"):
+        CHIP.cim_perturbations(torch.nn.Linear(8, 4), dataclasses.replace(preset("pcm"), weight_mapping=mapping))
