@@ -55,12 +55,14 @@ def _scoring(model, data, batch):
     if not isinstance(model, LanguageModel):
         return (model, float(evaluate(model, data, batch_size=batch)[0]),
                 lambda analog: evaluate(analog, data, batch_size=batch).tolist(), "accuracy", None)
+    def calibrated(analog):
+        calibrate(model, analog)
+
     if model.kind == "causal":
-        return (model.model, chip_metric(model, model.model, data)[0],
-                lambda analog: chip_metric(model, analog, data), "perplexity", lambda analog: calibrate(model, analog))
+        return (model.model, chip_metric(model, model.model, data)[0], lambda analog: chip_metric(model, analog, data),
+                "perplexity", calibrated)
     reference = chip_metric(model, model.model, data)[0]
-    return (model.model, 1.0, lambda analog: chip_metric(model, analog, data, reference), "cosine",
-            lambda analog: calibrate(model, analog))
+    return model.model, 1.0, lambda analog: chip_metric(model, analog, data, reference), "cosine", calibrated
 
 
 def run_group(model, data, task: dict, threads: int | None = None):
