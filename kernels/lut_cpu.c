@@ -39,7 +39,8 @@ typedef struct {
     const void *scales;    /* (N, nb) */
     const void *offsets;   /* (N, nb) or NULL */
     int32_t scales_dt, offsets_dt;
-    int32_t bits, pad;
+    int32_t bits;
+    int32_t interleaved;   /* 1: rows in tiles of 16, codes and scales interleaved (see "pair tables") */
     int64_t block, K, N, nb;
 } LutWeight;
 
@@ -53,6 +54,10 @@ typedef struct {
     /* the bfloat16 path (bfloat16 x, AVX-512 BF16): see "bfloat16 path" below */
     int bf, cpw, bf_groups;
     uint16_t tab32[32]; /* per-layer codebook as bfloat16, entry i: level i mod levels */
+    /* the pair-table path (1-2 bits, bfloat16 x): see "pair tables" below */
+    int pt;
+    int64_t n16;        /* rows in whole tiles of 16 */
+    float digit[4][16]; /* digit[j][e]: the level of code j of nibble e */
 } Wt;
 
 static inline float f16_to_f32(uint16_t h) {
@@ -143,6 +148,46 @@ static void setup(Wt *t, const LutWeight *w, int isa) {
         t->bf_groups = chunk > B ? (int)(chunk / B) : 1;
         for (int i = 0; i < 32; i++) t->tab32[i] = f32_to_bf16(t->book[i & (t->levels - 1)]);
     }
+    /* pair-table path: 1-2 bits on the bfloat16 path without offsets, whole 16-row tiles, units of
+     * 16 / bits columns inside a block */
+    const int unit = w->bits >= 1 && w->bits <= 2 ? 16 / w->bits : 0;
+    t->pt = t->bf && unit && !w->offsets && B % unit == 0 && w->N >= 16;
+    t->n16 = w->N / 16 * 16;
+    if (t->pt)
+        for (int j = 0; j < 4 / w->bits; j++)
+            for (int e = 0; e < 16; e++) t->digit[j][e] = t->book[(e >> (j * w->bits)) & (t->levels - 1)];
+}
+
+/* Row n of an interleaved weight gathered into natural order (its codes and scales), so the per-row paths
+ * read it as row 0 of `v`; rows past the whole tiles are stored as they are. */
+typedef struct {
+    Wt v;
+    uint8_t *buf;
+} RowView;
+
+static int view_open(RowView *rv, const Wt *w) {
+    rv->buf = NULL;
+    if (!w->w.interleaved) return 0;
+    rv->v = *w;
+    rv->v.w.interleaved = 0;
+    rv->buf = (uint8_t *)malloc((size_t)(w->w.row_bytes + 4 * w->w.nb + 8));
+    rv->v.w.codes = rv->buf;
+    rv->v.w.scales = rv->buf + ((w->w.row_bytes + 7) / 8) * 8;
+    return rv->buf == NULL;
+}
+
+static const Wt *view_row(RowView *rv, const Wt *w, int64_t *n) {
+    if (!w->w.interleaved || *n >= w->n16) return w;
+    const int64_t t = *n / 16, i = *n % 16, words = w->w.row_bytes / 2, nb = w->w.nb;
+    const uint16_t *tile = (const uint16_t *)(w->w.codes + t * 16 * w->w.row_bytes);
+    uint16_t *row = (uint16_t *)rv->buf;
+    for (int64_t j = 0; j < words; j++) row[j] = tile[j * 16 + i];
+    const size_t sz = w->w.scales_dt == DT_F32 ? 4 : 2;
+    const uint8_t *sc = (const uint8_t *)w->w.scales;
+    for (int64_t b = 0; b < nb; b++)
+        memcpy((uint8_t *)rv->v.w.scales + b * sz, sc + ((t * nb + b) * 16 + i) * sz, sz);
+    *n = 0;
+    return &rv->v;
 }
 
 /* ---------------------------------------------------------------- portable path (any format) */
@@ -634,6 +679,97 @@ INLINE TBF void rowsbf(const Wt *w, int64_t n0, const uint16_t *xp, const float 
 ROWSBF(1) ROWSBF(2) ROWSBF(3) ROWSBF(4)
 typedef void (*RowsBfFn)(const Wt *, int64_t, const uint16_t *, const float *, float *);
 static const RowsBfFn ROWSBF_FNS[5] = {0, rowsbf_1, rowsbf_2, rowsbf_3, rowsbf_4};
+
+/* ---------------------------------------------------------------- pair tables (1-2 bits, bfloat16 x)
+ * After T-MAC: instead of looking up weights, look up sums of activations. A nibble of 2-bit codes is
+ * two weights (4 1-bit codes: four), so for each group of 4 / bits columns the 16 possible sums
+ * sum_j level(code j) * x[k + j] are computed once per call (float32, rounded to bfloat16: at most
+ * 2^-8 relative, as the bfloat16 path's rounded codebook) and every row looks its nibble up. For the
+ * lookup to serve 16 rows at once the rows must share a table, so the weight is interleaved: rows in
+ * tiles of 16, and within a tile, per unit of 16 / bits columns (two code bytes a row), the 16 rows'
+ * two bytes side by side (32 bytes: word lanes 2i and 2i + 1 are row i's bytes A and B); scales in
+ * tiles too, (tile, block, row in tile). A unit's low nibbles index table "lo" (entries 0-15: the
+ * columns of A's low nibble, 16-31: B's low nibble; the odd lanes get + 16), high nibbles table "hi",
+ * so one vpermw and one vdpbf16ps (against ones, summing lanes 2i and 2i + 1 into float32 lane i =
+ * row i) take 64 weights at 2 bits, 128 at 1 bit: the bfloat16 path takes 32. Rows come out in float32
+ * lanes, so no horizontal sum is left either. */
+
+/* tabs[u * 64 ...]: unit u's tables lo and hi for one row of x */
+INLINE TBF void pt_tables(const Wt *w, const uint16_t *x, uint16_t *tabs, const int BITS) {
+    const int g = 4 / BITS, U = 16 / BITS;
+    const int64_t units = w->w.K / U;
+    __m512 d[4];
+    for (int j = 0; j < g; j++) d[j] = _mm512_loadu_ps(w->digit[j]);
+    for (int64_t u = 0; u < units; u++) {
+        const uint16_t *xu = x + u * U;
+        __m512 s[4];
+#pragma GCC unroll 4
+        for (int q = 0; q < 4; q++) {
+            s[q] = _mm512_mul_ps(d[0], _mm512_set1_ps(bf16_to_f32(xu[q * g])));
+#pragma GCC unroll 4
+            for (int j = 1; j < g; j++) s[q] = _mm512_fmadd_ps(d[j], _mm512_set1_ps(bf16_to_f32(xu[q * g + j])), s[q]);
+        }
+        /* low 16 words from the second operand: lo = (A low, B low), hi = (A high, B high) */
+        _mm512_storeu_si512((void *)(tabs + u * 64), (__m512i)_mm512_cvtne2ps_pbh(s[2], s[0]));
+        _mm512_storeu_si512((void *)(tabs + u * 64 + 32), (__m512i)_mm512_cvtne2ps_pbh(s[3], s[1]));
+    }
+}
+
+/* float32 lanes: the scales of rows 16t..16t+15 for block b, from the interleaved scales */
+INLINE TBF __m512 pt_scales(const Wt *w, int64_t t, int64_t b) {
+    const int64_t at = (t * w->w.nb + b) * 16;
+    if (w->w.scales_dt == DT_F16) return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)w->w.scales + at)));
+    if (w->w.scales_dt == DT_BF16)
+        return _mm512_castsi512_ps(_mm512_slli_epi32(
+            _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)((const uint16_t *)w->w.scales + at))), 16));
+    return _mm512_loadu_ps((const float *)w->w.scales + at);
+}
+
+/* res[tt * 16 + i] = row 16 (t0 + tt) + i of W times x (its tables), for TT tiles sharing the tables */
+INLINE TBF void pt_tiles(const Wt *w, int64_t t0, const uint16_t *tabs, float *res, const int BITS, const int TT) {
+    const int U = 16 / BITS;
+    const int64_t nb = w->w.nb, upb = w->w.block / U, tile = 16 * w->w.row_bytes;
+    const uint8_t *c = w->w.codes + t0 * tile;
+    const __m512i low = _mm512_set1_epi16(0x0F), odd = _mm512_set1_epi32(0x00100000);
+    const __m512bh ones = (__m512bh)_mm512_set1_epi16(0x3F80);
+    __m512 acc[4];
+#pragma GCC unroll 4
+    for (int tt = 0; tt < TT; tt++) acc[tt] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        __m512 lo[4], hi[4];
+#pragma GCC unroll 4
+        for (int tt = 0; tt < TT; tt++) lo[tt] = hi[tt] = _mm512_setzero_ps();
+        for (int64_t u = b * upb; u < (b + 1) * upb; u++) {
+            const __m512i tl = _mm512_loadu_si512((const void *)(tabs + u * 64));
+            const __m512i th = _mm512_loadu_si512((const void *)(tabs + u * 64 + 32));
+#pragma GCC unroll 4
+            for (int tt = 0; tt < TT; tt++) {
+                const uint8_t *p = c + tt * tile + u * 32;
+                if ((u & 1) == 0) _mm_prefetch((const char *)(p + TT * tile), _MM_HINT_T0);
+                const __m512i v = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)p));
+                const __m512i il = _mm512_ternarylogic_epi32(v, low, odd, 0xEA); /* (v & 15) | odd */
+                const __m512i ih = _mm512_or_si512(_mm512_srli_epi16(v, 4), odd);
+                lo[tt] = _mm512_dpbf16_ps(lo[tt], (__m512bh)_mm512_permutexvar_epi16(il, tl), ones);
+                hi[tt] = _mm512_dpbf16_ps(hi[tt], (__m512bh)_mm512_permutexvar_epi16(ih, th), ones);
+            }
+        }
+#pragma GCC unroll 4
+        for (int tt = 0; tt < TT; tt++) acc[tt] = _mm512_fmadd_ps(_mm512_add_ps(lo[tt], hi[tt]), pt_scales(w, t0 + tt, b), acc[tt]);
+    }
+#pragma GCC unroll 4
+    for (int tt = 0; tt < TT; tt++) _mm512_storeu_ps(res + tt * 16, acc[tt]);
+}
+
+#define PT_TILES(TT)                                                                                   \
+    static TBF void pt_tiles_##TT(const Wt *w, int64_t t0, const uint16_t *tabs, float *res) {         \
+        if (w->w.bits == 1) pt_tiles(w, t0, tabs, res, 1, TT);                                          \
+        else pt_tiles(w, t0, tabs, res, 2, TT);                                                         \
+    }
+PT_TILES(1) PT_TILES(2)
+static TBF void pt_tables_any(const Wt *w, const uint16_t *x, uint16_t *tabs) {
+    if (w->w.bits == 1) pt_tables(w, x, tabs, 1);
+    else pt_tables(w, x, tabs, 2);
+}
 #endif
 
 /* ---------------------------------------------------------------- entry points */
@@ -671,6 +807,13 @@ int hilt_lut_bf16_path(const LutWeight *lw, int isa) {
     return w.bf;
 }
 
+/* 1 where this weight interleaved takes the pair-table path for bfloat16 x under isa */
+int hilt_lut_pair_path(const LutWeight *lw, int isa) {
+    Wt w;
+    setup(&w, lw, isa);
+    return w.pt;
+}
+
 /* xp (M, K) float32 = x (M, K) reordered for lanes and cpb (see the top), converted from x_dt */
 static void prepare_x(const void *x, int x_dt, int64_t M, int64_t K, int lanes, int cpb, float *xp) {
     const int64_t chunk = (int64_t)lanes * cpb;
@@ -703,7 +846,9 @@ static void store_out(void *out, int out_dt, int64_t i, float v) {
 
 #ifdef HILT_X86
 /* the bfloat16 path (w->bf): x bfloat16 (M, K) reordered into word lanes, sums of x per block for offsets */
-static int matmul_bf16(const Wt *w, const uint16_t *x, int64_t M, const float *bias, void *out, int out_dt, int threads) {
+/* rows n_from.. of W (the pair-table path takes the whole tiles before them) */
+static int matmul_bf16(const Wt *w, const uint16_t *x, int64_t M, const float *bias, void *out, int out_dt, int threads,
+                       int64_t n_from) {
     const int64_t K = w->w.K, N = w->w.N, nb = w->w.nb, B = w->w.block, chunk = 32 * (int64_t)w->cpw;
     const int64_t Kp = (K + chunk - 1) / chunk * chunk; /* rows of xp padded with zeros to whole chunks */
     uint16_t *xp = (uint16_t *)calloc((size_t)(M * Kp > 0 ? M * Kp : 1), sizeof(uint16_t));
@@ -724,16 +869,16 @@ static int matmul_bf16(const Wt *w, const uint16_t *x, int64_t M, const float *b
             xsum[m * nb + b] = s;
         }
     }
-    int64_t work = N * K * (M < 4 ? M : 4);
+    int64_t work = (N - n_from) * K * (M < 4 ? M : 4);
     (void)threads;
     (void)work;
     if (M == 1) {
-        const int64_t groups = (N + 3) / 4;
+        const int64_t groups = (N - n_from + 3) / 4;
 #ifdef _OPENMP
 #pragma omp parallel for schedule(static) num_threads(threads) if (work >= 65536 && threads > 1)
 #endif
         for (int64_t g = 0; g < groups; g++) {
-            const int64_t n0 = g * 4, h = N - n0 < 4 ? N - n0 : 4;
+            const int64_t n0 = n_from + g * 4, h = N - n0 < 4 ? N - n0 : 4;
             float res[4];
             ROWSBF_FNS[h](w, n0, xp, xsum, res);
             for (int64_t r = 0; r < h; r++) store_out(out, out_dt, n0 + r, res[r] + (bias ? bias[n0 + r] : 0.0f));
@@ -745,7 +890,7 @@ static int matmul_bf16(const Wt *w, const uint16_t *x, int64_t M, const float *b
 #ifdef _OPENMP
 #pragma omp parallel for schedule(static) num_threads(threads) if (work >= 65536 && threads > 1)
 #endif
-    for (int64_t n = 0; n < N; n++) {
+    for (int64_t n = n_from; n < N; n++) {
         float res[4];
         for (int64_t m0 = 0; m0 < M; m0 += 4) {
             int64_t h = M - m0 < 4 ? M - m0 : 4;
@@ -757,6 +902,35 @@ static int matmul_bf16(const Wt *w, const uint16_t *x, int64_t M, const float *b
     free(xsum);
     return 0;
 }
+
+/* the pair-table path (w->pt, interleaved): tables per row of x, then tiles of 16 rows, two at a time
+ * where they can share the tables' loads; the rows past the whole tiles take the bfloat16 path */
+static int matmul_pt(const Wt *w, const uint16_t *x, int64_t M, const float *bias, void *out, int out_dt, int threads) {
+    const int64_t K = w->w.K, N = w->w.N, per_x = K / (16 / w->w.bits) * 64, tiles = w->n16 / 16;
+    uint16_t *tabs = (uint16_t *)malloc(sizeof(uint16_t) * (size_t)(M * per_x > 0 ? M * per_x : 1));
+    if (!tabs) return 1;
+    for (int64_t m = 0; m < M; m++) pt_tables_any(w, x + m * K, tabs + m * per_x);
+    const int64_t pairs = (tiles + 1) / 2, work = w->n16 * K * M;
+    (void)threads;
+    (void)work;
+#ifdef _OPENMP
+#pragma omp parallel for schedule(static) num_threads(threads) if (work >= 65536 && threads > 1)
+#endif
+    for (int64_t p = 0; p < pairs; p++) {
+        const int64_t t0 = 2 * p, h = tiles - t0 < 2 ? 1 : 2;
+        float res[32];
+        for (int64_t m = 0; m < M; m++) {
+            if (h == 2) pt_tiles_2(w, t0, tabs + m * per_x, res);
+            else pt_tiles_1(w, t0, tabs + m * per_x, res);
+            for (int64_t r = 0; r < 16 * h; r++) {
+                const int64_t n = 16 * t0 + r;
+                store_out(out, out_dt, m * N + n, res[r] + (bias ? bias[n] : 0.0f));
+            }
+        }
+    }
+    free(tabs);
+    return w->n16 < N ? matmul_bf16(w, x, M, bias, out, out_dt, threads, w->n16) : 0;
+}
 #endif
 
 /* out (M, N) in out_dt = x (M, K) in x_dt @ W.T (+ bias float32 (N,)); rows of W on `threads`
@@ -767,47 +941,76 @@ int hilt_lut_matmul(const LutWeight *lw, const void *x, int x_dt, int64_t M, con
     setup(&w, lw, isa);
     const int64_t K = lw->K, N = lw->N;
 #ifdef HILT_X86
-    if (w.bf && x_dt == DT_BF16) return matmul_bf16(&w, (const uint16_t *)x, M, bias, out, out_dt, threads);
+    if (x_dt == DT_BF16 && lw->interleaved && w.pt) return matmul_pt(&w, (const uint16_t *)x, M, bias, out, out_dt, threads);
+    if (x_dt == DT_BF16 && !lw->interleaved && w.bf) return matmul_bf16(&w, (const uint16_t *)x, M, bias, out, out_dt, threads, 0);
 #endif
     float *xp = (float *)malloc(sizeof(float) * (size_t)(M * K > 0 ? M * K : 1));
     if (!xp) return 1;
     prepare_x(x, x_dt, M, K, w.lanes, w.cpb, xp);
     int64_t work = N * K * (M < 4 ? M : 4);
+    int failed = 0;
     (void)threads;
     (void)work;
 #ifdef _OPENMP
-#pragma omp parallel for schedule(static) num_threads(threads) if (work >= 65536 && threads > 1)
+#pragma omp parallel num_threads(threads) if (work >= 65536 && threads > 1) reduction(| : failed)
 #endif
-    for (int64_t n = 0; n < N; n++) {
-        float res[64];
-        for (int64_t m0 = 0; m0 < M; m0 += 64) {
-            int64_t h = M - m0 < 64 ? M - m0 : 64;
-            row_any(&w, n, xp + m0 * K, K, h, res);
-            for (int64_t m = 0; m < h; m++) store_out(out, out_dt, (m0 + m) * N + n, res[m] + (bias ? bias[n] : 0.0f));
+    {
+        RowView rv;
+        failed |= view_open(&rv, &w);
+#ifdef _OPENMP
+#pragma omp for schedule(static)
+#endif
+        for (int64_t n = 0; n < N; n++) {
+            if (failed) continue;
+            float res[64];
+            int64_t nv = n;
+            const Wt *wv = view_row(&rv, &w, &nv);
+            for (int64_t m0 = 0; m0 < M; m0 += 64) {
+                int64_t h = M - m0 < 64 ? M - m0 : 64;
+                row_any(wv, nv, xp + m0 * K, K, h, res);
+                for (int64_t m = 0; m < h; m++) store_out(out, out_dt, (m0 + m) * N + n, res[m] + (bias ? bias[n] : 0.0f));
+            }
         }
+        free(rv.buf);
     }
     free(xp);
-    return 0;
+    return failed;
 }
 
 /* out (row1 - row0, K) float32: rows [row0, row1) of W, columns in the order of the path isa picks
  * for this weight (hilt_lut_layout): what a BLAS call multiplies with x reordered the same way. */
-void hilt_lut_dequant(const LutWeight *lw, int64_t row0, int64_t row1, float *out, int isa, int threads) {
+static void dequant_row(const Wt *w, int64_t n, float *o) {
+#ifdef HILT_X86
+    if (w->lanes == 16) { dequant512(w, n, o); return; }
+    if (w->lanes == 8) { dequant256(w, n, o); return; }
+#endif
+    dequant_scalar(w, n, o);
+}
+
+int hilt_lut_dequant(const LutWeight *lw, int64_t row0, int64_t row1, float *out, int isa, int threads) {
     Wt w;
     setup(&w, lw, isa);
     const int64_t K = lw->K;
+    int failed = 0;
     (void)threads;
 #ifdef _OPENMP
-#pragma omp parallel for schedule(static) num_threads(threads) if ((row1 - row0) * K >= 65536 && threads > 1)
+#pragma omp parallel num_threads(threads) if ((row1 - row0) * K >= 65536 && threads > 1) reduction(| : failed)
 #endif
-    for (int64_t n = row0; n < row1; n++) {
-        float *o = out + (n - row0) * K;
-#ifdef HILT_X86
-        if (w.lanes == 16) { dequant512(&w, n, o); continue; }
-        if (w.lanes == 8) { dequant256(&w, n, o); continue; }
+    {
+        RowView rv;
+        failed |= view_open(&rv, &w);
+#ifdef _OPENMP
+#pragma omp for schedule(static)
 #endif
-        dequant_scalar(&w, n, o);
+        for (int64_t n = row0; n < row1; n++) {
+            if (failed) continue;
+            int64_t nv = n;
+            const Wt *wv = view_row(&rv, &w, &nv);
+            dequant_row(wv, nv, out + (n - row0) * K);
+        }
+        free(rv.buf);
     }
+    return failed;
 }
 
 #ifdef HILT_X86
@@ -879,27 +1082,27 @@ int hilt_lut_dequant_bf16(const LutWeight *lw, int64_t row0, int64_t row1, uint1
 #endif
     {
         float *buf = (float *)malloc(sizeof(float) * (size_t)(K > 0 ? K : 1));
-        failed |= !buf;
+        RowView rv;
+        failed |= !buf | view_open(&rv, &w);
 #ifdef _OPENMP
 #pragma omp for schedule(static)
 #endif
         for (int64_t n = row0; n < row1; n++) {
-            if (!buf) continue;
+            if (failed) continue;
             uint16_t *o = out + (n - row0) * K;
+            int64_t nv = n;
+            const Wt *wv = view_row(&rv, &w, &nv);
+            dequant_row(wv, nv, buf);
 #ifdef HILT_X86
-            if (w.lanes == 16) dequant512(&w, n, buf);
-            else if (w.lanes == 8) dequant256(&w, n, buf);
-            else dequant_scalar(&w, n, buf);
             if (isa >= 3) {
                 to_bf16_512(buf, o, K);
                 continue;
             }
-#else
-            dequant_scalar(&w, n, buf);
 #endif
             for (int64_t k = 0; k < K; k++) o[k] = f32_to_bf16(buf[k]);
         }
         free(buf);
+        free(rv.buf);
     }
     return failed;
 }

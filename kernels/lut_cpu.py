@@ -43,7 +43,7 @@ class LutWeight(ctypes.Structure):
     _fields_ = [("codes", ctypes.c_void_p), ("row_bytes", ctypes.c_int64), ("book", ctypes.c_void_p),
                 ("book_dt", ctypes.c_int32), ("per_block", ctypes.c_int32), ("scales", ctypes.c_void_p),
                 ("offsets", ctypes.c_void_p), ("scales_dt", ctypes.c_int32), ("offsets_dt", ctypes.c_int32),
-                ("bits", ctypes.c_int32), ("pad", ctypes.c_int32), ("block", ctypes.c_int64),
+                ("bits", ctypes.c_int32), ("interleaved", ctypes.c_int32), ("block", ctypes.c_int64),
                 ("K", ctypes.c_int64), ("N", ctypes.c_int64), ("nb", ctypes.c_int64)]
 
 
@@ -52,7 +52,8 @@ def library():
     """The loaded kernel, or None where it cannot be built (no compiler, no write access)."""
     lib = cbuild.load(SOURCE, [FLAGS + ["-fopenmp"], FLAGS],
                       ("hilt_lut_matmul", "hilt_lut_dequant", "hilt_lut_dequant_bf16", "hilt_lut_order_x_bf16",
-                       "hilt_lut_isa", "hilt_lut_layout", "hilt_lut_struct_size", "hilt_lut_bf16_path"))
+                       "hilt_lut_isa", "hilt_lut_layout", "hilt_lut_struct_size", "hilt_lut_bf16_path",
+                       "hilt_lut_pair_path"))
     if lib is None:
         return None
     lib.hilt_lut_struct_size.restype = ctypes.c_int64
@@ -66,9 +67,11 @@ def library():
     lib.hilt_lut_layout.argtypes = [weight, i32, ctypes.POINTER(ctypes.c_int)]
     lib.hilt_lut_bf16_path.restype = i32
     lib.hilt_lut_bf16_path.argtypes = [weight, i32]
+    lib.hilt_lut_pair_path.restype = i32
+    lib.hilt_lut_pair_path.argtypes = [weight, i32]
     lib.hilt_lut_matmul.restype = i32
     lib.hilt_lut_matmul.argtypes = [weight, p, i32, i64, p, p, i32, i32, i32]
-    lib.hilt_lut_dequant.restype = None
+    lib.hilt_lut_dequant.restype = i32
     lib.hilt_lut_dequant.argtypes = [weight, i64, i64, p, i32, i32]
     lib.hilt_lut_dequant_bf16.restype = i32
     lib.hilt_lut_dequant_bf16.argtypes = [weight, i64, i64, p, i32, i32]
@@ -139,6 +142,43 @@ def bf16_path(w: PackedWeight, isa=None) -> bool:
     return bool(lib.hilt_lut_bf16_path(ctypes.byref(s), resolve_isa(isa)))
 
 
+def pair_path(w: PackedWeight, isa=None) -> bool:
+    """Whether ``w``, interleaved (:func:`interleave_`), takes the pair-table path for bfloat16 x
+    (AVX-512 BF16: sums of x looked up by code pairs, 64 weights a vpermw at 2 bits, 128 at 1 bit,
+    against the bfloat16 path's 32): 1-2 bits, one codebook per layer, no offsets, 16 rows or more."""
+    lib = library()
+    if lib is None:
+        return False
+    s, _keep = _weight_struct(w)
+    return bool(lib.hilt_lut_pair_path(ctypes.byref(s), resolve_isa(isa)))
+
+
+def _tiles(w: PackedWeight) -> tuple[int, int, int]:
+    """(tiles of 16 rows, code words a row, blocks a row) of the interleaved order"""
+    return w.out_features // 16, w.codes.shape[1] // 2, w.n_blocks
+
+
+@torch.no_grad()
+def interleave_(w: PackedWeight) -> None:
+    """Put ``w``'s codes and scales in the pair-table path's order, in place (the same tensors, their
+    bytes permuted): rows in tiles of 16; in a tile, each two-byte word of the rows side by side
+    (word j of rows 0-15, then word j + 1), scales as (tile, block, row). Rows after the last whole tile
+    stay as stored. :func:`deinterleave_` undoes it."""
+    t, words, nb = _tiles(w)
+    codes, scales = w.codes[:16 * t], w.scales[:16 * t]
+    codes.view(t, words, 16, 2).copy_(codes.clone().view(t, 16, words, 2).transpose(1, 2))
+    scales.view(t, nb, 16).copy_(scales.clone().view(t, 16, nb).transpose(1, 2))
+
+
+@torch.no_grad()
+def deinterleave_(w: PackedWeight) -> None:
+    """The stored order again, in place (the inverse of :func:`interleave_`)."""
+    t, words, nb = _tiles(w)
+    codes, scales = w.codes[:16 * t], w.scales[:16 * t]
+    codes.view(t, 16, words, 2).copy_(codes.clone().view(t, words, 16, 2).transpose(1, 2))
+    scales.view(t, 16, nb).copy_(scales.clone().view(t, nb, 16).transpose(1, 2))
+
+
 def _threads() -> int:
     return max(1, torch.get_num_threads())
 
@@ -150,21 +190,39 @@ def dequantize(w: PackedWeight, rows: tuple[int, int] | None = None, isa=None) -
     s, _keep = _weight_struct(w)
     r0, r1 = rows or (0, w.out_features)
     out = torch.empty(r1 - r0, w.in_features, dtype=torch.float32)
-    lib.hilt_lut_dequant(ctypes.byref(s), r0, r1, out.data_ptr(), resolve_isa(isa), _threads())
+    if lib.hilt_lut_dequant(ctypes.byref(s), r0, r1, out.data_ptr(), resolve_isa(isa), _threads()):
+        raise MemoryError("the CPU LUT kernel could not allocate a row buffer")
     return out
 
 
 class Prepared:
     """A weight readied for repeated calls (decode runs every layer once a token): its C view, the
     path and the library found once, so that a call costs the kernel and little else. Calling it is
-    :func:`lut_matmul_cpu`. It points into ``w``'s tensors (no copy); remake it when they change."""
+    :func:`lut_matmul_cpu`. It points into ``w``'s tensors (no copy); remake it when they change.
 
-    def __init__(self, lib, w: PackedWeight, isa=None):
+    With ``interleave``, a weight the pair-table path takes (:func:`pair_path`) is put in that path's
+    order in place, so that no second copy is held: ``w``'s codes and scales are then not in the stored
+    order until :meth:`restore` (every other path reads the interleaved rows too)."""
+
+    def __init__(self, lib, w: PackedWeight, isa=None, interleave: bool = False):
         self.lib, self.w = lib, w
         self.struct, self._keep = _weight_struct(w)
         self.ref = ctypes.byref(self.struct)
         self.path = resolve_isa(isa)
         self.bf16_bands = self.path >= ISAS["avx512bf16"]  # prefill of bfloat16 x in bfloat16 (see _bands)
+        own = self._keep[0] is w.codes and self._keep[2] is w.scales  # the C view is w's tensors, not copies
+        writable = torch.is_inference_mode_enabled() or not torch.is_inference(w.codes)
+        self.interleaved = bool(interleave and own and writable and lib.hilt_lut_pair_path(self.ref, self.path))
+        if self.interleaved:
+            interleave_(w)
+            self.struct.interleaved = 1
+
+    def restore(self) -> None:
+        """Put the weight back in the stored order (calls then take the paths for that order)."""
+        if self.interleaved:
+            deinterleave_(self.w)
+            self.struct.interleaved = 0
+            self.interleaved = False
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         w, lib = self.w, self.lib
@@ -231,10 +289,10 @@ def _scratch(numel: int, dtype: torch.dtype) -> torch.Tensor:
     return kept[dtype][:numel]
 
 
-def prepare(w: PackedWeight, isa=None) -> Prepared | None:
+def prepare(w: PackedWeight, isa=None, interleave: bool = False) -> Prepared | None:
     """``w`` readied for the kernel (:class:`Prepared`), or None where the kernel is not built."""
     lib = library()
-    return None if lib is None else Prepared(lib, w, isa)
+    return None if lib is None else Prepared(lib, w, isa, interleave)
 
 
 def lut_matmul_cpu(x: torch.Tensor, w: PackedWeight, bias: torch.Tensor | None = None, isa=None):

@@ -6,6 +6,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import re
 
 import torch
@@ -21,7 +22,14 @@ from hilt.quant.qweight import QuantizedWeight
 
 class _Packed(nn.Module):
     """A weight kept as a QuantizedWeight's parts (buffers, so that .to(device) and state_dict carry
-    them), with what the kernels keep between calls."""
+    them), with what the kernels keep between calls.
+
+    Where the CPU kernel runs a weight faster in an order of its own (1-2 bits: lut_cpu's pair tables),
+    a layer that may do so (``reorders``) lets it permute ``codes`` and ``scales`` in place rather than
+    hold a second copy; reading the weight (``packed``, ``qweight``), ``state_dict``, ``load_state_dict``
+    and moves put the stored order back first, and the next CPU call permutes again."""
+
+    reorders = False
 
     def __init__(self, qweight: QuantizedWeight):
         super().__init__()
@@ -34,17 +42,24 @@ class _Packed(nn.Module):
         self.register_buffer("offsets", qweight.offsets)
         self._table = self._cpu_pack = self._cpu_lut = None  # what the kernels keep (see _kept)
         self._derived_from: dict[str, list] = {}
+        self.register_state_dict_pre_hook(lambda module, prefix, keep_vars: module._stored_order())
+        self.register_load_state_dict_pre_hook(lambda module, *args: module._stored_order())
 
     @property
     def qweight(self) -> QuantizedWeight:
+        """The weight in the stored order; a layer that ``reorders`` gives copies of codes and scales,
+        which its next CPU call would otherwise permute under the caller."""
+        self._stored_order()
+        codes, scales = (self.codes.clone(), self.scales.clone()) if self.reorders else (self.codes, self.scales)
         return QuantizedWeight(
-            self.codes, self.codebook, self.scales, self.offsets, (self.out_features, self.in_features),
+            codes, self.codebook, scales, self.offsets, (self.out_features, self.in_features),
             self.weight_dtype, self.bits, self.block_size, self.method,
         )
 
     @property
     def packed(self) -> PackedWeight:
-        """The kernel's argument, from the buffers as they are now (moved, loaded)."""
+        """The kernel's argument, from the buffers as they are now (moved, loaded), in the stored order."""
+        self._stored_order()
         return PackedWeight(self.codes, self.codebook, self.scales, self.offsets, self.bits, self.block_size,
                             self.in_features)
 
@@ -60,12 +75,30 @@ class _Packed(nn.Module):
         """The attribute ``name``, a value made from ``parts`` and kept between calls (decode would
         otherwise remake it every token); made again when a part is another tensor (moved, loaded) or
         was changed in place (its version; inference tensors have none)."""
-        key = [(t, None if t is None or torch.is_inference(t) else t._version) for t in parts]
-        old = self._derived_from.get(name)
-        if old is None or any(a is not b or va != vb for (a, va), (b, vb) in zip(key, old)):
+        if not self._current(name, parts):
             setattr(self, name, make())
-            self._derived_from[name] = key
+            self._derived_from[name] = self._key(parts)  # after make, which may permute the parts in place
         return getattr(self, name)
+
+    @staticmethod
+    def _key(parts):
+        return [(t, None if t is None or torch.is_inference(t) else t._version) for t in parts]
+
+    def _current(self, name: str, parts) -> bool:
+        """Whether the kept ``name`` was made from these very parts, unchanged since."""
+        old = self._derived_from.get(name)
+        return old is not None and all(a is b and va == vb for (a, va), (b, vb) in zip(self._key(parts), old))
+
+    def _stored_order(self) -> None:
+        """The buffers back in the stored order where the CPU kernel holds them in its own (a no-op
+        otherwise); a kernel made from buffers changed since is dropped, the new contents kept."""
+        kernel = self._cpu_lut
+        if kernel is None or not kernel.interleaved:
+            return
+        if self._current("_cpu_lut", [self.codes, self.codebook, self.scales, self.offsets]):
+            kernel.restore()
+        self._cpu_lut = None
+        self._derived_from.pop("_cpu_lut", None)
 
     def _byte_table(self, x: torch.Tensor, w: PackedWeight) -> torch.Tensor | None:
         """The codebook's byte table for the CUDA kernel's one-row path."""
@@ -85,7 +118,7 @@ class _Packed(nn.Module):
             pack = self._kept("_cpu_pack", parts, self._int_pack)
             if pack is not None:
                 return pack
-        return self._kept("_cpu_lut", parts, lambda: lut_cpu.prepare(self.packed))
+        return self._kept("_cpu_lut", parts, lambda: lut_cpu.prepare(self.packed, interleave=self.reorders))
 
     def _int_pack(self):
         w = self.packed
@@ -94,6 +127,7 @@ class _Packed(nn.Module):
     def _apply(self, fn, recurse=True):
         """Moves keep each packed part's dtype: ``model.to(torch.bfloat16)`` or ``.half()`` would round the
         float16 codebook (and a float32 one to bfloat16), changing the weights; only the device follows."""
+        self._stored_order()
         kept = {n: b for n, b in self._buffers.items() if b is not None}
         self._table = self._cpu_pack = self._cpu_lut = None  # made again from the moved parts (old ones freed)
         self._derived_from.clear()
@@ -110,8 +144,11 @@ class _Packed(nn.Module):
 class QuantLinear(_Packed):
     """A Linear whose weight is a QuantizedWeight; runs through ``kernels.lut_matmul``."""
 
+    reorders = True
+
     def __init__(self, qweight: QuantizedWeight, bias: torch.Tensor | None = None):
-        super().__init__(qweight)
+        # its own codes and scales, which the CPU kernel may permute in place (the caller's stay as given)
+        super().__init__(dataclasses.replace(qweight, codes=qweight.codes.clone(), scales=qweight.scales.clone()))
         self.bias = None if bias is None else nn.Parameter(bias.detach().clone(), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

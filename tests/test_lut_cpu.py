@@ -32,11 +32,21 @@ def _weights(n, k, fmt, bits, block, seed):
 
 
 def _check(q, x, isa, bias=None):
+    """The kernel against the reference on the stored order and, where the weight takes the pair-table
+    path, interleaved (every path then reads the interleaved rows); the stored bytes come back."""
+    ref = lut_matmul_reference(x.double(), q.packed, None if bias is None else bias.double()).double()
+    w_abs = q.dequantize().double().abs()
     y = lut_cpu.lut_matmul_cpu(x, q.packed, bias, isa=isa)
     assert y.dtype == x.dtype and y.shape == (*x.shape[:-1], q.shape[0])
-    ref = lut_matmul_reference(x.double(), q.packed, None if bias is None else bias.double()).double()
-    ratio = error_ratio(y, x, ref, q.dequantize().double().abs())
-    assert ratio <= 1.0, (isa, ratio)
+    assert error_ratio(y, x, ref, w_abs) <= 1.0, (isa, error_ratio(y, x, ref, w_abs))
+    if lut_cpu.pair_path(q.packed, isa):
+        w = dataclasses.replace(q.packed, codes=q.packed.codes.clone(), scales=q.packed.scales.clone())
+        kernel = lut_cpu.prepare(w, isa, interleave=True)
+        assert kernel.interleaved
+        y = kernel(x, bias)
+        assert error_ratio(y, x, ref, w_abs) <= 1.0, (isa, "interleaved", error_ratio(y, x, ref, w_abs))
+        kernel.restore()
+        assert torch.equal(w.codes, q.packed.codes) and torch.equal(w.scales, q.packed.scales)
 
 
 @pytest.mark.parametrize("isa", PATHS)
@@ -241,6 +251,67 @@ def test_bf16_path_rounds_the_codebook_to_bfloat16_within_the_bound_near_its_edg
         assert torch.equal(y, lut_matmul_reference(x.float(), rounded).to(torch.bfloat16))
         # float32 x is never rounded so: the float32 path, exact weights
         assert error_ratio(lut_cpu.lut_matmul_cpu(x.float(), w), x.float(), ref, dequantize_lut(w).double().abs()) < 0.01
+
+
+@pytest.mark.skipif(lut_cpu.machine_isa() < 3, reason="no AVX-512 BF16 on this CPU")
+def test_pair_tables_round_within_the_bound_near_its_edge():
+    """Every code 0 and x all ones: each table entry the kernel looks up is the sum of 4 / bits equal
+    weights, a little over halfway between two bfloat16 values, so each rounds up by almost 2^-8
+    relative, all the same way: the largest error the pair tables make. The bound for bfloat16 x,
+    2^-7 (|x| |W| + |ref|), is 2^-6 of the sum here: a ratio just under 1/4."""
+    from hilt.kernels.lut_matmul import PackedWeight
+
+    n, k = 35, 512  # two whole tiles of 16 rows and 3 rows on the bfloat16 path
+    for bits in (1, 2):
+        g = 4 // bits
+        book = torch.full((1 << bits,), (1 + 2**-8 + 2**-12) / g)  # a sum of g: 1 + 2^-8 + 2^-12, rounded to 1 + 2^-7
+        w = PackedWeight(torch.zeros(n, k * bits // 8, dtype=torch.uint8), book,
+                         torch.ones(n, k // 64, dtype=torch.bfloat16), None, bits, 64, k)
+        kernel = lut_cpu.prepare(w, interleave=True)
+        assert kernel.interleaved
+        x = torch.ones(1, k, dtype=torch.bfloat16)
+        ref = lut_matmul_reference(x.double(), w).double()
+        y = kernel(x)
+        ratio = error_ratio(y[:, :32], x, ref[:, :32], dequantize_lut(w).double().abs()[:32])
+        assert 0.23 < ratio <= 0.25, ratio
+        assert torch.equal(y[:, :32], torch.full((1, 32), k / g * (1 + 2**-7)).to(torch.bfloat16))
+
+
+@pytest.mark.skipif(lut_cpu.machine_isa() < 3, reason="no AVX-512 BF16 on this CPU")
+def test_pair_path_takes_the_formats_it_claims():
+    assert lut_cpu.pair_path(_weights(16, 256, "kmeans-layer", 2, 64, 0).packed)
+    assert lut_cpu.pair_path(_weights(16, 256, "binary", 1, 64, 0).packed)
+    assert lut_cpu.pair_path(_weights(16, 256, "int", 2, 16, 0).packed)
+    assert not lut_cpu.pair_path(_weights(15, 256, "kmeans-layer", 2, 64, 0).packed)  # no whole tile of rows
+    assert not lut_cpu.pair_path(_weights(16, 256, "kmeans-layer", 4, 64, 0).packed)  # a nibble is one weight
+    assert not lut_cpu.pair_path(_weights(16, 256, "int-asym", 2, 64, 0).packed)  # offsets
+    assert not lut_cpu.pair_path(_weights(16, 256, "kmeans-block", 2, 64, 0).packed)
+    assert not lut_cpu.pair_path(_weights(16, 256, "kmeans-layer", 2, 64, 0).packed, isa="avx512")
+
+
+@pytest.mark.skipif(lut_cpu.machine_isa() < 3, reason="no AVX-512 BF16 on this CPU")
+def test_quant_linear_interleaves_in_place_and_gives_the_stored_order_back():
+    """A 2-bit layer's CPU calls permute its own codes and scales in place (no second copy, the caller's
+    QuantizedWeight untouched); state_dict, load_state_dict, qweight and moves see the stored order."""
+    q = _weights(40, 256, "kmeans-layer", 2, 64, 3)
+    stored = {k: v.clone() for k, v in QuantLinear(q).state_dict().items()}
+    layer = QuantLinear(q)
+    ptrs = {k: v.data_ptr() for k, v in layer.state_dict().items()}
+    x = torch.randn(2, 256).to(torch.bfloat16)
+    y = layer(x)
+    assert layer._cpu_lut.interleaved and not torch.equal(layer.codes, stored["codes"])
+    assert torch.equal(q.codes, stored["codes"])
+    state = layer.state_dict()
+    assert all(torch.equal(state[k], v) for k, v in stored.items())
+    assert {k: v.data_ptr() for k, v in state.items()} == ptrs
+    assert torch.equal(layer(x), y) and layer._cpu_lut.interleaved  # permuted again by the next call
+    assert torch.equal(layer.qweight.codes, stored["codes"]) and torch.equal(layer(x), y)
+    other = _weights(40, 256, "kmeans-layer", 2, 64, 4)
+    layer.load_state_dict(QuantLinear(other).state_dict())
+    ref = lut_matmul_reference(x.double(), other.packed).double()
+    assert error_ratio(layer(x), x, ref, other.dequantize().double().abs()) <= 1
+    layer.to(torch.float32)
+    assert torch.equal(layer.codes, QuantLinear(other).codes)
 
 
 @pytest.mark.skipif(lut_cpu.machine_isa() < 3, reason="no AVX-512 BF16 on this CPU")
