@@ -765,7 +765,7 @@ INLINE TBF void pt_tiles(const Wt *w, int64_t t0, const uint16_t *tabs, float *r
         if (w->w.bits == 1) pt_tiles(w, t0, tabs, res, 1, TT);                                          \
         else pt_tiles(w, t0, tabs, res, 2, TT);                                                         \
     }
-PT_TILES(1) PT_TILES(2)
+PT_TILES(1) PT_TILES(2) PT_TILES(4)
 static TBF void pt_tables_any(const Wt *w, const uint16_t *x, uint16_t *tabs) {
     if (w->w.bits == 1) pt_tables(w, x, tabs, 1);
     else pt_tables(w, x, tabs, 2);
@@ -910,18 +910,21 @@ static int matmul_pt(const Wt *w, const uint16_t *x, int64_t M, const float *bia
     uint16_t *tabs = (uint16_t *)malloc(sizeof(uint16_t) * (size_t)(M * per_x > 0 ? M * per_x : 1));
     if (!tabs) return 1;
     for (int64_t m = 0; m < M; m++) pt_tables_any(w, x + m * K, tabs + m * per_x);
-    const int64_t pairs = (tiles + 1) / 2, work = w->n16 * K * M;
+    const int64_t pairs = (tiles + 3) / 4, work = w->n16 * K * M;
     (void)threads;
     (void)work;
 #ifdef _OPENMP
 #pragma omp parallel for schedule(static) num_threads(threads) if (work >= 65536 && threads > 1)
 #endif
     for (int64_t p = 0; p < pairs; p++) {
-        const int64_t t0 = 2 * p, h = tiles - t0 < 2 ? 1 : 2;
-        float res[32];
+        const int64_t t0 = 4 * p, h = tiles - t0 < 4 ? tiles - t0 : 4;
+        float res[64];
         for (int64_t m = 0; m < M; m++) {
-            if (h == 2) pt_tiles_2(w, t0, tabs + m * per_x, res);
-            else pt_tiles_1(w, t0, tabs + m * per_x, res);
+            if (h == 4) pt_tiles_4(w, t0, tabs + m * per_x, res);
+            else if (h >= 2) {
+                pt_tiles_2(w, t0, tabs + m * per_x, res);
+                if (h == 3) pt_tiles_1(w, t0 + 2, tabs + m * per_x, res + 32);
+            } else pt_tiles_1(w, t0, tabs + m * per_x, res);
             for (int64_t r = 0; r < 16 * h; r++) {
                 const int64_t n = 16 * t0 + r;
                 store_out(out, out_dt, m * N + n, res[r] + (bias ? bias[n] : 0.0f));

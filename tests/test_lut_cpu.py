@@ -278,6 +278,33 @@ def test_pair_tables_round_within_the_bound_near_its_edge():
 
 
 @pytest.mark.skipif(lut_cpu.machine_isa() < 3, reason="no AVX-512 BF16 on this CPU")
+@pytest.mark.parametrize("n", [16, 48, 83, 112])  # tiles of 16 rows taken 4, 2 and 1 at a time, and rows after them
+def test_pair_tables_in_every_grouping_of_tiles(n):
+    for bits, fmt, block in ((2, "kmeans-layer", 64), (1, "int", 32), (2, "int", 8)):
+        q = _weights(n, 192, fmt, bits, block, n + bits)
+        for m in (1, 3, 16):
+            _check(q, torch.randn(m, 192, generator=torch.Generator().manual_seed(m)).to(torch.bfloat16), "avx512bf16",
+                   bias=torch.randn(n))
+
+
+@pytest.mark.skipif(lut_cpu.machine_isa() < 3, reason="no AVX-512 BF16 on this CPU")
+@pytest.mark.parametrize("bits", [1, 2])
+def test_nan_and_inf_in_x_propagate_through_the_pair_tables(bits):
+    q = _weights(35, 128, "kmeans-layer", bits, 64, 0)
+    x = torch.randn(3, 128).to(torch.bfloat16)
+    x[0, 3] = float("nan")
+    x[-1, 100] = float("inf")
+    kernel = lut_cpu.prepare(q.packed, interleave=True)
+    assert kernel.interleaved
+    y = kernel(x).float()
+    kernel.restore()
+    ref = lut_matmul_reference(x.float(), q.packed)
+    assert torch.isnan(y[0]).all() and torch.isnan(ref[0]).all()
+    assert torch.equal(torch.isnan(y), torch.isnan(ref)) and torch.equal(torch.isinf(y), torch.isinf(ref))
+    assert torch.equal(torch.sign(y[-1]), torch.sign(ref[-1]))
+
+
+@pytest.mark.skipif(lut_cpu.machine_isa() < 3, reason="no AVX-512 BF16 on this CPU")
 def test_pair_path_takes_the_formats_it_claims():
     assert lut_cpu.pair_path(_weights(16, 256, "kmeans-layer", 2, 64, 0).packed)
     assert lut_cpu.pair_path(_weights(16, 256, "binary", 1, 64, 0).packed)

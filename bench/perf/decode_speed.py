@@ -206,8 +206,10 @@ def gemv_table(shapes=None, repeats: int = 10, formats=None, past_bytes: int | N
             p = q.packed
             mk = lambda p=p: type(p)(**{f: (v.clone() if isinstance(v, torch.Tensor) else v)  # noqa: E731
                                         for f, v in vars(p).items()})
-            t = cycled(p.nbytes, lambda: lut_cpu.prepare(mk()), lambda c: c(x))  # as QuantLinear keeps it
-            kind = "bf16 path" if lut_cpu.bf16_path(p) else f"{lut_cpu.layout(p)[0]} lanes"
+            # as QuantLinear keeps it: readied once, interleaved in place where the pair tables take it
+            t = cycled(p.nbytes, lambda: lut_cpu.prepare(mk(), interleave=True), lambda c: c(x))
+            kind = ("pair tables" if lut_cpu.pair_path(p) else "bf16 path" if lut_cpu.bf16_path(p)
+                    else f"{lut_cpu.layout(p)[0]} lanes")
             rows.append({"shape": f"{k}x{n}", "format": f"hilt {label} (lut_cpu, {kind})",
                          "bytes": p.nbytes, "us": t * 1e6, "gb_per_s": p.nbytes / t / 1e9})
             if int_cpu.supports(p):  # symmetric integer levels the int4/int8 kernels take
