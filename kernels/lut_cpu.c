@@ -1,5 +1,6 @@
 /* The lookup-table matmul y = x @ dequant(W).T on the CPU, reading hilt's packed codes as stored
- * (kernels/packing.py): W[n, k] = codebook[code[n, k]] * scale[n, k / B] (+ offset[n, k / B]).
+ * (kernels/packing.py), or at 1-2 bits interleaved in place (see "pair tables"):
+ * W[n, k] = codebook[code[n, k]] * scale[n, k / B] (+ offset[n, k / B]).
  * The reference is lut_matmul_reference in lut_matmul.py; built and loaded by lut_cpu.py.
  *
  * Decode is bound by memory, so the aim is to read each packed byte once and spend few

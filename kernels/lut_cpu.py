@@ -1,12 +1,14 @@
-"""The lookup-table matmul on the CPU as a C kernel (lut_cpu.c), reading hilt's packed codes as stored.
+"""The lookup-table matmul on the CPU as a C kernel (lut_cpu.c), reading hilt's packed codes as stored
+(at 1-2 bits, optionally interleaved in place for the pair tables: :class:`Prepared`).
 
 Built on first use by the system's C compiler into the per-user cache (kernels.cbuild), with OpenMP
 where the compiler has it (rows of W on torch's threads). The vector path, AVX-512 or AVX2, is chosen
 at run time from the CPU and from the weight (a chunk of 16 or 8 lanes' codes must lie in one block);
 the portable scalar path takes every format on every CPU. Where the CPU has AVX-512 BF16, bfloat16 x
 takes a path of its own (:func:`bf16_path`: the codebook rounded to bfloat16, which the error bound
-for bfloat16 x allows). ``HILT_LUT_ISA=scalar|avx2|avx512|avx512bf16`` (or ``isa=``) caps the path,
-as the tests do to check each one.
+for bfloat16 x allows), and 1-2 bit weights interleaved in place take the pair tables (:func:`pair_path`:
+sums of x looked up by code nibbles, 16 rows a lookup). ``HILT_LUT_ISA=scalar|avx2|avx512|avx512bf16``
+(or ``isa=``) caps the path, as the tests do to check each one.
 
 M <= 16 rows of x (decode): the kernel itself, weights dequantized in registers, nothing else
 allocated but x reordered. More rows (prefill): bands of rows dequantized by the kernel (at most

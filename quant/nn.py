@@ -30,6 +30,7 @@ class _Packed(nn.Module):
     and moves put the stored order back first, and the next CPU call permutes again."""
 
     reorders = False
+    int_copy = True  # whether PyTorch's int8 kernel, faster but holding a copy, may run this weight
 
     def __init__(self, qweight: QuantizedWeight):
         super().__init__()
@@ -107,14 +108,15 @@ class _Packed(nn.Module):
         return self._kept("_table", [w.codebook], lambda: byte_table(w.codebook, w.bits))
 
     def _cpu_kernel(self, x: torch.Tensor):
-        """The CPU kernel readied for this weight, a callable ``(x, bias) -> y``: for row-wise int8 and
-        bfloat16 x of at most lut_cpu.SMALL_M rows, PyTorch's fused kernel (with its own copy of the
-        weight; kernels.int_cpu.PREFERRED_BITS says why), else the lookup-table kernel on the stored
-        buffers (kernels.lut_cpu.Prepared); None where no C compiler built the latter (lut_matmul then
-        runs the reference, with its warning)."""
+        """The CPU kernel readied for this weight, a callable ``(x, bias) -> y``: for a layer that may
+        hold a copy (``int_copy``) with row-wise int8 and bfloat16 x of at most lut_cpu.SMALL_M rows,
+        PyTorch's fused kernel (with its own copy of the weight; kernels.int_cpu.PREFERRED_BITS says
+        why), else the lookup-table kernel on the stored buffers (kernels.lut_cpu.Prepared); None where
+        no C compiler built the latter (lut_matmul then runs the reference, with its warning)."""
         parts = [self.codes, self.codebook, self.scales, self.offsets]
         rows = x.numel() // max(1, x.shape[-1])  # prefill: the LUT kernel's bfloat16 bands are the faster
-        if x.dtype == torch.bfloat16 and self.bits in int_cpu.PREFERRED_BITS and rows <= lut_cpu.SMALL_M:
+        if (self.int_copy and x.dtype == torch.bfloat16 and self.bits in int_cpu.PREFERRED_BITS
+                and rows <= lut_cpu.SMALL_M):
             pack = self._kept("_cpu_pack", parts, self._int_pack)
             if pack is not None:
                 return pack
@@ -162,6 +164,10 @@ class QuantLinear(_Packed):
 class QuantEmbedding(_Packed):
     """An Embedding whose table is a QuantizedWeight (rows: tokens): a lookup dequantizes only the rows
     it reads, in ``dtype`` (the model's). :meth:`linear` is the tied output head, logits = x @ table.T."""
+
+    # the table is a model's largest tensor, and quantized to save memory: its tied head runs on the
+    # stored buffers (PyTorch's int8 kernel would be 1.3x faster there but hold a second table)
+    int_copy = False
 
     def __init__(self, qweight: QuantizedWeight, dtype: torch.dtype = torch.float32):
         super().__init__(qweight)

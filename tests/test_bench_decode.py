@@ -14,7 +14,8 @@ pytest.importorskip("transformers")
 
 
 def test_quick_decode_runs_every_part(tmp_path, capsys):
-    assert main(["bench", "decode", "--quick", "--work", str(tmp_path), "--out", str(tmp_path / "out")]) == 0
+    work = tmp_path / "made" / "work"  # made by the command
+    assert main(["bench", "decode", "--quick", "--work", str(work), "--out", str(tmp_path / "out")]) == 0
     r = json.loads((tmp_path / "out" / "decode.json").read_text())
     rows = {row["model"]: row for row in r["rows"]}
     assert rows["dense bf16"]["tokens_per_second"] > 0 and rows["dense bf16"]["vs_dense_bf16"] == 1.0
@@ -29,7 +30,14 @@ def test_quick_decode_runs_every_part(tmp_path, capsys):
         assert "bf16 path" in formats[1]
     assert all(g["gb_per_s"] > 0 and g["of_copy_bandwidth"] > 0 for g in r["gemv"])
     assert r["copy_gb_per_s"] > 0 and "| hilt k-means 4 (block 64) |" in capsys.readouterr().out
-    assert not list(tmp_path.glob("tmp*"))  # the work folder is cleaned up
+    assert not list(work.glob("tmp*"))  # the work folder is cleaned up
+
+
+def test_a_file_as_work_folder_is_one_line(tmp_path, capsys):
+    (tmp_path / "f").write_text("")
+    assert main(["bench", "decode", "--quick", "--work", str(tmp_path / "f")]) == 1
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "--work is a file" in err
 
 
 def test_llama_cpp_tool_is_found_only_where_built(tmp_path, monkeypatch):

@@ -39,6 +39,7 @@ from pathlib import Path
 import torch
 
 from hilt.bench.perf import wall_times
+from hilt.errors import HiltError
 from hilt.models.hf import gguf_to_hf, require_transformers
 from hilt.quant import QuantConfig, quantize_checkpoint
 from hilt.progress import LOG
@@ -270,6 +271,10 @@ def run(quick: bool = False, work=None, threads: int = 2, gemv: bool = True, new
     from hilt.models.llama import GGUF_FILE, smollm2_path
 
     transformers = require_transformers()
+    if work is not None:  # made now, not after the GEMV table's minutes
+        if Path(work).exists() and not Path(work).is_dir():
+            raise HiltError(f"{work}: --work is a file, expected a folder")
+        Path(work).mkdir(parents=True, exist_ok=True)
     torch.set_num_threads(threads)
     new_tokens, repeats = new_tokens or (4 if quick else 64), repeats or (1 if quick else 5)
     prefill = 32 if quick else PREFILL
