@@ -864,7 +864,7 @@ static int matmul_bf16(const Wt *w, const uint16_t *x, int64_t M, const float *b
             for (int64_t i = 0; i < 32; i++)
                 for (int64_t j = 0; j < w->cpw; j++)
                     if (c + i * w->cpw + j < K) xp[m * Kp + c + j * 32 + i] = x[m * K + c + i * w->cpw + j];
-        for (int64_t b = 0; b < nb; b++) {
+        for (int64_t b = 0; w->w.offsets && b < nb; b++) { /* only offsets use them */
             float s = 0.0f;
             for (int64_t k = b * B; k < (b + 1) * B; k++) s += bf16_to_f32(x[m * K + k]);
             xsum[m * nb + b] = s;

@@ -20,6 +20,12 @@ from hilt.quant.quantize import QuantConfig, quantize_tensor
 from hilt.quant.qweight import QuantizedWeight
 
 
+def _stored_order_hook(module, *args):
+    """Before state_dict and load_state_dict: the buffers in the stored order (a named function, so that
+    the layer still pickles)."""
+    module._stored_order()
+
+
 class _Packed(nn.Module):
     """A weight kept as a QuantizedWeight's parts (buffers, so that .to(device) and state_dict carry
     them), with what the kernels keep between calls.
@@ -43,8 +49,16 @@ class _Packed(nn.Module):
         self.register_buffer("offsets", qweight.offsets)
         self._table = self._cpu_pack = self._cpu_lut = None  # what the kernels keep (see _kept)
         self._derived_from: dict[str, list] = {}
-        self.register_state_dict_pre_hook(lambda module, prefix, keep_vars: module._stored_order())
-        self.register_load_state_dict_pre_hook(lambda module, *args: module._stored_order())
+        self.register_state_dict_pre_hook(_stored_order_hook)
+        self.register_load_state_dict_pre_hook(_stored_order_hook)
+
+    def __getstate__(self):
+        """Copies and pickles carry the buffers in the stored order and none of what the kernels keep
+        (C views of this layer's memory)."""
+        self._stored_order()
+        state = dict(super().__getstate__())
+        state.update(_table=None, _cpu_pack=None, _cpu_lut=None, _derived_from={})
+        return state
 
     @property
     def qweight(self) -> QuantizedWeight:
@@ -83,12 +97,18 @@ class _Packed(nn.Module):
 
     @staticmethod
     def _key(parts):
-        return [(t, None if t is None or torch.is_inference(t) else t._version) for t in parts]
+        return [(t, None if t is None or t.is_inference() else t._version) for t in parts]
 
     def _current(self, name: str, parts) -> bool:
-        """Whether the kept ``name`` was made from these very parts, unchanged since."""
+        """Whether the kept ``name`` was made from these very parts, unchanged since (checked on every call
+        of a decode step, so kept lean)."""
         old = self._derived_from.get(name)
-        return old is not None and all(a is b and va == vb for (a, va), (b, vb) in zip(self._key(parts), old))
+        if old is None:
+            return False
+        for t, (a, va) in zip(parts, old):
+            if t is not a or (t is not None and not t.is_inference() and t._version != va):
+                return False
+        return True
 
     def _stored_order(self) -> None:
         """The buffers back in the stored order where the CPU kernel holds them in its own (a no-op
@@ -113,7 +133,8 @@ class _Packed(nn.Module):
         PyTorch's fused kernel (with its own copy of the weight; kernels.int_cpu.PREFERRED_BITS says
         why), else the lookup-table kernel on the stored buffers (kernels.lut_cpu.Prepared); None where
         no C compiler built the latter (lut_matmul then runs the reference, with its warning)."""
-        parts = [self.codes, self.codebook, self.scales, self.offsets]
+        b = self._buffers  # not nn.Module's __getattr__, a microsecond a name on every call
+        parts = [b["codes"], b["codebook"], b["scales"], b["offsets"]]
         rows = x.numel() // max(1, x.shape[-1])  # prefill: the LUT kernel's bfloat16 bands are the faster
         if (self.int_copy and x.dtype == torch.bfloat16 and self.bits in int_cpu.PREFERRED_BITS
                 and rows <= lut_cpu.SMALL_M):

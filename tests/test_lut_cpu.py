@@ -1,8 +1,10 @@
 """The CPU C kernel of the lookup-table matmul (kernels/lut_cpu.c) against its PyTorch reference, on
 each vector path this CPU has and on the portable path."""
 
+import copy
 import ctypes
 import dataclasses
+import pickle
 import sys
 import warnings
 
@@ -333,6 +335,9 @@ def test_quant_linear_interleaves_in_place_and_gives_the_stored_order_back():
     assert {k: v.data_ptr() for k, v in state.items()} == ptrs
     assert torch.equal(layer(x), y) and layer._cpu_lut.interleaved  # permuted again by the next call
     assert torch.equal(layer.qweight.codes, stored["codes"]) and torch.equal(layer(x), y)
+    copied = copy.deepcopy(layer)  # a copy (and a pickle) carries the stored order, not the kernel's C view
+    assert torch.equal(copied.codes, stored["codes"]) and torch.equal(copied(x), y)
+    assert torch.equal(pickle.loads(pickle.dumps(layer)).codes, stored["codes"]) and torch.equal(layer(x), y)
     other = _weights(40, 256, "kmeans-layer", 2, 64, 4)
     layer.load_state_dict(QuantLinear(other).state_dict())
     ref = lut_matmul_reference(x.double(), other.packed).double()
