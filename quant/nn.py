@@ -313,7 +313,8 @@ def load_quantized_(model: nn.Module, dst, strict: bool = True) -> nn.Module:
         if isinstance(module, nn.Linear):
             heads.setdefault(id(module.weight), []).append(path)
     dense = {}
-    for name, value in tensors.items():
+    for name in list(tensors):
+        value = tensors.pop(name)  # released once its layer holds its own copy: the peak stays one layer over
         if isinstance(value, QuantizedWeight):
             path = re.sub(r"\.weight$", "", name)
             module = modules.get(path)
