@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
+import threading
 
 import torch
 from torch import nn
@@ -18,6 +19,11 @@ from hilt.kernels.lut_matmul import PackedWeight
 from hilt.quant.checkpoint import KEEP_DENSE, load_checkpoint
 from hilt.quant.quantize import QuantConfig, quantize_tensor
 from hilt.quant.qweight import QuantizedWeight
+
+
+# Held while a kept kernel is made or a weight's order is put back: two threads running a layer for the
+# first time must not both permute its buffers (an RLock: making one reads the weight, which restores).
+_ORDER_LOCK = threading.RLock()
 
 
 def _stored_order_hook(module, *args):
@@ -91,8 +97,10 @@ class _Packed(nn.Module):
         otherwise remake it every token); made again when a part is another tensor (moved, loaded) or
         was changed in place (its version; inference tensors have none)."""
         if not self._current(name, parts):
-            setattr(self, name, make())
-            self._derived_from[name] = self._key(parts)  # after make, which may permute the parts in place
+            with _ORDER_LOCK:
+                if not self._current(name, parts):  # another thread may have made it meanwhile
+                    setattr(self, name, make())
+                    self._derived_from[name] = self._key(parts)  # after make, which may permute the parts
         return getattr(self, name)
 
     @staticmethod
@@ -113,13 +121,16 @@ class _Packed(nn.Module):
     def _stored_order(self) -> None:
         """The buffers back in the stored order where the CPU kernel holds them in its own (a no-op
         otherwise); a kernel made from buffers changed since is dropped, the new contents kept."""
-        kernel = self._cpu_lut
-        if kernel is None or not kernel.interleaved:
+        if self._cpu_lut is None or not self._cpu_lut.interleaved:
             return
-        if self._current("_cpu_lut", [self.codes, self.codebook, self.scales, self.offsets]):
-            kernel.restore()
-        self._cpu_lut = None
-        self._derived_from.pop("_cpu_lut", None)
+        with _ORDER_LOCK:
+            kernel = self._cpu_lut
+            if kernel is None or not kernel.interleaved:
+                return
+            if self._current("_cpu_lut", [self.codes, self.codebook, self.scales, self.offsets]):
+                kernel.restore()
+            self._cpu_lut = None
+            self._derived_from.pop("_cpu_lut", None)
 
     def _byte_table(self, x: torch.Tensor, w: PackedWeight) -> torch.Tensor | None:
         """The codebook's byte table for the CUDA kernel's one-row path."""
@@ -132,7 +143,8 @@ class _Packed(nn.Module):
         hold a copy (``int_copy``) with row-wise int8 and bfloat16 x of at most lut_cpu.SMALL_M rows,
         PyTorch's fused kernel (with its own copy of the weight; kernels.int_cpu.PREFERRED_BITS says
         why), else the lookup-table kernel on the stored buffers (kernels.lut_cpu.Prepared); None where
-        no C compiler built the latter (lut_matmul then runs the reference, with its warning)."""
+        no C compiler built the latter (lut_matmul then runs the reference, with its warning). At 1-2 bits a
+        layer that ``reorders`` lets that kernel interleave its buffers in place (see the class)."""
         b = self._buffers  # not nn.Module's __getattr__, a microsecond a name on every call
         parts = [b["codes"], b["codebook"], b["scales"], b["offsets"]]
         rows = x.numel() // max(1, x.shape[-1])  # prefill: the LUT kernel's bfloat16 bands are the faster

@@ -1,6 +1,7 @@
 """The CPU C kernel of the lookup-table matmul (kernels/lut_cpu.c) against its PyTorch reference, on
 each vector path this CPU has and on the portable path."""
 
+import concurrent.futures
 import copy
 import ctypes
 import dataclasses
@@ -335,6 +336,10 @@ def test_quant_linear_interleaves_in_place_and_gives_the_stored_order_back():
     assert {k: v.data_ptr() for k, v in state.items()} == ptrs
     assert torch.equal(layer(x), y) and layer._cpu_lut.interleaved  # permuted again by the next call
     assert torch.equal(layer.qweight.codes, stored["codes"]) and torch.equal(layer(x), y)
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:  # threads running a layer for the first time
+        for _ in range(20):  # permute it once (without the lock, about one try in seven came out wrong)
+            fresh = QuantLinear(q)
+            assert all(torch.equal(r, y) for r in pool.map(lambda _: fresh(x), range(8)))
     copied = copy.deepcopy(layer)  # a copy (and a pickle) carries the stored order, not the kernel's C view
     assert torch.equal(copied.codes, stored["codes"]) and torch.equal(copied(x), y)
     assert torch.equal(pickle.loads(pickle.dumps(layer)).codes, stored["codes"]) and torch.equal(layer(x), y)
