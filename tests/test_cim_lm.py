@@ -231,3 +231,18 @@ def test_drift_command_bad_input_is_one_line(tmp_path):
         assert r.returncode == 1, r.stderr
         assert message in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
     assert not (tmp_path / "out.json").exists()
+
+
+def test_set_fields_are_read_as_their_types():
+    """`--set` values come as JSON or text; each is checked against its AnalogConfig field: "none" where the
+    field may be None (the converters off), numbers for numbers, and a one-line error naming the field."""
+    from hilt.tasks.drift_lm import chip_config
+
+    c = chip_config("pcm", {"adc_bits": "none", "dac_bits": None, "clip_std": 3, "bound_management": False,
+                            "weight_mapping": "column"})
+    assert c.adc_bits is None and c.dac_bits is None and c.clip_std == 3.0 and isinstance(c.clip_std, float)
+    assert c.bound_management is False and c.weight_mapping == "column" and c.smoothing == preset("pcm").smoothing
+    for bad, expected in (({"adc_bits": "many"}, "int or none"), ({"adc_bits": 7.5}, "int or none"),
+                          ({"smoothing": "x"}, "float"), ({"bound_management": 1}, "bool"), ({"device": None}, "str")):
+        with pytest.raises(HiltError, match=f"--set {next(iter(bad))}=.*expected {expected}"):
+            chip_config("pcm", bad)

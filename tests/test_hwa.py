@@ -166,6 +166,8 @@ def test_bad_input_is_one_line_and_writes_nothing(tiny_gguf, tmp_path):
     _one_line_failure(run_hilt("hwa", tiny_gguf, tmp_path / "dir.gguf", "--overwrite"), "is a folder")
     _one_line_failure(run_hilt("hwa", tiny_gguf, tmp_path / "b.gguf", "--set", "colour=red"), "colour",
                       "not a field of AnalogConfig", absent=[tmp_path / "b.gguf"])
+    _one_line_failure(run_hilt("hwa", tiny_gguf, tmp_path / "b.gguf", "--set", "adc_bits=many"), "adc_bits",
+                      "expected int or none", absent=[tmp_path / "b.gguf"])
     _one_line_failure(run_hilt("hwa", tiny_gguf, tmp_path / "c.gguf", "--preset", "ideal"), "pcm or rram",
                       absent=[tmp_path / "c.gguf"])
     _one_line_failure(run_hilt("hwa", tmp_path / "missing.gguf", tmp_path / "d.gguf"), "missing.gguf",

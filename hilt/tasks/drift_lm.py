@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
+import typing
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -180,16 +181,38 @@ def calibrate(lm: LanguageModel, analog: nn.Module, tokens: int = 256, context: 
 
 
 def chip_config(preset_name: str, overrides: dict | None = None):
-    """The preset's AnalogConfig with ``overrides`` (``--set`` fields) in place of its own."""
-    from hilt.cim_sim import preset
+    """The preset's AnalogConfig with ``overrides`` (``--set`` fields) in place of its own, each checked
+    against its field's type ("none" or null where the field may be None, e.g. ``adc_bits=none``)."""
+    from hilt.cim_sim import AnalogConfig, preset
 
     config = preset(preset_name)
     if overrides:
         unknown = set(overrides) - {f.name for f in dataclasses.fields(config)}
         if unknown:
             raise HiltError(f"--set {', '.join(sorted(unknown))}: not a field of AnalogConfig")
-        config = dataclasses.replace(config, **overrides)
+        hints = typing.get_type_hints(AnalogConfig)
+        config = dataclasses.replace(config, **{k: _field_value(k, v, hints[k]) for k, v in overrides.items()})
     return config
+
+
+def _field_value(name: str, value, hint):
+    """``value`` as the AnalogConfig field ``name`` (type ``hint``) takes it, or a one-line error."""
+    allowed = typing.get_args(hint) or (hint,)
+    if value is None or (isinstance(value, str) and value.lower() in ("none", "null")):
+        if type(None) in allowed:
+            return None
+    elif bool in allowed:
+        if isinstance(value, bool):
+            return value
+    elif isinstance(value, (int, float)) and not isinstance(value, bool) and (float in allowed or int in allowed):
+        if float in allowed:
+            return float(value)
+        if float(value).is_integer():
+            return int(value)
+    elif str in allowed and isinstance(value, str):
+        return value
+    names = " or ".join("none" if a is type(None) else getattr(a, "__name__", str(a)) for a in allowed)
+    raise HiltError(f"--set {name}={value!r}: expected {names}")
 
 
 def lm_drift_study(model="smollm2", preset_name="pcm", times="1s,1h,1d,1mo,1y", chips=2, gdc="global", text=None,
