@@ -904,7 +904,7 @@ static int matmul_bf16(const Wt *w, const uint16_t *x, int64_t M, const float *b
     return 0;
 }
 
-/* the pair-table path (w->pt, interleaved): tables per row of x, then tiles of 16 rows, two at a time
+/* the pair-table path (w->pt, interleaved): tables per row of x, then tiles of 16 rows, four at a time
  * where they can share the tables' loads; the rows past the whole tiles take the bfloat16 path */
 static int matmul_pt(const Wt *w, const uint16_t *x, int64_t M, const float *bias, void *out, int out_dt, int threads) {
     const int64_t K = w->w.K, N = w->w.N, per_x = K / (16 / w->w.bits) * 64, tiles = w->n16 / 16;
