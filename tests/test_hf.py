@@ -14,6 +14,7 @@ from safetensors.torch import save_file
 transformers = pytest.importorskip("transformers")
 
 import hilt  # noqa: E402,F401  (registers the quantizer with transformers)
+from hilt.kernels import lut_cpu  # noqa: E402
 from hilt.kernels.lut_matmul import error_ratio, lut_matmul_reference  # noqa: E402
 from hilt.quant import QuantConfig, QuantLinear, load_checkpoint, load_quantized_, quantize_checkpoint  # noqa: E402
 from hilt.quant.nn import QuantEmbedding, TiedHead  # noqa: E402
@@ -86,8 +87,15 @@ def test_from_pretrained_runs_the_packed_weights(tmp_path, config):
     # CPU kernel then holds the codes interleaved) writes the same format back: same keys, dtypes and
     # values; it loads again
     native = transformers.AutoModelForCausalLM.from_pretrained(str(dst), dtype="auto")
+    layer = native.model.layers[0].self_attn.q_proj
+    x = torch.randn(3, layer.in_features, generator=torch.Generator().manual_seed(2)).to(torch.bfloat16)
     with torch.inference_mode():
         native(ids[:1, :4])
+        y = layer(x)  # the layer as from_pretrained made it, on the CPU kernel's bfloat16 paths
+    pairs = config.bits == 2 and config.codebook == "layer" and lut_cpu.machine_isa() >= 3
+    assert (layer._cpu_lut is not None and layer._cpu_lut.interleaved) == pairs  # 2 bits: the pair tables ran
+    q = layer.qweight
+    assert error_ratio(y, x, lut_matmul_reference(x.double(), q.packed).double(), q.dequantize().double().abs()) <= 1
     native.save_pretrained(tmp_path / "again")
     with safe_open(str(dst / "model.safetensors"), "pt") as f, safe_open(str(tmp_path / "again/model.safetensors"), "pt") as g:
         assert set(f.keys()) == set(g.keys())
