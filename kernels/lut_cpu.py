@@ -227,7 +227,7 @@ class Prepared:
             self.interleaved = False
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        # a decode step calls this for every layer: ~10 us of Python here was a tenth of a SmolLM2 token
+        # called for every layer at every decode step, so kept lean: each us here is 0.2 ms of a SmolLM2 token
         n, k = self.shape
         if x.shape[-1] != k:
             check_input(x, self.w)
