@@ -179,11 +179,12 @@ class _Packed(nn.Module):
 class QuantLinear(_Packed):
     """A Linear whose weight is a QuantizedWeight; runs through ``kernels.lut_matmul``."""
 
-    reorders = True
-
     def __init__(self, qweight: QuantizedWeight, bias: torch.Tensor | None = None):
-        # its own codes and scales, which the CPU kernel may permute in place (the caller's stay as given)
-        super().__init__(dataclasses.replace(qweight, codes=qweight.codes.clone(), scales=qweight.scales.clone()))
+        reorders = qweight.bits <= 2  # the widths the CPU kernel's pair tables take (lut_cpu.pair_path)
+        if reorders:  # its own codes and scales, which that kernel permutes in place (the caller's stay as given)
+            qweight = dataclasses.replace(qweight, codes=qweight.codes.clone(), scales=qweight.scales.clone())
+        super().__init__(qweight)
+        self.reorders = reorders
         self.bias = None if bias is None else nn.Parameter(bias.detach().clone(), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
