@@ -228,27 +228,28 @@ class Prepared:
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         # called for every layer at every decode step, so kept lean: each us here is 0.2 ms of a SmolLM2 token
+        # (no reshape of x and the output made in its final shape from plain ints: 1-2 us each otherwise)
         n, k = self.shape
-        if x.shape[-1] != k:
+        *lead, kx = x.shape
+        if kx != k:
             check_input(x, self.w)
         if bias is not None and tuple(bias.shape) != (n,):
             raise HiltError(f"bias has shape {tuple(bias.shape)}, expected {(n,)}")
-        x2 = x.reshape(-1, k)
-        dtype = x2.dtype
+        dtype = x.dtype
         if dtype is not torch.float32 and dtype is not torch.bfloat16:
-            x2 = x2.float()  # float16, float64: through float32, the result cast back below
-        if not x2.is_contiguous():
-            x2 = x2.contiguous()
-        m = x2.shape[0]
+            x = x.float()  # float16, float64: through float32, the result cast back below
+        if not x.is_contiguous():
+            x = x.contiguous()
+        m = x.numel() // k
         b = None if bias is None else bias.detach().float().contiguous()
         if m <= SMALL_M:
-            out = torch.empty(x.shape[:-1] + (n,), dtype=x2.dtype)  # in its final shape: a view costs 2 us
-            code = _DTYPES[x2.dtype]
-            if m and self.lib.hilt_lut_matmul(self.ref, x2.data_ptr(), code, m, None if b is None else b.data_ptr(),
+            out = torch.empty(*lead, n, dtype=x.dtype)
+            code = _DTYPES[x.dtype]
+            if m and self.lib.hilt_lut_matmul(self.ref, x.data_ptr(), code, m, None if b is None else b.data_ptr(),
                                               out.data_ptr(), code, self.path, torch.get_num_threads()):
                 raise MemoryError("the CPU LUT kernel could not allocate its scratch copy of x")
         else:
-            out = self._bands(x2, b).view(*x.shape[:-1], n)
+            out = self._bands(x.view(m, k), b).view(*lead, n)
         return out if out.dtype == dtype else out.to(dtype)
 
     def _bands(self, x2: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:

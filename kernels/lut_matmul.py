@@ -66,6 +66,8 @@ class PackedWeight:
     def __post_init__(self):
         if not 1 <= self.bits <= 8:
             raise HiltError(f"bits must be between 1 and 8, got {self.bits}")
+        if self.in_features < 1:
+            raise HiltError(f"in_features must be at least 1, got {self.in_features}")
         if self.block_size < 1 or self.in_features % self.block_size:
             raise HiltError(f"in_features {self.in_features} is not a multiple of block size {self.block_size}")
         n, row_bytes, blocks = self.out_features, packed_row_bytes(self.in_features, self.bits), self.n_blocks

@@ -113,8 +113,8 @@ class _Packed(nn.Module):
         old = self._derived_from.get(name)
         if old is None:
             return False
-        for t, (a, va) in zip(parts, old):
-            if t is not a or (t is not None and not t.is_inference() and t._version != va):
+        for t, (a, va) in zip(parts, old):  # va is None for None and inference tensors (no version), as t is a
+            if t is not a or (va is not None and t._version != va):
                 return False
         return True
 
@@ -147,9 +147,8 @@ class _Packed(nn.Module):
         layer that ``reorders`` lets that kernel interleave its buffers in place (see the class)."""
         b = self._buffers  # not nn.Module's __getattr__, a microsecond a name on every call
         parts = [b["codes"], b["codebook"], b["scales"], b["offsets"]]
-        rows = x.numel() // max(1, x.shape[-1])  # prefill: the LUT kernel's bfloat16 bands are the faster
-        if (self.int_copy and x.dtype == torch.bfloat16 and self.bits in int_cpu.PREFERRED_BITS
-                and rows <= lut_cpu.SMALL_M):
+        if (self.int_copy and self.bits in int_cpu.PREFERRED_BITS and x.dtype == torch.bfloat16
+                and x.numel() // max(1, x.shape[-1]) <= lut_cpu.SMALL_M):  # prefill: the LUT kernel's bands
             pack = self._kept("_cpu_pack", parts, self._int_pack)
             if pack is not None:
                 return pack

@@ -121,6 +121,7 @@ def test_path_choice_and_refusals():
         lut_matmul_triton(torch.randn(1, 128).half(), q.packed, path="fast")
     # a PackedWeight that exists is consistent: the kernel never sees one that is not
     for change, match in (({"block_size": 48}, "not a multiple of block size"),
+                          ({"in_features": 0}, "in_features must be at least 1, got 0"),
                           ({"codebook": torch.zeros(8)}, "codebook has 8 levels, 2 bits need 4"),
                           ({"codebook": torch.zeros(8, 3, 4)}, r"codebook has shape \(8, 3, 4\), expected"),
                           ({"in_features": 192}, r"codes must be uint8 \(8, 48\)"),

@@ -67,24 +67,36 @@ GEMV_FORMATS = [("k-means 4", QuantConfig("kmeans", 4, 64)), ("k-means 3", Quant
 # are imported (transformers' quantizer registry, which registers hilt's, and the model's class: hundreds
 # of MB that any model of the family costs). "loaded": the high-water mark after from_pretrained with
 # every stored tensor read once (safetensors maps the file: an unread weight is not resident yet);
-# "decoding": the high-water mark after one short bfloat16 forward pass, which also makes the CPU kernels'
-# packed copies; the dense model's row shows what that first forward costs with no hilt kernel in it
-# (torch's own buffers, e.g. oneDNN's for the bfloat16 head: tens of MB that do not grow with the model).
+# "decoding": the high-water mark after one short bfloat16 forward pass, which also readies the CPU kernels.
+# "code": the shared libraries' pages resident at each point (/proc/self/smaps). The first forward pages
+# in 10-20 MB of torch's own machine code, the same for every model and shared with every process that
+# maps those libraries; the rows also give the memory over weights without it, which is what the model
+# and its format hold.
 _MEMORY_PROBE = """
 import json, sys, torch, transformers, transformers.quantizers.auto, hilt
 def status(key):
     return int(next(l for l in open('/proc/self/status') if l.startswith(key)).split()[1]) * 1024
+def code():
+    total, lib = 0, False
+    for line in open('/proc/self/smaps'):
+        head = line.split()
+        if '-' in head[0] and not head[0].endswith(':'):
+            lib = len(head) > 5 and ('.so' in head[5].rsplit('/', 1)[-1])
+        elif lib and head[0] == 'Rss:':
+            total += int(head[1]) * 1024
+    return total
 kwargs = json.loads(sys.argv[2])
 config = transformers.AutoConfig.from_pretrained(sys.argv[1], **kwargs)
 transformers.AutoModelForCausalLM._model_mapping[type(config)]  # imports the model's module
-base = status('VmRSS')
+base, base_code = status('VmRSS'), code()
 model = transformers.AutoModelForCausalLM.from_pretrained(sys.argv[1], dtype=torch.bfloat16, **kwargs)
 with torch.inference_mode():
     for t in model.state_dict().values():
         t.contiguous().view(-1).view(torch.uint8).max()  # reads every page, allocates nothing
-    loaded = status('VmHWM')
+    loaded, loaded_code = status('VmHWM'), code()
     model(torch.tensor([[1, 2, 3]]))
-print(json.dumps({"baseline": base, "loaded": loaded, "decoding": status('VmHWM'), "after_forward": status('VmRSS')}))
+print(json.dumps({"baseline": base, "loaded": loaded, "decoding": status('VmHWM'), "after_forward": status('VmRSS'),
+                  "baseline_code": base_code, "loaded_code": loaded_code, "decoding_code": code()}))
 """
 
 
@@ -359,6 +371,9 @@ def run(quick: bool = False, work=None, threads: int = 2, gemv: bool = True, new
             r["loaded_over_weights"] = round((r["rss_loaded"] - r["rss_baseline"]) / r["weight_bytes"], 3)
             r["decoding_over_weights"] = round((r["rss_decoding"] - r["rss_baseline"]) / r["weight_bytes"], 3)
             r["first_forward_mb"] = round((r["rss_decoding"] - r["rss_loaded"]) / 1e6, 1)
+            held = r["rss_decoding"] - r["rss_baseline"] - (r["rss_decoding_code"] - r["rss_baseline_code"])
+            r["decoding_over_weights_without_code"] = round(held / r["weight_bytes"], 3)
+            r["first_forward_code_mb"] = round((r["rss_decoding_code"] - r["rss_loaded_code"]) / 1e6, 1)
     return {"threads": threads, "new_tokens": new_tokens, "repeats": repeats, "prefill_tokens": prefill,
             "prompt": None if quick else PROMPT,
             "model": "tiny random Llama (quick)" if quick else "SmolLM2-135M-Instruct",
@@ -386,19 +401,22 @@ def gemv_markdown(rows: list[dict], bandwidth: float) -> str:
 
 def table(rows: list[dict]) -> str:
     lines = ["| model (from_pretrained, bf16) | tokens/s | vs dense bf16 | ms/token: linear layers / rest | "
-             "prefill tokens/s (vs dense) | weights MB | resident over weights: loaded / decoding | first forward adds MB |",
+             "prefill tokens/s (vs dense) | weights MB | resident over weights: loaded / decoding (without library code) | "
+             "first forward adds MB (library code) |",
              "|---|---|---|---|---|---|---|---|"]
     for r in rows:
         if r.get("tokens_per_second") is None:
             lines.append(f"| {r['model']} | {r.get('note', 'n/a')} | | | | | | |")
             continue
-        memory = (f"{r['loaded_over_weights']:.2f}x / {r['decoding_over_weights']:.2f}x" if "loaded_over_weights" in r
+        memory = (f"{r['loaded_over_weights']:.2f}x / {r['decoding_over_weights']:.2f}x "
+                  f"({r['decoding_over_weights_without_code']:.2f}x)" if "loaded_over_weights" in r
                   else r.get("rss_error", "n/a"))
+        first = (f"{r['first_forward_mb']} ({r['first_forward_code_mb']})" if "first_forward_mb" in r else "n/a")
         vs = f"{r['vs_dense_bf16']:.2f}x" if "vs_dense_bf16" in r else "n/a"
         split = (f"{r['layers_ms_per_token']:.1f} / {r['ms_per_token'] - r['layers_ms_per_token']:.1f}"
                  if "layers_ms_per_token" in r else "n/a")
         prefill = (f"{r['prefill_tokens_per_second']:.0f} ({r['prefill_vs_dense_bf16']:.2f}x)"
                    if "prefill_vs_dense_bf16" in r else "n/a")
         lines.append(f"| {r['model']} | {r['tokens_per_second']:.2f} | {vs} | {split} | {prefill} | "
-                     f"{r['weight_bytes'] / 1e6:.1f} | {memory} | {r.get('first_forward_mb', 'n/a')} |")
+                     f"{r['weight_bytes'] / 1e6:.1f} | {memory} | {first} |")
     return "\n".join(lines)
