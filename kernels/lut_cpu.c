@@ -1025,60 +1025,80 @@ static __attribute__((target("avx512f,avx512bf16,avx512vl"))) void to_bf16_512(c
         _mm256_storeu_si256((__m256i *)(out + i), (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(in + i)));
     for (; i < n; i++) out[i] = f32_to_bf16(in[i]);
 }
+#endif
 
-/* One row of K words in chunks of 16 * cpb (cpb 2, 4 or 8): out word p of output vector o is phase
- * j = 2o + p / 16 of lane i = p % 16, in word i * cpb + j (idx[o][p]). */
-static __attribute__((target("avx512f,avx512bw"))) void order16_bf16(const uint16_t *in, uint16_t *out, int64_t K,
-                                                                       int cpb, const uint16_t (*idx)[32]) {
+/* A row from the paths' column order (within each chunk of lanes * cpb columns, element j * lanes + i
+ * holds column i * cpb + j) back to column order: output element r of a chunk is input element
+ * (r % cpb) * lanes + r / cpb. The indices are made once per call. */
+typedef struct {
+    int lanes, cpb, chunk;
+    uint16_t idx[4][32]; /* output vector o, word p: the source word, modulo 64 */
+    uint32_t upper[4];   /* bit p: the source is in the chunk's upper 64 words */
+} Unorder;
+
+static void unorder_init(Unorder *u, int lanes, int cpb) {
+    u->lanes = lanes;
+    u->cpb = cpb;
+    u->chunk = lanes * cpb;
+    for (int o = 0; o < 4; o++) {
+        u->upper[o] = 0;
+        for (int p = 0; p < 32; p++) {
+            const int r = 32 * o + p, q = (r % cpb) * lanes + r / cpb;
+            u->idx[o][p] = (uint16_t)(q & 63);
+            if (q >= 64) u->upper[o] |= 1u << p;
+        }
+    }
+}
+
+static void unorder_bf16(const Unorder *u, const float *in, uint16_t *out, int64_t K) {
+    for (int64_t c = 0; c < K; c += u->chunk)
+        for (int i = 0; i < u->lanes; i++)
+            for (int j = 0; j < u->cpb; j++) out[c + i * u->cpb + j] = f32_to_bf16(in[c + j * u->lanes + i]);
+}
+
+#ifdef HILT_X86
+/* The same, rounding and reordering in registers, a chunk of 32, 64 or 128 at a time: each 32 floats
+ * become one register of words (vcvtne2ps2bf16), permuted within one, two or (128: two pairs, blended
+ * where the source is in the upper half) four registers. */
+INLINE TBF void unorder_chunks(const Unorder *u, const float *in, uint16_t *out, int64_t K, const int CHUNK) {
+    const int outs = CHUNK / 32;
     __m512i ix[4];
-    for (int o = 0; o < cpb / 2; o++) ix[o] = _mm512_loadu_si512((const void *)idx[o]);
-    const __m512i sixty_four = _mm512_set1_epi16(64);
-    for (int64_t c = 0; c < K; c += 16 * cpb) {
+    for (int o = 0; o < outs; o++) ix[o] = _mm512_loadu_si512((const void *)u->idx[o]);
+    for (int64_t c = 0; c < K; c += CHUNK) {
         __m512i v[4];
-        for (int q = 0; q < cpb / 2; q++) v[q] = _mm512_loadu_si512((const void *)(in + c + 32 * q));
-        for (int o = 0; o < cpb / 2; o++) {
+        for (int q = 0; q < outs; q++)
+            v[q] = (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(in + c + 32 * q + 16), _mm512_loadu_ps(in + c + 32 * q));
+        for (int o = 0; o < outs; o++) {
             __m512i r;
-            if (cpb == 2) r = _mm512_permutexvar_epi16(ix[o], v[0]);
-            else if (cpb == 4) r = _mm512_permutex2var_epi16(v[0], ix[o], v[1]);
-            else /* 8: lanes 0-7 from words 0-63, lanes 8-15 from words 64-127 */
-                r = _mm512_mask_blend_epi16(0xFF00FF00u, _mm512_permutex2var_epi16(v[0], ix[o], v[1]),
-                                            _mm512_permutex2var_epi16(v[2], _mm512_sub_epi16(ix[o], sixty_four), v[3]));
+            if (CHUNK == 32) r = _mm512_permutexvar_epi16(ix[o], v[0]);
+            else if (CHUNK == 64) r = _mm512_permutex2var_epi16(v[0], ix[o], v[1]);
+            else r = _mm512_mask_blend_epi16((__mmask32)u->upper[o], _mm512_permutex2var_epi16(v[0], ix[o], v[1]),
+                                             _mm512_permutex2var_epi16(v[2], ix[o], v[3]));
             _mm512_storeu_si512((void *)(out + c + 32 * o), r);
         }
     }
 }
-#endif
 
-/* xp (M, K) = x (M, K) bfloat16 in the column order of hilt_lut_dequant_bf16 for this weight (its lanes
- * and cpb; see the top): what the prefill path multiplies the bands with. */
-void hilt_lut_order_x_bf16(const LutWeight *lw, const uint16_t *x, int64_t M, uint16_t *xp, int isa) {
-    Wt w;
-    setup(&w, lw, isa);
-    const int64_t K = lw->K, lanes = w.lanes, cpb = w.cpb, chunk = lanes * cpb;
-    uint16_t idx[4][32];
-    for (int o = 0; o < 4; o++)
-        for (int p = 0; p < 32; p++) idx[o][p] = (uint16_t)((p & 15) * cpb + 2 * o + (p >> 4));
-    for (int64_t m = 0; m < M; m++) {
-        const uint16_t *in = x + m * K;
-        uint16_t *out = xp + m * K;
-#ifdef HILT_X86
-        if (lanes == 16 && (cpb == 2 || cpb == 4 || cpb == 8) && isa >= 2) {
-            order16_bf16(in, out, K, (int)cpb, (const uint16_t (*)[32])idx);
-            continue;
-        }
-#endif
-        for (int64_t c = 0; c < K; c += chunk)
-            for (int64_t i = 0; i < lanes; i++)
-                for (int64_t j = 0; j < cpb; j++) out[c + j * lanes + i] = in[c + i * cpb + j];
+static TBF int unorder_bf16_512(const Unorder *u, const float *in, uint16_t *out, int64_t K) {
+    switch (u->chunk) {
+    case 32: unorder_chunks(u, in, out, K, 32); return 1;
+    case 64: unorder_chunks(u, in, out, K, 64); return 1;
+    case 128: unorder_chunks(u, in, out, K, 128); return 1;
+    default: return 0;
     }
 }
+#endif
 
-/* As hilt_lut_dequant, in bfloat16 (the prefill path of bfloat16 x): each row dequantized in float32
- * into a buffer that stays in cache, then rounded. Returns 0, or 1 when a buffer could not be had. */
+/* As hilt_lut_dequant, in bfloat16 and in column order (the prefill path of bfloat16 x, which then
+ * multiplies x as it is): each row dequantized in float32 into a buffer that stays in cache, then
+ * rounded and put in column order. Returns 0, or 1 when a buffer could not be had. */
 int hilt_lut_dequant_bf16(const LutWeight *lw, int64_t row0, int64_t row1, uint16_t *out, int isa, int threads) {
     Wt w;
     setup(&w, lw, isa);
     const int64_t K = lw->K;
+    const int reorder = w.lanes > 1 && w.cpb > 1;
+    Unorder u;
+    unorder_init(&u, w.lanes, w.cpb);
     int failed = 0;
     (void)threads;
 #ifdef _OPENMP
@@ -1098,12 +1118,11 @@ int hilt_lut_dequant_bf16(const LutWeight *lw, int64_t row0, int64_t row1, uint1
             const Wt *wv = view_row(&rv, &w, &nv);
             dequant_row(wv, nv, buf);
 #ifdef HILT_X86
-            if (isa >= 3) {
-                to_bf16_512(buf, o, K);
-                continue;
-            }
+            if (isa >= 3 && (reorder ? unorder_bf16_512(&u, buf, o, K) : (to_bf16_512(buf, o, K), 1))) continue;
 #endif
-            for (int64_t k = 0; k < K; k++) o[k] = f32_to_bf16(buf[k]);
+            if (reorder) unorder_bf16(&u, buf, o, K);
+            else
+                for (int64_t k = 0; k < K; k++) o[k] = f32_to_bf16(buf[k]);
         }
         free(buf);
         free(rv.buf);

@@ -53,7 +53,7 @@ class LutWeight(ctypes.Structure):
 def library():
     """The loaded kernel, or None where it cannot be built (no compiler, no write access)."""
     lib = cbuild.load(SOURCE, [FLAGS + ["-fopenmp"], FLAGS],
-                      ("hilt_lut_matmul", "hilt_lut_dequant", "hilt_lut_dequant_bf16", "hilt_lut_order_x_bf16",
+                      ("hilt_lut_matmul", "hilt_lut_dequant", "hilt_lut_dequant_bf16",
                        "hilt_lut_isa", "hilt_lut_layout", "hilt_lut_struct_size", "hilt_lut_bf16_path",
                        "hilt_lut_pair_path"))
     if lib is None:
@@ -77,8 +77,6 @@ def library():
     lib.hilt_lut_dequant.argtypes = [weight, i64, i64, p, i32, i32]
     lib.hilt_lut_dequant_bf16.restype = i32
     lib.hilt_lut_dequant_bf16.argtypes = [weight, i64, i64, p, i32, i32]
-    lib.hilt_lut_order_x_bf16.restype = None
-    lib.hilt_lut_order_x_bf16.argtypes = [weight, p, i64, p, i32]
     return lib
 
 
@@ -256,13 +254,12 @@ class Prepared:
         """Prefill: bands of W dequantized by the kernel and multiplied by torch's matmul. bfloat16 x
         takes bfloat16 bands (the weights rounded to bfloat16, as on the decode path; torch's bfloat16
         matmul, AMX where the CPU has it), float32 x float32 bands; bands of at most BAND_FLOATS values.
-        The bands' columns come in the kernel's order, so x is put in that order once."""
+        bfloat16 bands come in column order (the kernel reorders each row while it is in cache); float32
+        bands in the kernel's, so x is put in that order once."""
         w, lib, path = self.w, self.lib, self.path
         n, k, m = w.out_features, w.in_features, x2.shape[0]
         if x2.dtype == torch.bfloat16 and self.bf16_bands:
-            dtype, dequant = torch.bfloat16, lib.hilt_lut_dequant_bf16
-            xp = torch.empty_like(x2)
-            lib.hilt_lut_order_x_bf16(self.ref, x2.data_ptr(), m, xp.data_ptr(), path)
+            dtype, dequant, xp = torch.bfloat16, lib.hilt_lut_dequant_bf16, x2  # bands in column order
         else:
             dtype, dequant = torch.float32, lib.hilt_lut_dequant
             cpb = ctypes.c_int()
@@ -270,7 +267,7 @@ class Prepared:
             # within each chunk of lanes * cpb columns, phase-major (lut_cpu.c)
             xp = x2.view(m, k // (lanes * cpb.value), lanes, cpb.value).transpose(2, 3).reshape(m, k).float()
         step = max(1, BAND_FLOATS // k)
-        band = _scratch(min(step, n) * k, dtype).view(-1, k)
+        band = _scratch("band", min(step, n) * k, dtype).view(-1, k)
         parts = []
         for r0 in range(0, n, step):
             r1 = min(n, r0 + step)
@@ -284,14 +281,16 @@ class Prepared:
 _local = threading.local()
 
 
-def _scratch(numel: int, dtype: torch.dtype) -> torch.Tensor:
-    """A buffer of this thread's for the prefill bands, reused from layer to layer: a fresh one each call
-    would cost its page faults every time (an 8 MB band is thousands of pages)."""
-    kept = getattr(_local, "bands", {})
-    _local.bands = kept
-    if dtype not in kept or kept[dtype].numel() < numel:
-        kept[dtype] = torch.empty(numel, dtype=dtype)
-    return kept[dtype][:numel]
+def _scratch(name: str, numel: int, dtype: torch.dtype) -> torch.Tensor:
+    """A buffer of this thread's for the prefill path (``name``: the bands, or x in the kernel's order),
+    reused from layer to layer: a fresh one each call would cost its page faults every time (an 8 MB band
+    is thousands of pages). Only what one layer's product reads, never its result, lives here."""
+    kept = getattr(_local, "buffers", {})
+    _local.buffers = kept
+    key = (name, dtype)
+    if key not in kept or kept[key].numel() < numel:
+        kept[key] = torch.empty(numel, dtype=dtype)
+    return kept[key][:numel]
 
 
 def prepare(w: PackedWeight, isa=None, interleave: bool = False) -> Prepared | None:
