@@ -13,7 +13,8 @@ sums of x looked up by code nibbles, 16 rows a lookup). ``HILT_LUT_ISA=scalar|av
 M <= 16 rows of x (decode): the kernel itself, weights dequantized in registers, nothing else
 allocated but x reordered. More rows (prefill): bands of rows dequantized by the kernel (at most
 ``BAND_FLOATS`` values at a time, so memory stays bounded) and multiplied by torch's matmul, in
-bfloat16 for bfloat16 x where the CPU has AVX-512 BF16, else in float32. A layer called again and
+bfloat16 and column order for bfloat16 x where the CPU has AVX-512 BF16, else in float32 (x then put in
+the kernel's column order). A layer called again and
 again keeps a :class:`Prepared` weight (QuantLinear does), which spares each call the set-up.
 """
 
