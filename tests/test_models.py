@@ -1,4 +1,4 @@
-"""The plain-PyTorch workloads in bench/: SmolLM2 (llama), all-MiniLM-L6-v2 (BERT), text.
+"""The plain-PyTorch models in hilt.models: SmolLM2 (llama), all-MiniLM-L6-v2 (BERT), text.
 
 Real-model checks compare with outside references: SmolLM2's known answer
 (" Paris"), its known perplexity range on Hamlet, and the similarities that the
@@ -6,6 +6,7 @@ sentence-transformers README publishes for all-MiniLM-L6-v2. The llama forward i
 also compared with a per-head reference written here on a tiny random config.
 """
 
+import copy
 import math
 
 import pytest
@@ -106,6 +107,24 @@ def test_llama_forward_matches_per_head_reference(tiny_llama):
     for b in range(2):
         want = _reference_llama(tiny_llama, tokens[b])
         torch.testing.assert_close(got[b].double(), want, rtol=1e-4, atol=1e-4)
+
+
+def test_llama_runs_in_bfloat16_with_a_cache(tiny_llama):
+    """A bfloat16 model stays bfloat16 (the rotary tables follow the activations' dtype: float32 ones
+    made queries float32 beside bfloat16 values, which attention refuses) and decodes as float32 does."""
+    model = copy.deepcopy(tiny_llama).to(torch.bfloat16)
+    tokens = torch.randint(0, 61, (1, 9), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        whole = model(tokens)
+        cache = model.new_cache()
+        steps = torch.cat([model(tokens[:, :5], cache)] + [model(tokens[:, t:t + 1], cache) for t in range(5, 9)], 1)
+        want = tiny_llama(tokens)
+    assert whole.dtype == steps.dtype == torch.bfloat16
+
+    def rel(a, b):  # bfloat16 rounds each value by up to 2^-9: a few times that through two blocks
+        return float((a.float() - b.float()).norm() / b.float().norm())
+
+    assert rel(steps, whole) < 0.02 and rel(whole, want) < 0.02
 
 
 def test_adjacent_pair_rope_on_gguf_rows_equals_half_rope_on_hf_rows():

@@ -227,9 +227,10 @@ class Llama(nn.Module):
         T = tokens.shape[1]
         if past + T > self.cfg.max_seq_len:
             raise HiltError(f"sequence of {past + T} tokens is longer than the model's context {self.cfg.max_seq_len}")
-        # Computed per call (cheap) rather than kept as buffers: state_dict stays = the file.
-        cos, sin = (t[past:] for t in rope_cos_sin(self.cfg, past + T, device=tokens.device))
         x = self.token_embd(tokens)
+        # Computed per call (cheap) rather than kept as buffers: state_dict stays = the file. In the
+        # activations' dtype (as transformers does), so a bfloat16 model stays bfloat16 throughout.
+        cos, sin = (t[past:].to(x.dtype) for t in rope_cos_sin(self.cfg, past + T, device=tokens.device))
         for i, block in enumerate(self.blk):
             x = block(x, cos, sin, None if cache is None else cache[i])
         return self.head(self.output_norm(x))
