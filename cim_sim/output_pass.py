@@ -45,13 +45,15 @@ def isa() -> int:
     return -1 if lib is None else lib.hilt_output_pass_isa()
 
 
-def output_pass(part, column_scale, keys, noise_scale, levels, noise: bool, adc: bool, path: int | None = None):
+def output_pass(part, column_scale, keys, noise_scale, levels, noise: bool, adc: bool, path: int | None = None,
+                out: torch.Tensor | None = None, peak: torch.Tensor | None = None):
     """What ``analog._output_stage_eager`` computes, by the C kernel: ``part`` the integer product's
     planes (chips, rows, 2n) int32 with ``column_scale`` (chips, 1, n), or float products (chips,
     rows, n) with None, any strides but contiguous columns -> (ADC output or noisy product (chips,
     rows, n), per-row peak or None).
     None when the kernel is not available, or has no vector path on this CPU (one column at a time it
-    is slower than torch.compile's vectorized loop). ``path``: a given path of the kernel's (tests)."""
+    is slower than torch.compile's vectorized loop). ``path``: a given path of the kernel's (tests).
+    ``out``, ``peak``: contiguous float32 tensors of those shapes to write into (else new ones)."""
     lib = library()
     if path is None:
         path = isa()
@@ -68,8 +70,8 @@ def output_pass(part, column_scale, keys, noise_scale, levels, noise: bool, adc:
         part = part.contiguous()
     scale = column_scale.expand(chips, 1, n).contiguous() if integer else None
     keys = keys.to(torch.int32).contiguous()
-    out = torch.empty(chips, rows, n, dtype=torch.float32)
-    peak = torch.empty(chips, rows, dtype=torch.float32) if adc else None
+    out = torch.empty(chips, rows, n, dtype=torch.float32) if out is None else out
+    peak = (torch.empty(chips, rows, dtype=torch.float32) if peak is None else peak) if adc else None
     table = NORMAL_TABLES[torch.float32]
     lib.hilt_output_pass(part.data_ptr() if integer else None, None if integer else part.data_ptr(),
                          part.stride(0), part.stride(1), None if scale is None else scale.data_ptr(),

@@ -89,7 +89,7 @@ def test_the_forward_runs_the_kernel_or_the_compiled_pass_alike(config, monkeypa
     outs = []
     for available in (True, False):
         if not available:
-            monkeypatch.setattr(analog, "output_pass", lambda *args: None)
+            monkeypatch.setattr(analog, "output_pass", lambda *args, **kwargs: None)
         chip = convert_to_analog(model, settings)
         program(chip, seeds=[1, 2, 5])
         drift_to(chip, 3600.0, seeds=[3, 4, 6])
