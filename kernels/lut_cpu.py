@@ -268,7 +268,7 @@ class Prepared:
             # within each chunk of lanes * cpb columns, phase-major (lut_cpu.c)
             xp = x2.view(m, k // (lanes * cpb.value), lanes, cpb.value).transpose(2, 3).reshape(m, k).float()
         step = max(1, BAND_FLOATS // k)
-        band = _scratch("band", min(step, n) * k, dtype).view(-1, k)
+        band = _scratch(min(step, n) * k, dtype).view(-1, k)
         parts = []
         for r0 in range(0, n, step):
             r1 = min(n, r0 + step)
@@ -282,16 +282,14 @@ class Prepared:
 _local = threading.local()
 
 
-def _scratch(name: str, numel: int, dtype: torch.dtype) -> torch.Tensor:
-    """A buffer of this thread's for the prefill path (``name``: the bands, or x in the kernel's order),
-    reused from layer to layer: a fresh one each call would cost its page faults every time (an 8 MB band
-    is thousands of pages). Only what one layer's product reads, never its result, lives here."""
-    kept = getattr(_local, "buffers", {})
-    _local.buffers = kept
-    key = (name, dtype)
-    if key not in kept or kept[key].numel() < numel:
-        kept[key] = torch.empty(numel, dtype=dtype)
-    return kept[key][:numel]
+def _scratch(numel: int, dtype: torch.dtype) -> torch.Tensor:
+    """A buffer of this thread's for the prefill bands, reused from layer to layer: a fresh one each call
+    would cost its page faults every time (an 8 MB band is thousands of pages)."""
+    kept = getattr(_local, "bands", {})
+    _local.bands = kept
+    if dtype not in kept or kept[dtype].numel() < numel:
+        kept[dtype] = torch.empty(numel, dtype=dtype)
+    return kept[dtype][:numel]
 
 
 def prepare(w: PackedWeight, isa=None, interleave: bool = False) -> Prepared | None:
