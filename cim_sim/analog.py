@@ -559,8 +559,8 @@ class AnalogMixin:
                           fused: bool):
         """_read_out's integer product with inputs of each chip's own, a chip at a time: its product's planes
         into one buffer that every chip reuses, then its output pass, so the planes stay in cache (all the
-        chips' planes at once outgrow it: with 8 chips of MiniLM each product took 2.3-2.7x as long). The same floats as one
-        pass over every chip: a chip's output noise is drawn from its own keys."""
+        chips' planes at once outgrow it: with 8 chips of MiniLM each product took 2.3-2.7x as long). The
+        same floats as one pass over every chip: a chip's output noise is drawn from its own keys."""
         c = self.config
         gens = [self.gens[k] for k in chip_ids]
         planes = torch.empty(rows, 2 * n_out, dtype=torch.int32)
