@@ -51,3 +51,21 @@ def test_llama_cpp_tool_is_found_only_where_built(tmp_path, monkeypatch):
     assert decode_speed.llama_cpp_tool("llama-bench") == tool
     monkeypatch.setenv("HILT_LLAMA_CPP", str(tmp_path / "elsewhere"))
     assert decode_speed._llama_cpp_rows(tmp_path, 1, 4, 1)[0]["note"] == "not built"
+
+
+def test_memory_probe_counts_library_code_apart(tmp_path):
+    """The fresh-process probe reports the shared libraries' resident code beside the high-water marks
+    (code pages only grow), and the table shows the memory over weights with and without it."""
+    import transformers
+
+    folder = decode_speed._tiny_llama(tmp_path / "tiny", transformers)
+    m = decode_speed._load_memory(folder, {})
+    assert "error" not in m, m
+    assert 0 < m["baseline_code"] <= m["loaded_code"] <= m["decoding_code"]
+    assert m["baseline"] <= m["loaded"] <= m["decoding"]
+    row = {"model": "x", "tokens_per_second": 1.0, "vs_dense_bf16": 1.0, "weight_bytes": 100 << 20,
+           **{f"rss_{k}": v for k, v in m.items()}}
+    held = m["decoding"] - m["baseline"] - (m["decoding_code"] - m["baseline_code"])
+    row.update(loaded_over_weights=1.0, decoding_over_weights=1.0, first_forward_mb=2.0, first_forward_code_mb=1.0,
+               decoding_over_weights_without_code=held / row["weight_bytes"])
+    assert f"1.00x / 1.00x ({held / (100 << 20):.2f}x) | 2.0 (1.0) |" in decode_speed.table([row])

@@ -70,8 +70,8 @@ GEMV_FORMATS = [("k-means 4", QuantConfig("kmeans", 4, 64)), ("k-means 3", Quant
 # "decoding": the high-water mark after one short bfloat16 forward pass, which also readies the CPU kernels.
 # "code": the shared libraries' pages resident at each point (/proc/self/smaps). The first forward pages
 # in 10-20 MB of torch's own machine code, the same for every model and shared with every process that
-# maps those libraries; the rows also give the memory over weights without it, which is what the model
-# and its format hold.
+# maps those libraries; the rows also give the memory over weights without it (the high-water mark less the
+# code resident at the end: code pages are not given back), which is what the model and its format hold.
 _MEMORY_PROBE = """
 import json, sys, torch, transformers, transformers.quantizers.auto, hilt
 def status(key):
