@@ -6,7 +6,7 @@
 It runs `hilt quantize` of MiniLM (k-means 4-bit, int 4-bit), `hilt drift --model cnn`, a small
 `hilt sweep` and `hilt certify mlp`, and records a SHA-256 per output file. JSON outputs are hashed
 after dropping what may differ between runs or checkouts: wall times and absolute paths. An output may
-list several digests: `hilt certify`'s norms come from BLAS, whose last bits differ between CPUs, so its
+list several digests: `hilt certify`'s norms come from BLAS, whose last bits may differ between CPUs, so its
 entry holds the digest that the commit before the move wrote on each machine it was checked on.
 """
 
