@@ -24,6 +24,9 @@ def test_quick_decode_runs_every_part(tmp_path, capsys):
     assert km["prefill_tokens_per_second"] > 0 and km["prefill_vs_dense_bf16"] > 0 and r["prefill_tokens"] > 16
     assert 0 < km["layers_ms_per_token"] < km["ms_per_token"]  # the per-token split: layers inside the whole
     assert rows["llama.cpp llama-bench (Q4_0, Q8_0 exports)"]["note"] in ("not built", "not run in --quick")
+    for label in ("hilt's Llama, dense bf16", "hilt's Llama, k-means 4 (block 64)"):  # the same timing, its own model
+        assert rows[label]["tokens_per_second"] > 0 and rows[label]["prefill_tokens_per_second"] > 0
+    assert rows["hilt's Llama, k-means 4 (block 64)"]["weight_bytes"] < rows["hilt's Llama, dense bf16"]["weight_bytes"]
     formats = [g["format"] for g in r["gemv"]]
     assert formats[0] == "dense bf16 (torch)" and formats[1].startswith("hilt k-means 4 (lut_cpu")
     if lut_cpu.machine_isa() >= 3:
@@ -69,3 +72,17 @@ def test_memory_probe_counts_library_code_apart(tmp_path):
     row.update(loaded_over_weights=1.0, decoding_over_weights=1.0, first_forward_mb=2.0, first_forward_code_mb=1.0,
                decoding_over_weights_without_code=held / row["weight_bytes"])
     assert f"1.00x / 1.00x ({held / (100 << 20):.2f}x) | 2.0 (1.0) |" in decode_speed.table([row])
+
+
+def test_hilt_llama_runner_decodes_greedily_with_its_cache():
+    """The runner's generate (the cache, one token a step) picks what the whole sequence's forward picks."""
+    import torch
+
+    runner = decode_speed._hilt_llamas(quick=True)["hilt's Llama, dense bf16"].float()
+    ids = torch.arange(1, 6).unsqueeze(0)
+    with torch.no_grad():
+        out = runner.generate(ids, max_new_tokens=5)
+        want = ids
+        for _ in range(5):
+            want = torch.cat([want, runner(want)[:, -1].argmax(-1, keepdim=True)], 1)
+    assert out.shape == (1, 10) and torch.equal(out, want)

@@ -9,7 +9,10 @@ one prefill forward of 256 tokens), the median of the rounds kept, so that the r
 same moments of the machine. Per token, the time is split between the linear layers and the rest (the
 framework's share) by the share that hooks measure in one more generate. Every quantized layer but
 row-wise int8 runs the CPU lookup-table kernel (kernels.lut_cpu). Each model's load runs once more in a
-child process, for its peak resident memory against the bytes of its weights.
+child process, for its peak resident memory against the bytes of its weights. Two more rows run the same
+weights through hilt's own Llama (hilt/models/llama.py: one readable file, its own key/value cache),
+dense and k-means 4-bit (``quantize_model_``), taking turns with the others: what a leaner model than
+transformers' leaves of the per-token framework time.
 
 The one-layer GEMV table (M = 1, bfloat16 x) separates the kernel from the per-token framework
 overhead: GB/s of weight bytes read, against the copy bandwidth measured in the same run (a 256 MB
@@ -98,6 +101,42 @@ with torch.inference_mode():
 print(json.dumps({"baseline": base, "loaded": loaded, "decoding": status('VmHWM'), "after_forward": status('VmRSS'),
                   "baseline_code": base_code, "loaded_code": loaded_code, "decoding_code": code()}))
 """
+
+
+class HiltLlamaRunner(torch.nn.Module):
+    """hilt's Llama behind the two calls the timing makes of a transformers model: greedy ``generate``
+    with its key/value cache, and one forward over a prompt."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+
+    def generate(self, ids, max_new_tokens: int, min_new_tokens: int | None = None, do_sample: bool = False):
+        cache, step, out = self.model.new_cache(), ids, [ids]
+        for _ in range(max_new_tokens):  # no stop token: every run decodes the same number of tokens
+            step = self.model(step, cache)[:, -1].argmax(-1, keepdim=True)
+            out.append(step)
+        return torch.cat(out, 1)
+
+    def forward(self, ids, use_cache: bool = False):
+        return self.model(ids)
+
+
+def _hilt_llamas(quick: bool) -> dict:
+    """hilt's Llama on SmolLM2's weights (quick: a tiny random one), dense bf16 and k-means 4-bit."""
+    from hilt.models.llama import Llama, LlamaConfig, load_llama
+    from hilt.quant.nn import quantize_model_
+
+    def make():
+        if quick:
+            torch.manual_seed(0)
+            return Llama(LlamaConfig(vocab_size=512, dim=128, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=384,
+                                     max_seq_len=128)).eval()
+        return load_llama()[0]
+
+    quantized = quantize_model_(make(), QuantConfig("kmeans", 4, 64))
+    return {"hilt's Llama, dense bf16": HiltLlamaRunner(make().to(torch.bfloat16)).eval(),
+            "hilt's Llama, k-means 4 (block 64)": HiltLlamaRunner(quantized.to(torch.bfloat16)).eval()}
 
 
 def _generate(model, ids, new_tokens: int):
@@ -331,6 +370,9 @@ def run(quick: bool = False, work=None, threads: int = 2, gemv: bool = True, new
         models = {label: transformers.AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.bfloat16,
                                                                           **kwargs).eval()
                   for label, folder, kwargs in cases}
+        LOG.info("hilt's own Llama, dense and k-means 4-bit")
+        own = _hilt_llamas(quick)
+        models.update(own)
         prefill_ids = torch.randint(0, models["dense bf16"].config.vocab_size, (1, prefill),
                                     generator=torch.Generator().manual_seed(0))
         with torch.inference_mode():
@@ -342,7 +384,7 @@ def run(quick: bool = False, work=None, threads: int = 2, gemv: bool = True, new
             prefills = _interleaved(models, lambda m: m(prefill_ids, use_cache=False), repeats)
             texts = {label: decode_text(_generate(m, ids, new_tokens)[0, ids.shape[1]:].tolist()[:12])
                      for label, m in models.items()}
-            shares = {label: _layer_share(m, ids, new_tokens) for label, m in models.items()}
+            shares = {label: _layer_share(m, ids, new_tokens) for label, m in models.items() if label not in own}
         del models
         rows = []
         for label, folder, kwargs in cases:
@@ -354,6 +396,12 @@ def run(quick: bool = False, work=None, threads: int = 2, gemv: bool = True, new
                          "ms_per_token": round(per_token * 1e3, 2),
                          "layers_ms_per_token": round(shares[label] * per_token * 1e3, 2),
                          "text": texts[label], **{f"rss_{k}": v for k, v in memory.items()}})
+        for label, runner in own.items():  # no folder for the memory probe; its head is not a module the hooks see
+            per_token = decode[label] / new_tokens
+            weights = sum(t.numel() * t.element_size() for t in runner.model.state_dict().values())
+            rows.append({"model": label, "tokens_per_second": round(1 / per_token, 2),
+                         "prefill_tokens_per_second": round(prefill / prefills[label], 1), "weight_bytes": weights,
+                         "ms_per_token": round(per_token * 1e3, 2), "text": texts[label]})
         base = rows[0]["tokens_per_second"]
         if quick:
             rows.append({"model": "llama.cpp llama-bench (Q4_0, Q8_0 exports)", "tokens_per_second": None,
