@@ -13,7 +13,8 @@ Certificates in modules by concern: cert_chain (the model as a chain), cert_boun
 cert_chip (a chip's perturbation); a format's is quant.cert_quant. The derivation: docs/certify.md.
 """
 
-from hilt.cim_sim.analog import PRESETS, AnalogConfig, AnalogConv1d, AnalogConv2d, AnalogLinear, preset
+from hilt.cim_sim.analog import AnalogConv1d, AnalogConv2d, AnalogLinear
+from hilt.cim_sim.config import PRESETS, AnalogConfig, preset
 from hilt.cim_sim.cert_bounds import Certificates, analyze, certify
 from hilt.cim_sim.cert_chip import cim_perturbation
 from hilt.cim_sim.devices import PCM, RRAM, mismatch, stuck_at

@@ -157,7 +157,8 @@ def _probe_read(config, probe: torch.Tensor, mean_w: torch.Tensor, var_w: torch.
     weights are independent and |y| is 1-Lipschitz, so resampling W_ok moves R_o by at most
     a_k |dW_ok| with a_k = mean_r |p_rk| (E dW^2 = 2 Var W), and a row's noise moves it by |dn| / rows.
     ``unit``: the weight the arrays hold as 1 (AnalogMixin.w_unit). -> (mean (out,), var bound (out,))."""
-    from hilt.cim_sim.analog import AnalogMixin, array_bounds
+    from hilt.cim_sim.analog import AnalogMixin
+    from hilt.cim_sim.config import array_bounds
 
     in_step, out_step = AnalogMixin.converter_steps(types.SimpleNamespace(config=config))
     mean = probe @ mean_w.T
@@ -197,7 +198,7 @@ def cim_perturbation(model: nn.Module, config="pcm", t_seconds: float = 0.0, del
 def cim_perturbations(model: nn.Module, config="pcm", times=(0.0,), delta: float = 0.01, gdc: str = "global",
                       seed: int = 0, nodes: int = 32) -> list:
     """:func:`cim_perturbation` at each of ``times`` (seconds), sharing the work that does not depend on time."""
-    from hilt.cim_sim.analog import AnalogConfig, preset
+    from hilt.cim_sim.config import AnalogConfig, preset
     from hilt.cim_sim.model import GDC_MODES, gdc_probe_input
 
     name = config if isinstance(config, str) else None

@@ -29,8 +29,8 @@ import re
 import torch
 from torch import nn
 
-from hilt.cim_sim.analog import (AnalogConfig, AnalogConv1d, AnalogConv2d, AnalogLinear, AnalogMixin, ChipForward,
-                                  preset)
+from hilt.cim_sim.analog import AnalogConv1d, AnalogConv2d, AnalogLinear, AnalogMixin, ChipForward
+from hilt.cim_sim.config import AnalogConfig, preset
 from hilt.errors import HiltError
 from hilt.quant.nn import replace_modules
 

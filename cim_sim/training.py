@@ -49,7 +49,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.func import functional_call
 
-from hilt.cim_sim.analog import WEIGHT_MAPPINGS, tile_unit
+from hilt.cim_sim.config import WEIGHT_MAPPINGS, tile_unit
 from hilt.cim_sim.devices import PCM, RRAM, compiled, hashed_normal
 from hilt.errors import HiltError
 

@@ -103,6 +103,12 @@ class _Packed(nn.Module):
                     self._derived_from[name] = self._key(parts)  # after make, which may permute the parts
         return getattr(self, name)
 
+    def _parts(self) -> list[torch.Tensor | None]:
+        """The buffers a kept kernel is made from, read from ``_buffers`` (not nn.Module's __getattr__: a
+        microsecond a name, on every call of a decode step)."""
+        b = self._buffers
+        return [b["codes"], b["codebook"], b["scales"], b["offsets"]]
+
     @staticmethod
     def _key(parts):
         return [(t, None if t is None or t.is_inference() else t._version) for t in parts]
@@ -127,7 +133,7 @@ class _Packed(nn.Module):
             kernel = self._cpu_lut
             if kernel is None or not kernel.interleaved:
                 return
-            if self._current("_cpu_lut", [self.codes, self.codebook, self.scales, self.offsets]):
+            if self._current("_cpu_lut", self._parts()):
                 kernel.restore()
             self._cpu_lut = None
             self._derived_from.pop("_cpu_lut", None)
@@ -145,8 +151,7 @@ class _Packed(nn.Module):
         why), else the lookup-table kernel on the stored buffers (kernels.lut_cpu.Prepared); None where
         no C compiler built the latter (lut_matmul then runs the reference, with its warning). At 1-2 bits a
         layer that ``reorders`` lets that kernel interleave its buffers in place (see the class)."""
-        b = self._buffers  # not nn.Module's __getattr__, a microsecond a name on every call
-        parts = [b["codes"], b["codebook"], b["scales"], b["offsets"]]
+        parts = self._parts()
         if (self.int_copy and self.bits in int_cpu.PREFERRED_BITS and x.dtype == torch.bfloat16
                 and x.numel() // max(1, x.shape[-1]) <= lut_cpu.SMALL_M):  # prefill: the LUT kernel's bands
             pack = self._kept("_cpu_pack", parts, self._int_pack)

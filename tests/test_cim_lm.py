@@ -103,7 +103,7 @@ def test_tile_mapping_scales_each_tile_and_is_layer_mapping_within_one():
     """weight_mapping="tile" (aihwkit's programming scale): within one tile it is the layer mapping, bit
     for bit; a layer of 2 x 2 tiles with an outlier in one programs the other tiles with their own,
     finer scale."""
-    from hilt.cim_sim.analog import tile_unit
+    from hilt.cim_sim.config import tile_unit
     from hilt.cim_sim.training import perturb
 
     devices = dict(dac_bits=None, adc_bits=None, out_noise=0.0, bound_management=False)

@@ -112,11 +112,9 @@ class HiltLlamaRunner(torch.nn.Module):
         self.model = model
 
     def generate(self, ids, max_new_tokens: int, min_new_tokens: int | None = None, do_sample: bool = False):
-        cache, step, out = self.model.new_cache(), ids, [ids]
-        for _ in range(max_new_tokens):  # no stop token: every run decodes the same number of tokens
-            step = self.model(step, cache)[:, -1].argmax(-1, keepdim=True)
-            out.append(step)
-        return torch.cat(out, 1)
+        from hilt.models.llama import greedy
+
+        return greedy(self.model, ids, max_new_tokens)  # no stop token: every run decodes as many tokens
 
     def forward(self, ids, use_cache: bool = False):
         return self.model(ids)

@@ -118,7 +118,7 @@ class Names:
 # Spelled out, not read from hilt.quant.formats, so that `hilt quantize --help` imports no torch;
 # tests/test_package.py checks that they are the registry's methods.
 QUANT_METHODS = ("kmeans", "int", "int-asym", "binary")
-CIM_PRESETS = Names("hilt.cim_sim.analog", "PRESETS")
+CIM_PRESETS = Names("hilt.cim_sim.config", "PRESETS")
 DRIFT_COMPENSATION = Names("hilt.cim_sim.model", "GDC_MODES")
 ENERGY_CHIPS = Names("hilt.cim_sim.energy", "CHIPS")
 WORKLOADS = Names("hilt.models.classifiers", "WORKLOADS")

@@ -331,26 +331,31 @@ def perplexity(model: Llama, token_ids: torch.Tensor, context: int = 512, progre
     return math.exp(nll_sum / count)
 
 
-def generate(model: Llama, tokenizer: GGUFTokenizer, prompt: str, max_new_tokens: int = 16, cache: bool = True) -> str:
-    """Greedy continuation of `prompt` (the new text only); stops at an end token.
+def greedy(model: Llama, ids: torch.Tensor, max_new_tokens: int, stop=frozenset(), cache: bool = True) -> torch.Tensor:
+    """``ids`` [1, T] continued by up to ``max_new_tokens`` greedy tokens, ending before one in ``stop``.
 
     With a key/value cache: the prompt runs once, then each new token alone (one row through
     every layer, as decode does); ``cache=False`` re-runs the whole sequence per token instead.
     """
+    kv = model.new_cache() if cache else None
+    step = ids
+    for _ in range(max_new_tokens):
+        next_id = model(step if cache else ids, kv)[:, -1].argmax(-1, keepdim=True)
+        if stop and next_id.item() in stop:
+            break
+        ids = torch.cat([ids, next_id], dim=1)
+        step = next_id
+    return ids
+
+
+def generate(model: Llama, tokenizer: GGUFTokenizer, prompt: str, max_new_tokens: int = 16, cache: bool = True) -> str:
+    """Greedy continuation of `prompt` (the new text only); stops at an end token (see :func:`greedy`)."""
     device = model.output_norm.weight.device
     ids = torch.tensor([tokenizer.encode(prompt)], dtype=torch.long, device=device)
     if ids.numel() == 0:
         raise HiltError("generate needs a non-empty prompt")
-    start = ids.shape[1]
     # SmolLM2's eos is <|im_end|>; base-model text ends with <|endoftext|>.
     stop = {tokenizer.eos_id, tokenizer.token_to_id("<|endoftext|>")} - {None}
-    kv = model.new_cache() if cache else None
     with torch.inference_mode():
-        step = ids
-        for _ in range(max_new_tokens):
-            next_id = model(step if cache else ids, kv)[0, -1].argmax()
-            if next_id.item() in stop:
-                break
-            ids = torch.cat([ids, next_id.view(1, 1)], dim=1)
-            step = next_id.view(1, 1)
-    return tokenizer.decode(ids[0, start:])
+        out = greedy(model, ids, max_new_tokens, stop, cache)
+    return tokenizer.decode(out[0, ids.shape[1]:])
