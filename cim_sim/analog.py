@@ -294,7 +294,8 @@ class AnalogMixin:
     def mvm(self, x: torch.Tensor, column_scale: torch.Tensor | None = None, bias=None) -> torch.Tensor:
         """x (rows, in) shared by the chips, or (chips, rows, in) -> (chips, rows, out) through DAC,
         tiled arrays, noise, ADC; then times ``column_scale`` (drift compensation) plus ``bias``,
-        in the digital periphery.
+        in the digital periphery (with ``config.gdc_before_adc``, the compensation is a gain ahead of
+        the output noise and the ADC instead).
 
         Each array of ``tile_size`` inputs is a tile of its own, as in aihwkit: it scales
         its slice of the input (noise management) and retries its own saturated rows
@@ -307,11 +308,19 @@ class AnalogMixin:
         else:
             y = None
             tile_scale = getattr(self, "tile_scale", None)  # per-array drift compensation (gdc="aihwkit")
+            ahead = self.config.gdc_before_adc and (column_scale is not None or tile_scale is not None)
             for i, array in enumerate(self.tiles()):  # a loop over arrays (a handful), not over devices
-                part, x_scale = self._tile_mvm(x[..., array.k0 : array.k1], array)
-                if tile_scale is not None:
+                gain = None
+                if ahead:  # the compensation as each array's gain ahead of its output noise and ADC, (chips, out)
+                    gain = torch.ones(self.chips, self.w_digital.shape[0]) if column_scale is None else \
+                        column_scale.view(self.chips, -1)
+                    gain = gain if tile_scale is None else gain * tile_scale[:, i : i + 1]
+                part, x_scale = self._tile_mvm(x[..., array.k0 : array.k1], array, gain=gain)
+                if tile_scale is not None and not ahead:
                     x_scale = x_scale * tile_scale[:, i].view(-1, 1, 1)
                 y = part.mul_(x_scale) if y is None else y.addcmul_(part, x_scale)
+            if ahead:
+                column_scale = None
         factor = 1.0 if self.is_ideal else self.w_unit * self.converter_steps()[1]  # ADC steps -> weights x inputs
         if self.column_unit is not None and not self.is_ideal:  # the arrays hold each column over its unit
             factor = self.column_unit.view(1, 1, -1) * factor
@@ -321,10 +330,12 @@ class AnalogMixin:
             return y.mul_(factor)
         return torch.addcmul(bias, y, factor) if torch.is_tensor(factor) else y.mul_(factor).add_(bias)
 
-    def _tile_mvm(self, x: torch.Tensor, array: HeldArray, fused: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    def _tile_mvm(self, x: torch.Tensor, array: HeldArray, fused: bool = True,
+                  gain: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """One array on every chip: noise management, DAC, MVM, ADC, bound management -> (ADC
         output in steps (chips, rows, out), input scale). ``fused``: the compiled passes (else the
-        same functions run eagerly: for small one-off inputs that would only add compiled shapes)."""
+        same functions run eagerly: for small one-off inputs that would only add compiled shapes).
+        ``gain`` (chips, out): each column's gain ahead of the output noise and the ADC."""
         c = self.config
         in_step, out_step = self.converter_steps()
         as_int8 = self.integer_product
@@ -340,7 +351,7 @@ class AnalogMixin:
                 xq, x_scale = xq[0], x_scale[0]
         else:
             xq, x_scale = x, torch.ones(*x.shape[:-1], 1)
-        part, peak = self._read_out(xq, array, list(range(self.chips)), fused)
+        part, peak = self._read_out(xq, array, list(range(self.chips)), fused, gain=gain)
         bound = c.out_bound / out_step
         if not c.bound_management or peak is None or not bool((peak >= bound).any()):
             return part, x_scale
@@ -364,7 +375,8 @@ class AnalogMixin:
             batch = torch.zeros(len(chip_ids), max(2, int(counts.max())), x.shape[-1],
                                 dtype=torch.int8 if as_int8 else xq.dtype)
             batch[slot, pos] = xq.to(batch.dtype)
-            retry, retry_peak = self._read_out(batch, array, chip_ids.tolist(), fused, real_rows=counts.tolist())
+            retry, retry_peak = self._read_out(batch, array, chip_ids.tolist(), fused, real_rows=counts.tolist(),
+                                               gain=gain)
             part[chip_of, row_of] = retry[slot, pos].mul_(factor)
             still = retry_peak[slot, pos] >= bound
             chip_of, row_of = chip_of[still], row_of[still]
@@ -381,12 +393,14 @@ class AnalogMixin:
         return (xq.to(torch.int8) if as_int8 else xq), torch.full((*x.shape[:-1], 1), r)
 
     def _read_out(self, xq: torch.Tensor, array: HeldArray, chip_ids: list[int], fused: bool = True,
-                  real_rows: list[int] | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+                  real_rows: list[int] | None = None, gain: torch.Tensor | None = None
+                  ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """One pass through ``array`` on the chips ``chip_ids``: xq the DAC's output in its steps
         (|xq| <= 1 / DAC step; int8 for the integer product), (rows, k) shared or (chips, rows, k)
         -> (ADC output in steps (chips, rows, out), per-row peak (chips, rows) before clipping; None
         without an ADC). ``real_rows``: how many leading rows of each chip's are inputs (the rest
-        padding, which draws no per-read noise).
+        padding, which draws no per-read noise). ``gain`` (all chips, out): each column's gain ahead of the
+        output noise and the ADC.
 
         Converters work in integer steps: the DAC's step is folded into the input scaling
         and the ADC's into the product's scale and the final scaling, so each pass over the data is one
@@ -398,14 +412,15 @@ class AnalogMixin:
         gens = [self.gens[k] for k in chip_ids]
         n_chips, rows, n_out = len(chip_ids), xq.shape[-2], array.scale.shape[-1]
         chip_x = (lambda i: xq) if xq.dim() == 2 else (lambda i: xq[i])
+        code_step = array.scale[chip_ids] if gain is None else array.scale[chip_ids] * gain[chip_ids]
         if xq.dtype == torch.int8 and not (xq.dim() == 2 and chip_ids == list(range(self.chips))):
-            return self._read_out_by_chip(chip_x, array, chip_ids, rows, n_out, to_steps, fused)
+            return self._read_out_by_chip(chip_x, array, chip_ids, rows, n_out, code_step * to_steps, fused)
         if xq.dtype == torch.int8:  # int8 x int8 -> int32: exact, two planes (coarse, fine codes)
             # an input every chip shares: one product against every chip's codes side by side (a
             # wider product runs faster than one per chip), read as (chips, rows, 2 out)
             wide = torch._int_mm(xq, array.codes.view(-1, xq.shape[-1]).T)
             part = wide.view(rows, n_chips, 2 * n_out).transpose(0, 1)
-            column_scale = (array.scale[chip_ids] * to_steps).unsqueeze(1)
+            column_scale = (code_step * to_steps).unsqueeze(1)
         else:
             part, column_scale = torch.empty(n_chips, rows, n_out), None
             for i, k in enumerate(chip_ids):  # BLAS scales the product for free
@@ -425,6 +440,8 @@ class AnalogMixin:
                     noise = torch.zeros(part.shape[1:])
                     gaussian_(noise[:n], gens[i]).mul_(stats[:n].sqrt_())
                     part[i].add_(noise, alpha=c.w_noise * in_step / out_step)
+        if gain is not None and column_scale is None:
+            part.mul_(gain[chip_ids].unsqueeze(1))
         if not c.out_noise and c.adc_bits is None:
             return (part if column_scale is None else _combine_eager(part, column_scale).contiguous()), None
         # product planes, output noise, ADC clip and round, row peaks: one pass over the outputs of every chip
@@ -442,16 +459,17 @@ class AnalogMixin:
         noise_scale, levels = (torch.tensor(v, dtype=torch.float32) for v in (c.out_noise / out_step, c.out_bound / out_step))
         return keys, noise_scale, levels
 
-    def _read_out_by_chip(self, chip_x, array: HeldArray, chip_ids: list[int], rows: int, n_out: int, to_steps: float,
-                          fused: bool):
+    def _read_out_by_chip(self, chip_x, array: HeldArray, chip_ids: list[int], rows: int, n_out: int,
+                          column_scale: torch.Tensor, fused: bool):
         """_read_out's integer product with inputs of each chip's own, a chip at a time: its product's planes
         into one buffer that every chip reuses, then its output pass, so the planes stay in cache (all the
         chips' planes at once outgrow it: with 8 chips of MiniLM each product took 2.3-2.7x as long). The
-        same floats as one pass over every chip: a chip's output noise is drawn from its own keys."""
+        same floats as one pass over every chip: a chip's output noise is drawn from its own keys.
+        ``column_scale`` (chips, out): each column's codes to ADC steps."""
         c = self.config
         gens = [self.gens[k] for k in chip_ids]
         planes = torch.empty(rows, 2 * n_out, dtype=torch.int32)
-        column_scale = (array.scale[chip_ids] * to_steps).unsqueeze(1)
+        column_scale = column_scale.unsqueeze(1)
         out = torch.empty(len(chip_ids), rows, n_out)
         if not c.out_noise and c.adc_bits is None:
             for i, k in enumerate(chip_ids):

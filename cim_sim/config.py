@@ -57,6 +57,11 @@ class AnalogConfig:
     # channels that set each row's DAC range move into the weights. (For inputs that come from a
     # norm, the division folds into the norm's gain and costs nothing.)
     smoothing: float = 0.0
+    # Where the drift compensation factor acts: False, digitally after the ADC (aihwkit's way), so it
+    # multiplies the output noise and the ADC step with the signal; True, as a gain ahead of the output
+    # noise and the ADC (a read-out whose integration window or ADC reference follows the drift), the
+    # output noise referred to the ADC's input: what a periphery that tracks the drift can do at best.
+    gdc_before_adc: bool = False
 
     @property
     def needs_calibration(self) -> bool:

@@ -42,19 +42,25 @@ class FrozenArrays(nn.Module):
         self.retry = _RETRY_FACTORS if c.bound_management and self.adc else (1,)
         self.ir_drop = 0.05 * c.ir_drop * self.in_step
         self.bounds = []
+        gdc = layer.gdc_scale.clone().float()
+        tile_scale = getattr(layer, "tile_scale", None)  # per-array compensation (gdc="aihwkit")
+        self.tile_scale = [1.0] * len(layer.tile_bounds()) if tile_scale is None else tile_scale[0].tolist()
         if self.ideal:
             self.register_buffer("weight", layer.w_eff.clone())
         else:
             to_steps = self.in_step / (out_step * layer.w_unit)  # weights -> ADC steps per DAC step, as the arrays scale
             for i, array in enumerate(layer.tiles()):  # chip 0, the only one; the weights the arrays hold
                 self.bounds.append((array.k0, array.k1))
-                self.register_buffer(f"w{i}", array.w[0] * to_steps)
+                w = array.w[0] * to_steps
+                if c.gdc_before_adc:  # the compensation as the arrays' gain, ahead of the ADC
+                    w = w * (gdc * self.tile_scale[i]).view(-1, 1)
+                self.register_buffer(f"w{i}", w)
                 if self.ir_drop:
                     self.register_buffer(f"w_abs{i}", array.w_abs[0] / layer.w_unit)
+            if c.gdc_before_adc:
+                gdc, self.tile_scale = torch.ones_like(gdc), [1.0] * len(self.bounds)
         self.out_scale = out_step * layer.w_unit
-        self.register_buffer("gdc", layer.gdc_scale.clone().float())
-        tile_scale = getattr(layer, "tile_scale", None)  # per-array compensation (gdc="aihwkit")
-        self.tile_scale = [1.0] * len(self.bounds) if tile_scale is None else tile_scale[0].tolist()
+        self.register_buffer("gdc", gdc)
         self.register_buffer("bias", None if layer.bias is None else layer.bias.detach().clone().float())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -61,8 +61,14 @@ def test_energy_counts_the_layers_the_chip_holds(tiny_gguf):
 
 def test_quick_study_on_a_tiny_llama_keeps_its_tuned_models(tiny_gguf, tmp_path, monkeypatch):
     work = tmp_path / "work"
-    result = json.loads(json.dumps(analog_lm.study(quick=True, models=[str(tiny_gguf)], work=work, peer=False)))
+    deployed, on_chips = [], analog_lm.on_chips
+    monkeypatch.setattr(analog_lm, "on_chips", lambda lm, p, overrides, *a, **k: deployed.append(overrides) or
+                        on_chips(lm, p, overrides, *a, **k))
+    result = json.loads(json.dumps(analog_lm.study(quick=True, models=[str(tiny_gguf)], work=work, peer=False,
+                                                   overrides={"gdc_before_adc": True})))
     # (through json: as --json writes it)
+    assert deployed and all(d == {**analog_lm.DEPLOY, "gdc_before_adc": True} for d in deployed)
+    assert "On `pcm` with `gdc_before_adc=True`" in analog_lm.render(result)
     analog_lm.plot(result, tmp_path / "study.png")
     entry = result["models"][str(tiny_gguf)]
     assert list(entry["variants"]) == list(analog_lm.VARIANTS)
@@ -93,3 +99,10 @@ def test_bad_preset_is_one_line(tmp_path):
     r = run_hilt("bench", "analog-lm", "--presets", "pcm,nope", "--work", tmp_path / "w")
     assert r.returncode == 1 and "nope" in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
     assert not (tmp_path / "w").exists()
+
+
+@pytest.mark.parametrize("flag", ["nope=1", "gdc_before_adc=maybe"])
+def test_bad_deployment_field_is_one_line(tmp_path, flag):
+    r = run_hilt("bench", "analog-lm", "--set", flag, "--work", tmp_path / "w", "--json", tmp_path / "r.json")
+    assert r.returncode == 1 and flag.split("=")[0] in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
+    assert not (tmp_path / "w").exists() and not (tmp_path / "r.json").exists()

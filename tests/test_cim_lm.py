@@ -28,9 +28,11 @@ def _chip(model, config, program_seed, read_seed, t=3600.0):
     return drift_to(one, t, seeds=[read_seed])
 
 
-def test_llama_chips_in_one_pass_equal_one_at_a_time(tiny_llama):
+@pytest.mark.parametrize("config", ["pcm", dataclasses.replace(preset("pcm"), gdc_before_adc=True)],
+                         ids=["pcm", "gdc-before-adc"])
+def test_llama_chips_in_one_pass_equal_one_at_a_time(tiny_llama, config):
     ids = torch.randint(0, 61, (1, 20), generator=torch.Generator().manual_seed(1))
-    analog = convert_to_analog(tiny_llama, "pcm")
+    analog = convert_to_analog(tiny_llama, config)
     assert {n for n, _ in analog_layers(analog)} == {f"blk.{i}.{p}" for i in range(2) for p in
                                                      ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate",
                                                       "ffn_up", "ffn_down")}
@@ -40,7 +42,7 @@ def test_llama_chips_in_one_pass_equal_one_at_a_time(tiny_llama):
     with stacked_chips(analog), torch.no_grad():
         out = analog(ids.repeat(3, 1))
     with torch.no_grad():
-        alone = _chip(tiny_llama, "pcm", 1, 6)(ids)
+        alone = _chip(tiny_llama, config, 1, 6)(ids)
         digital = tiny_llama(ids)
     assert torch.equal(out[1], alone[0])
     assert not torch.equal(out[0], out[1]) and not torch.equal(out[1], digital[0])
@@ -246,3 +248,32 @@ def test_set_fields_are_read_as_their_types():
                           ({"smoothing": "x"}, "float"), ({"bound_management": 1}, "bool"), ({"device": None}, "str")):
         with pytest.raises(HiltError, match=f"--set {next(iter(bad))}=.*expected {expected}"):
             chip_config("pcm", bad)
+
+
+@pytest.mark.parametrize("dac_bits", [7, None], ids=["integer-product", "float-product"])
+def test_compensation_ahead_of_the_adc_does_not_scale_the_periphery(dac_bits):
+    """gdc_before_adc: the drift compensation factor multiplies the product ahead of the output noise
+    and the ADC, so at a factor of 2.5 the output noise is its own size, not 2.5 times it (the same
+    draws), and the ADC's rounding error stays within half a step, where compensating after the
+    ADC spreads it over 2.5 steps."""
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(40, 24)
+    x = torch.randn(64, 40)
+    quiet = dict(prog_noise_scale=0.0, read_noise_scale=0.0, drift_scale=0.0, dac_bits=dac_bits, bound_management=False)
+
+    def run(ahead, **fields):
+        chip = _chip(lin, dataclasses.replace(preset("pcm"), gdc_before_adc=ahead, **quiet, **fields), 0, 1)
+        chip.gdc_scale = torch.full_like(chip.gdc_scale, 2.5)
+        with torch.no_grad():
+            return chip(x)
+
+    exact = run(False, out_noise=0.0, adc_bits=None)  # 2.5 x the product the arrays compute
+    torch.testing.assert_close(run(True, out_noise=0.0, adc_bits=None), exact, rtol=1e-5, atol=1e-5)
+    after, ahead = run(False, adc_bits=None) - exact, run(True, adc_bits=None) - exact
+    assert float(ahead.std()) > 0.01
+    torch.testing.assert_close(after, 2.5 * ahead, rtol=1e-3, atol=1e-4)
+    # the ADC alone: its step in output units, at each row's input scale (noise management)
+    rows = x.abs().amax(-1, keepdim=True) if dac_bits else 1.0
+    step = 2 * 12.0 / (2**9 - 2) * rows
+    err = {ahead: float(((run(ahead, out_noise=0.0) - exact) / step).abs().max()) for ahead in (False, True)}
+    assert err[True] <= 0.5 + 1e-3 < 1.0 < err[False] <= 1.25 + 1e-3, err

@@ -36,8 +36,8 @@ def test_subgraph_rebuilds_the_weight_exactly(method, bits, codebook):
     np.testing.assert_array_equal(got, want)
 
 
-@pytest.mark.parametrize("preset_name", ["pcm", "pcm-hwa", "ideal"])
-def test_frozen_model_is_the_simulator_without_its_noise(preset_name):
+@pytest.mark.parametrize("preset_name,ahead", [("pcm", False), ("pcm", True), ("pcm-hwa", False), ("ideal", False)])
+def test_frozen_model_is_the_simulator_without_its_noise(preset_name, ahead):
     import dataclasses
 
     from hilt.cim_sim import convert_to_analog, drift_to, preset, program
@@ -48,7 +48,7 @@ def test_frozen_model_is_the_simulator_without_its_noise(preset_name):
                                 torch.nn.Linear(6 * 5 * 5, 700), torch.nn.ReLU(), torch.nn.Linear(700, 4))
     with torch.no_grad():  # positive-leaning weights on positive inputs: the ADC saturates, bound management retries
         model[5].weight.copy_(torch.randn(4, 700) + 1.5)
-    quiet = dataclasses.replace(preset(preset_name), out_noise=0.0, w_noise=0.0)
+    quiet = dataclasses.replace(preset(preset_name), out_noise=0.0, w_noise=0.0, gdc_before_adc=ahead)
     analog = convert_to_analog(model, quiet)
     program(analog, seed=3)
     drift_to(analog, 86400.0, seed=4)

@@ -272,9 +272,10 @@ def beside_aihwkit(lm, data, times, chips: int) -> dict | None:
 # -- the study --------------------------------------------------------------------------------------
 
 def study(quick: bool = False, models=None, presets=None, chips: int | None = None, work=None,
-          peer: bool = True) -> dict:
-    """The study on each model (see the module doc); ``work``: where the tuned copies are kept."""
-    from hilt.tasks.drift_lm import calibration_run, chip_metric, eval_data, load_language_model
+          peer: bool = True, overrides: dict | None = None) -> dict:
+    """The study on each model (see the module doc); ``work``: where the tuned copies are kept;
+    ``overrides``: AnalogConfig fields over the deployment (``--set``), on every preset."""
+    from hilt.tasks.drift_lm import calibration_run, chip_config, chip_metric, eval_data, load_language_model
 
     budget = dict(QUICK if quick else FULL)
     budget["models"] = tuple(models or budget["models"])
@@ -284,8 +285,11 @@ def study(quick: bool = False, models=None, presets=None, chips: int | None = No
             raise HiltError(f"--chips must be at least 1, got {chips}")
         budget["chips"] = chips
     work = Path(work) if work is not None else Path("analog-lm-work")
+    deploy = {**DEPLOY, **(overrides or {})}
+    for preset_name in budget["presets"]:
+        chip_config(preset_name, deploy)  # a field or value that does not fit fails here, before any work
     start = time.perf_counter()
-    result = {"quick": quick, "budget": {k: v for k, v in budget.items()}, "deploy": DEPLOY,
+    result = {"quick": quick, "budget": {k: v for k, v in budget.items()}, "deploy": deploy,
               "tune_preset": TUNE_PRESET, "gdc": "global", "models": {}}
     for spec in budget["models"]:
         base = lm = load_language_model(spec)
@@ -309,7 +313,7 @@ def study(quick: bool = False, models=None, presets=None, chips: int | None = No
                    "training": record}
             LOG.info(f"{spec} {variant}: digital " + ", ".join(f"{k} {v:.4g}" for k, v in row["digital"].items()))
             for preset_name in budget["presets"]:
-                row["chips"][preset_name] = on_chips(lm, preset_name, DEPLOY, budget["times"], budget["chips"],
+                row["chips"][preset_name] = on_chips(lm, preset_name, deploy, budget["times"], budget["chips"],
                                                      budget["group"], budget, reference_model=original)
                 LOG.info(f"{spec} {variant} on {preset_name}: " + ", ".join(
                     f"{t} {s['mean']:.4g} (worst {s['worst']:.4g})" for t, s in row["chips"][preset_name]["times"].items()))
@@ -369,11 +373,13 @@ def _cell(s: dict) -> str:
 def render(result: dict) -> str:
     """The study's tables as Markdown."""
     times = result["budget"]["times"]
+    extra = ", ".join(f"`{k}={v}`" for k, v in result["deploy"].items() if DEPLOY.get(k) != v)
     lines = []
     for spec, entry in result["models"].items():
         lines += [f"### {spec} ({entry['metric']}, {entry['data']})", ""]
         for preset_name in result["budget"]["presets"]:
-            lines += [f"On `{preset_name}`, {result['budget']['chips']} chips, mean ± std over chips (worst chip):", "",
+            lines += [f"On `{preset_name}`{' with ' + extra if extra else ''}, {result['budget']['chips']} chips, "
+                      "mean ± std over chips (worst chip):", "",
                       "| model | float | W4 | W4A8 | " + " | ".join(times) + " |",
                       "|---" * (4 + len(times)) + "|"]
             for variant, row in entry["variants"].items():

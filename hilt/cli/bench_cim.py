@@ -2,7 +2,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from hilt.cli.common import CIM_PRESETS, OUTPUT, PLOT, SEED, WORKLOADS, command, integer
+from hilt.cli.common import CIM_PRESETS, OUTPUT, PLOT, SEED, WORKLOADS, command, config_overrides, integer
 from hilt.cli.output import write_json_option, write_outputs
 from hilt.errors import HiltError
 
@@ -73,7 +73,7 @@ def cmd_bench_analog_lm(args) -> int:
         if p not in CIM_PRESETS:
             raise HiltError(f"--presets {args.presets}: {p!r} is not a preset; choose from {', '.join(CIM_PRESETS)}")
     result = analog_lm.study(quick=args.quick, models=models, presets=presets, chips=args.chips, work=args.work,
-                             peer=not args.no_aihwkit)
+                             peer=not args.no_aihwkit, overrides=config_overrides(args.set))
     write_outputs(args, result, analog_lm.plot, analog_lm.render)
     return 0
 
@@ -132,6 +132,9 @@ def register(bsub) -> None:
     bl.add_argument("--models", help="comma-separated: smollm2, minilm or a Llama GGUF file (default smollm2,minilm)")
     bl.add_argument("--presets", help="comma-separated chip presets (default pcm,rram; --quick: pcm)")
     bl.add_argument("--chips", type=integer(1), help="chips per configuration (default 8; --quick: 2)")
+    bl.add_argument("--set", action="append", metavar="FIELD=VALUE",
+                    help="an AnalogConfig field over the deployment (column mapping, smoothing 0.5) on every preset "
+                         "(repeatable), e.g. gdc_before_adc=true, tile_size=2048")
     bl.add_argument("--work", type=Path, default=Path("analog-lm-work"),
                     help="where the tuned models are kept and read back by a rerun (default ./analog-lm-work)")
     bl.add_argument("--no-aihwkit", action="store_true", help="skip the side-by-side run of aihwkit")
