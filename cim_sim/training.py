@@ -9,7 +9,7 @@ device model:
   the gradient reaches w through the multiplicative factor;
 * ``pcm`` / ``rram``: w mapped to conductance pairs (the layer's abs-max, each output column's
   or each tile's, to g_max, as ``AnalogConfig.weight_mapping``), programmed, read at a time
-  drawn log-uniformly between 1 s and 1 year, globally compensated; eta scales
+  drawn log-uniformly between 1 s and 1 year (or a range given), globally compensated; eta scales
   the device's programming and read noise (eta = 1 is the published device).
   The gradient passes straight through the device (w + (w_device - w).detach()).
   Programming, drift exponent and read noise are drawn in one compiled pass from
@@ -138,10 +138,10 @@ _device_read_compiled = compiled(_device_read)
 
 
 def perturb(w: torch.Tensor, eta: float, noise_model: str, gen: torch.Generator,
-            mapping: str = "layer", tile: int = 512) -> torch.Tensor:
+            mapping: str = "layer", tile: int = 512, times: tuple[float, float] = (1.0, _YEAR)) -> torch.Tensor:
     """One noisy copy of weight ``w`` (differentiable to w), per the module docstring. ``mapping``:
     the device models' weight mapping, "layer", "column" or "tile" (AnalogConfig.weight_mapping; ``tile``:
-    its tile_size)."""
+    its tile_size). ``times``: the device models' read time is drawn log-uniformly between these (seconds)."""
     if noise_model == "mismatch":
         return w * (1 + eta * torch.randn(w.shape, generator=gen, dtype=w.dtype))
     if mapping not in WEIGHT_MAPPINGS:
@@ -153,7 +153,8 @@ def perturb(w: torch.Tensor, eta: float, noise_model: str, gen: torch.Generator,
             else wd.abs().max().view(1, 1)
         scale = device.g_max / unit.clamp_min(1e-30)
         target = torch.stack([(wd * scale).clamp_min(0), (-wd * scale).clamp_min(0)])
-        t = math.exp(float(torch.rand((), generator=gen)) * math.log(_YEAR))  # log-uniform, 1 s .. 1 y
+        lo, hi = math.log(times[0]), math.log(times[1])
+        t = math.exp(lo + float(torch.rand((), generator=gen)) * (hi - lo))  # log-uniform
         keys = torch.randint(-(2**31), 2**31, (2,), generator=gen, dtype=torch.int32)
         log_t, sigma = (torch.tensor(v) for v in (math.log((t + device.t0) / device.t0), device.read_sigma(t)))
         w_t = _device_read_compiled(target, keys, log_t, sigma, device) / scale

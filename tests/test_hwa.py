@@ -53,6 +53,30 @@ def test_device_read_follows_the_device_model():
     assert float(fast.mean()) < 15.0 * 0.7  # drifted: a day is (86420 / 20)^-nu with nu near 0.06
 
 
+def test_device_reads_are_drawn_within_the_time_range(monkeypatch):
+    """perturb's read times: log-uniform within ``times`` (both ends reached in 200 draws), 1 s to a year
+    by default; a year's reads stray further from the weights than a second's."""
+    from hilt.cim_sim import training
+
+    seen, real = [], training._device_read_compiled
+    monkeypatch.setattr(training, "_device_read_compiled", lambda t, k, log_t, *a: seen.append(float(log_t)) or
+                        real(t, k, log_t, *a))
+    w, dev, year = torch.randn(16, 24), PCM(), 31557600.0
+    log_of = lambda t: math.log((t + dev.t0) / dev.t0)  # noqa: E731
+    for times in [(86400.0, year), (1.0, year)]:
+        seen.clear()
+        for i in range(200):
+            training.perturb(w, 1.0, "pcm", torch.Generator().manual_seed(i), "column", times=times)
+        lo, hi = log_of(times[0]), log_of(times[1])
+        assert lo - 1e-6 <= min(seen) < lo + 0.1 * (hi - lo) and hi - 0.1 * (hi - lo) < max(seen) <= hi + 1e-6
+    seen.clear()
+    training.perturb(w, 1.0, "pcm", torch.Generator().manual_seed(0), "column")
+    assert lo - 1e-6 <= seen[0] <= hi + 1e-6  # the default: 1 s to a year
+    error = {t: float(sum((training.perturb(w, 1.0, "pcm", torch.Generator().manual_seed(i), "column", times=(t, t))
+                           - w).norm() for i in range(20))) for t in (1.0, year)}
+    assert error[year] > 1.3 * error[1.0], error
+
+
 def test_distillation_losses_vanish_on_the_teacher_and_dwp_weights_disagreement():
     g = torch.Generator().manual_seed(0)
     teacher = torch.randn(6, 11, generator=g)
@@ -170,5 +194,8 @@ def test_bad_input_is_one_line_and_writes_nothing(tiny_gguf, tmp_path):
                       "expected int or none", absent=[tmp_path / "b.gguf"])
     _one_line_failure(run_hilt("hwa", tiny_gguf, tmp_path / "c.gguf", "--preset", "ideal"), "pcm or rram",
                       absent=[tmp_path / "c.gguf"])
+    for times in ("1y,1d", "1d", "0,1y", "1d,soon"):
+        _one_line_failure(run_hilt("hwa", tiny_gguf, tmp_path / "c.gguf", "--times", times), "time",
+                          absent=[tmp_path / "c.gguf"])
     _one_line_failure(run_hilt("hwa", tmp_path / "missing.gguf", tmp_path / "d.gguf"), "missing.gguf",
                       absent=[tmp_path / "d.gguf"])

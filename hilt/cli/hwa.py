@@ -12,7 +12,8 @@ def cmd_hwa(args) -> int:
 
     result = hwa.tune(args.model, args.out, args.method, args.preset, config_overrides(args.set), args.eta,
                       *args.eta_range, args.copies, args.weighting, args.steps, args.lr, args.batch,
-                      args.context, args.save_every, args.seed, args.resume, args.overwrite, progress=True)
+                      args.context, args.save_every, args.seed, args.resume, args.overwrite, progress=True,
+                      times=args.times)
     write_json_option(args, result)
     return 0
 
@@ -32,6 +33,9 @@ def register(sub) -> None:
     h.add_argument("--set", action="append", metavar="FIELD=VALUE",
                    help="an AnalogConfig field over the preset (repeatable): weight_mapping=column maps the noise "
                         "per column; clip_std=K clips every column to K std after each step")
+    h.add_argument("--times", default="1s,1y", metavar="FROM,TO",
+                   help="the device reads' times after programming, drawn log-uniformly between the two (default "
+                        "1s,1y; e.g. 1d,1y to tune for the late part of a deployment)")
     h.add_argument("--eta", type=number(), default=1.0, help="noise: the device noise level (1 = the published device)")
     h.add_argument("--eta-range", type=float_pair, default=(0.5, 1.5), metavar="MIN,MAX",
                    help="dwp: the reads' noise levels (default 0.5,1.5)")

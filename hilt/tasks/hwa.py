@@ -3,7 +3,8 @@
 The digital model is distilled into a copy of itself that is trained through noisy reads of the
 chip's devices (cim_sim.training): every Linear the chip would hold (those `convert_to_analog`
 puts on arrays) is replaced, in each forward, by one programmed-and-drifted read of the preset's
-device at a time between 1 s and 1 year, mapped to conductances as the configuration says
+device at a time drawn log-uniformly between 1 s and 1 year (``times``: another range, e.g. the
+late part of a deployment), mapped to conductances as the configuration says
 (``weight_mapping``); the gradient reaches the clean weights straight through the device.
 
 - ``noise``: one read per step at noise level ``eta`` (1 = the published device);
@@ -83,11 +84,11 @@ def _training_data(lm):
     return training_sentences(4096)
 
 
-def _digital_and_noisy(lm, teacher, student, data, batch: int, context: int, cfg, chip,
+def _digital_and_noisy(lm, teacher, student, data, batch: int, context: int, cfg, chip, times,
                        gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
     """One step's inputs through the digital model and through cfg's noisy reads of the student on
-    ``chip``'s devices (an AnalogConfig: its device and weight mapping): (K, N, C) noisy outputs and
-    (N, C) digital ones, N tokens or sentences."""
+    ``chip``'s devices (an AnalogConfig: its device and weight mapping), read at a time within ``times``:
+    (K, N, C) noisy outputs and (N, C) digital ones, N tokens or sentences."""
     from hilt.cim_sim.training import analog_weights, perturb
     from hilt.models.bert import mean_pool
 
@@ -110,7 +111,7 @@ def _digital_and_noisy(lm, teacher, student, data, batch: int, context: int, cfg
         digital = run(teacher)
     params = dict(student.named_parameters())
     names = analog_weights(student)
-    outs = [run(student, {n: perturb(params[n], eta, chip.device, gen, chip.weight_mapping, chip.tile_size)
+    outs = [run(student, {n: perturb(params[n], eta, chip.device, gen, chip.weight_mapping, chip.tile_size, times)
                           for n in names}) for eta in cfg.levels()]
     return torch.stack(outs), digital
 
@@ -118,12 +119,14 @@ def _digital_and_noisy(lm, teacher, student, data, batch: int, context: int, cfg
 def tune(model: str, out, method: str = "noise", preset_name: str = "pcm", overrides: dict | None = None,
          eta: float = 1.0, eta_min: float = 0.5, eta_max: float = 1.5, copies: int = 2, weighting: str = "js",
          steps: int = 60, lr: float = 2e-5, batch: int = 4, context: int = 128, save_every: int = 10, seed: int = 0,
-         resume: bool = False, overwrite: bool = False, progress: bool = True) -> dict:
+         resume: bool = False, overwrite: bool = False, progress: bool = True, times: str = "1s,1y") -> dict:
     """Fine-tune ``model`` for the chip of ``preset_name`` (+ ``overrides``, AnalogConfig fields); see the
-    module docstring. Returns the settings and the loss per step."""
+    module docstring. ``times``: "FROM,TO", the range the device reads' times are drawn from. Returns the
+    settings and the loss per step."""
     from hilt.cim_sim.training import (
         METHODS, NoisyTraining, clip_columns_, distillation_loss, embedding_distillation_loss,
     )
+    from hilt.cim_sim.model import parse_time
     from hilt.models import bert, llama
     from hilt.tasks.drift_lm import chip_config, load_language_model
     from hilt.tasks.training_state import load_state, save_state, state_meta
@@ -133,6 +136,9 @@ def tune(model: str, out, method: str = "noise", preset_name: str = "pcm", overr
         raise HiltError(f"--method {method}: choose noise or dwp")
     if steps < 1 or batch < 1 or context < 2 or save_every < 1 or not lr > 0:
         raise HiltError("hwa needs steps, batch and save-every >= 1, a context >= 2 and a positive learning rate")
+    read_times = [parse_time(t) for t in times.split(",")]
+    if len(read_times) != 2 or not 0 < read_times[0] <= read_times[1]:
+        raise HiltError(f"--times {times}: expected FROM,TO after programming, 0 < FROM <= TO, e.g. 1d,1y")
     config = chip_config(preset_name, overrides)
     config.device_model()  # validates the configuration
     if config.device not in ("pcm", "rram"):
@@ -145,8 +151,8 @@ def tune(model: str, out, method: str = "noise", preset_name: str = "pcm", overr
     if overwrite and not resume:
         shutil.rmtree(state_dir, ignore_errors=True)
     settings = {"model": model, "preset": preset_name, "config": dataclasses.asdict(config),
-                "training": dataclasses.asdict(cfg), "steps": steps, "lr": lr, "batch": batch, "context": context,
-                "seed": seed}
+                "training": dataclasses.asdict(cfg), "times": read_times, "steps": steps, "lr": lr, "batch": batch,
+                "context": context, "seed": seed}
     source = _source(model)
     meta = state_meta(state_dir, settings) if resume else None
     lm = load_language_model(model)
@@ -166,7 +172,7 @@ def tune(model: str, out, method: str = "noise", preset_name: str = "pcm", overr
     bar = Progress(steps, "hwa", "step", initial=start, enabled=progress)
     for step in range(start, steps):
         gen = torch.Generator().manual_seed(seed * 1_000_003 + step)  # the same batch and noise, resumed or not
-        noisy, digital = _digital_and_noisy(lm, teacher, student, data, batch, context, cfg, config, gen)
+        noisy, digital = _digital_and_noisy(lm, teacher, student, data, batch, context, cfg, config, read_times, gen)
         loss = loss_of(noisy, digital, cfg)
         if not torch.isfinite(loss):
             raise HiltError(f"hwa loss became {float(loss)} at step {step}; lower --lr")
