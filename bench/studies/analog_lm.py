@@ -370,10 +370,15 @@ def _cell(s: dict) -> str:
     return f"{s['mean']:.4g} ± {s['std']:.3g} ({s['worst']:.4g})"
 
 
+def _extra_fields(result: dict) -> list[str]:
+    """The deployment's fields set over the study's own (``--set``), as FIELD=VALUE."""
+    return [f"{k}={v}" for k, v in result["deploy"].items() if DEPLOY.get(k) != v]
+
+
 def render(result: dict) -> str:
     """The study's tables as Markdown."""
     times = result["budget"]["times"]
-    extra = ", ".join(f"`{k}={v}`" for k, v in result["deploy"].items() if DEPLOY.get(k) != v)
+    extra = ", ".join(f"`{f}`" for f in _extra_fields(result))
     lines = []
     for spec, entry in result["models"].items():
         lines += [f"### {spec} ({entry['metric']}, {entry['data']})", ""]
@@ -452,8 +457,10 @@ def plot(result: dict, path) -> None:
         ax.set_xticks(seconds, times)
         ax.set_xlabel("time after programming")
         ax.set_ylabel(entry["metric"])
-        ax.set_title(f"{spec} on {preset_name}")
+        ax.set_title(f"{spec} on {preset_name}", fontsize=10)
         ax.legend(fontsize=7)
+    if _extra_fields(result):
+        fig.suptitle("deployed with " + ", ".join(_extra_fields(result)), fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
