@@ -363,9 +363,9 @@ spec = "tiny.gguf"
     seed = rows[1]["seed"]
     analog = convert_to_analog(lm.model, parse_grid(grid).config({"preset": "pcm"}))
     program(analog, seeds=program_seeds(seed, 2))
-    drift_to(analog, 365 * 86400.0, seeds=read_seeds(seed, rows[1]["seconds"], 2))
-    by_hand = [math.log(p) for p in chip_metric(lm, analog, data)]
-    assert by_hand == pytest.approx([math.log(p) for p in rows[1]["values"]], abs=1e-3)  # nats per token
+    drift_to(analog, rows[1]["seconds"], seeds=read_seeds(seed, rows[1]["seconds"], 2))
+    by_hand = [round(p, 6) for p in chip_metric(lm, analog, data)]  # as the rows round them
+    assert by_hand == rows[1]["values"]  # the same chips, to the last digit the rows keep
     assert torch.isfinite(torch.tensor(rows[1]["values"])).all()
 
 
