@@ -48,6 +48,24 @@ def test_chips_run_a_few_at_a_time_are_the_chips_of_one_pass(tiny_gguf):
         assert in_groups["times"][t]["worst"] == max(in_groups["times"][t]["all"])
 
 
+def test_drift_runs_the_chips_a_pass_at_a_time_where_they_do_not_fit(tiny_gguf, monkeypatch):
+    """`hilt drift` on a language model: chips whose state does not fit in a third of the memory available run
+    a few at a time, and read what one pass reads."""
+    from hilt.tasks import drift_lm
+
+    assert drift_lm.chips_per_pass(100, 8, None) == 8 and drift_lm.chips_per_pass(100, 8, 10**6) == 8
+    assert drift_lm.chips_per_pass(100, 8, 750) == 2 and drift_lm.chips_per_pass(100, 8, 10) == 1
+    lm = drift_lm.load_language_model(str(tiny_gguf))
+    args = dict(times="1s,1y", chips=3, tokens=32, context=16, lm=lm, uncompensated=False)
+    one = drift_lm.lm_drift_study(**args)
+    per_chip = one["memory_per_chip"]["bytes_per_chip"]
+    monkeypatch.setattr(drift_lm, "available_bytes", lambda: 3 * per_chip)  # one chip a pass
+    apart = drift_lm.lm_drift_study(**args)
+    assert one["chips_per_pass"] == 3 and apart["chips_per_pass"] == 1
+    for a, b in zip(one["rows"], apart["rows"], strict=True):
+        assert len(b["all"]) == 3 and b["all"] == pytest.approx(a["all"], rel=1e-5)
+
+
 def test_energy_counts_the_layers_the_chip_holds(tiny_gguf):
     from hilt.tasks.drift_lm import eval_data, load_language_model
 

@@ -117,18 +117,12 @@ def on_chips(lm, preset_name: str, overrides: dict, times, chips: int, group: in
     """Every chip at every time, ``group`` chips per pass -> {time: stats over chips}, memory, seconds."""
     from hilt.tasks.drift_lm import lm_drift_study
 
-    values = {t: [] for t in times}
-    start, memory = time.perf_counter(), None
-    for first in range(0, chips, group):
-        r = lm_drift_study(lm.name, preset_name, ",".join(times), min(group, chips - first), gdc,
-                           tokens=budget["tokens"], context=budget["context"], sentences=budget["sentences"],
-                           overrides=overrides, lm=lm, first_chip=first, uncompensated=False,
-                           reference_model=reference_model)
-        memory = r["memory_per_chip"]
-        for row in r["rows"]:
-            values[row["time"]].extend(row["all"])
+    start = time.perf_counter()
+    r = lm_drift_study(lm.name, preset_name, ",".join(times), chips, gdc, tokens=budget["tokens"],
+                       context=budget["context"], sentences=budget["sentences"], overrides=overrides, lm=lm,
+                       uncompensated=False, reference_model=reference_model, per_pass=group)
     worst = max if lm.kind == "causal" else min
-    return {"times": {t: _stats(v, worst) for t, v in values.items()}, "memory_per_chip": memory,
+    return {"times": {row["time"]: _stats(row["all"], worst) for row in r["rows"]}, "memory_per_chip": r["memory_per_chip"],
             "seconds": round(time.perf_counter() - start, 1)}
 
 
@@ -168,20 +162,12 @@ def tuned_copy(model: str, method: str, work: Path, steps: int, batch: int | Non
 
 # -- speed, energy and the peer --------------------------------------------------------------------
 
-def _available_bytes() -> int | None:
-    try:
-        with open("/proc/meminfo") as f:
-            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
-    except (OSError, StopIteration, ValueError):
-        return None
-
-
 def forward_speed(lm, tokens: int, group: int, repeats: int = 2, most: int = 8) -> dict:
     """Seconds of one forward over ``tokens`` Hamlet tokens (an encoder: 64 sentences), best of ``repeats``
     after a warm-up: digital, and on 1, ``group`` and ``most`` chips in one pass (deployed as the study
     deploys); ``most`` only where its chips fit in half the memory available (else its bytes are kept)."""
     from hilt.cim_sim import chip_memory, convert_to_analog, drift_to, needs_calibration, program
-    from hilt.tasks.drift_lm import calibrate, chip_config, chip_metric, eval_data
+    from hilt.tasks.drift_lm import available_bytes, calibrate, chip_config, chip_metric, eval_data
 
     data, _ = eval_data(lm, None, tokens, tokens, 64)
 
@@ -201,7 +187,7 @@ def forward_speed(lm, tokens: int, group: int, repeats: int = 2, most: int = 8) 
     if needs_calibration(analog):
         calibrate(lm, analog)
     need = most * chip_memory(analog)["bytes_per_chip"]
-    available = _available_bytes()
+    available = available_bytes()
     fits = available is not None and need < available / 2
     out["most"], out["most_bytes"] = most, need
     for n in sorted({1, group} | ({most} if fits else set())):

@@ -215,15 +215,33 @@ def _field_value(name: str, value, hint):
     raise HiltError(f"--set {name}={value!r}: expected {names}")
 
 
+def available_bytes() -> int | None:
+    """The memory the system has available now (Linux's MemAvailable), or None where it cannot tell."""
+    try:
+        with open("/proc/meminfo") as f:
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
+    except (OSError, StopIteration, ValueError):
+        return None
+
+
+def chips_per_pass(bytes_per_chip: int, chips: int, available: int | None) -> int:
+    """How many chips one pass holds: all of them where their state fits in a third of ``available`` (programming
+    and reading them takes about as much again, transiently), else as many as fit, at least one."""
+    if available is None:
+        return chips
+    return max(1, min(chips, int(available / 3 // max(bytes_per_chip, 1))))
+
+
 def lm_drift_study(model="smollm2", preset_name="pcm", times="1s,1h,1d,1mo,1y", chips=2, gdc="global", text=None,
                    tokens=256, context=128, sentences=64, overrides: dict | None = None, progress=False,
                    lm: LanguageModel | None = None, first_chip: int = 0, uncompensated: bool = True,
-                   reference_model: nn.Module | None = None) -> dict:
+                   reference_model: nn.Module | None = None, per_pass: int | None = None) -> dict:
     """The metric at each time after programming over ``chips`` chips, with ``gdc`` and (``uncompensated``)
     without. ``overrides``: AnalogConfig fields replacing the preset's. Chip k (``first_chip`` .. ``first_chip``
     + ``chips`` - 1) is programmed with seed k and read with seed 10000 k + (time index), as for the
-    classifiers, so chips run a few at a time are the chips one pass would hold. An encoder's chips are
-    compared with the digital embeddings of ``reference_model`` (default: the model itself)."""
+    classifiers, so chips run a few at a time are the chips one pass would hold: ``per_pass`` chips at a time
+    (default: as many as the memory available holds). An encoder's chips are compared with the digital
+    embeddings of ``reference_model`` (default: the model itself)."""
     from hilt.cim_sim import (analog_layers, chip_memory, clipped_share, convert_to_analog, drift_to,
                               needs_calibration, parse_time, program)
 
@@ -233,9 +251,12 @@ def lm_drift_study(model="smollm2", preset_name="pcm", times="1s,1h,1d,1mo,1y", 
         raise HiltError(f"--times {','.join(labels)}: a time is listed twice")
     if chips < 1:
         raise HiltError(f"--chips must be at least 1, got {chips}")
+    if per_pass is not None and per_pass < 1:
+        raise HiltError(f"chips per pass must be at least 1, got {per_pass}")
     config = chip_config(preset_name, overrides)
     _read_text(text)  # an unreadable or empty text before the model loads
     lm = lm or load_language_model(model)
+    available = available_bytes()  # before the chips' copy of the model
     data, data_name = eval_data(lm, text, tokens, context, sentences)
     metric = "perplexity" if lm.kind == "causal" else "cosine"
     reference = None
@@ -244,23 +265,37 @@ def lm_drift_study(model="smollm2", preset_name="pcm", times="1s,1h,1d,1mo,1y", 
         digital = 1.0 if reference_model is None else chip_metric(lm, lm.model, data, reference)[0]
     else:
         digital = chip_metric(lm, lm.model, data)[0]
-    analog = convert_to_analog(lm.model, config)
-    if needs_calibration(analog):
-        calibrate(lm, analog)
+
+    def chip_model():
+        analog = convert_to_analog(lm.model, config)
+        if needs_calibration(analog):
+            calibrate(lm, analog)
+        return analog
+
+    analog = chip_model()
     start = time.perf_counter()
-    chip_ids = range(first_chip, first_chip + chips)
-    program(analog, seeds=chip_ids)
     memory = chip_memory(analog)
+    per_pass = per_pass or chips_per_pass(memory["bytes_per_chip"], chips, available)
+    passes = [range(k, min(k + per_pass, first_chip + chips)) for k in range(first_chip, first_chip + chips, per_pass)]
+    if len(passes) > 1:
+        LOG.info(f"{chips} chips of {memory['bytes_per_chip'] / 2**20:.0f} MiB: {per_pass} at a time"
+                 + (f" (what {available / 2**30:.1f} GiB available holds)" if available else ""))
     modes = ["none"] if gdc == "none" else ["none", gdc] if uncompensated else [gdc]
-    values = {m: [] for m in modes}
-    steps = Progress(len(seconds), "drift", "time", steps=len(modes), enabled=progress)
-    for i, t in enumerate(seconds):
-        for m in modes:
-            drift_to(analog, t, seeds=[10_000 * k + i for k in chip_ids], gdc=m)
-            values[m].append(chip_metric(lm, analog, data, reference))
-            steps.tick()
-        steps.done(labels[i], f"{chips} chips, mean {metric}: "
-                   + ", ".join(f"{m} {sum(values[m][i]) / chips:.4g}" for m in modes))
+    values = {m: [[] for _ in seconds] for m in modes}
+    steps = Progress(len(seconds) * len(passes), "drift", "time", steps=len(modes), enabled=progress)
+    for n, chip_ids in enumerate(passes):
+        if n:
+            del analog  # the last pass's chips go before the next pass's come
+            analog = chip_model()
+        program(analog, seeds=chip_ids)
+        for i, t in enumerate(seconds):
+            for m in modes:
+                drift_to(analog, t, seeds=[10_000 * k + i for k in chip_ids], gdc=m)
+                values[m][i].extend(chip_metric(lm, analog, data, reference))
+                steps.tick()
+            which = f" chips {chip_ids[0]}-{chip_ids[-1]}" if len(passes) > 1 else ""
+            steps.done(labels[i] + which, f"{len(chip_ids)} chips, mean {metric}: "
+                       + ", ".join(f"{m} {sum(values[m][i][-len(chip_ids):]) / len(chip_ids):.4g}" for m in modes))
     steps.close()
     worst = max if metric == "perplexity" else min
     rows = []
@@ -274,7 +309,8 @@ def lm_drift_study(model="smollm2", preset_name="pcm", times="1s,1h,1d,1mo,1y", 
               "preset": preset_name, "config": dataclasses.asdict(config), "repeats": chips, "chips": chips,
               "digital": digital, "analog_layers": len(analog_layers(analog)),
               "digital_layers": analog.digital_layers, "clipped_share": clipped_share(analog),
-              "memory_per_chip": memory, "seconds": round(time.perf_counter() - start, 1), "rows": rows}
+              "memory_per_chip": memory, "chips_per_pass": per_pass, "seconds": round(time.perf_counter() - start, 1),
+              "rows": rows}
     LOG.info(f"{lm.name} on {preset_name}: digital {metric} {digital:.4g} on {data_name}; {chips} chips, "
              f"{len(analog_layers(analog))} analog layers, {memory['bytes_per_chip'] / 2**20:.0f} MiB per chip"
              + (f", {100 * result['clipped_share']:.3f}% of weights clipped" if result["clipped_share"] else ""))
