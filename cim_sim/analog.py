@@ -309,13 +309,12 @@ class AnalogMixin:
             y = None
             tile_scale = getattr(self, "tile_scale", None)  # per-array drift compensation (gdc="aihwkit")
             ahead = self.config.gdc_before_adc and (column_scale is not None or tile_scale is not None)
+            # with ``ahead``, the compensation is each array's gain ahead of its output noise and ADC, (chips, out)
+            gain = None if not ahead else column_scale.view(self.chips, -1) if column_scale is not None else \
+                torch.ones(self.chips, self.w_digital.shape[0])
             for i, array in enumerate(self.tiles()):  # a loop over arrays (a handful), not over devices
-                gain = None
-                if ahead:  # the compensation as each array's gain ahead of its output noise and ADC, (chips, out)
-                    gain = torch.ones(self.chips, self.w_digital.shape[0]) if column_scale is None else \
-                        column_scale.view(self.chips, -1)
-                    gain = gain if tile_scale is None else gain * tile_scale[:, i : i + 1]
-                part, x_scale = self._tile_mvm(x[..., array.k0 : array.k1], array, gain=gain)
+                array_gain = gain if tile_scale is None or not ahead else gain * tile_scale[:, i : i + 1]
+                part, x_scale = self._tile_mvm(x[..., array.k0 : array.k1], array, gain=array_gain)
                 if tile_scale is not None and not ahead:
                     x_scale = x_scale * tile_scale[:, i].view(-1, 1, 1)
                 y = part.mul_(x_scale) if y is None else y.addcmul_(part, x_scale)

@@ -234,11 +234,11 @@ def chips_per_pass(bytes_per_chip: int, chips: int, available: int | None) -> in
 
 def lm_drift_study(model="smollm2", preset_name="pcm", times="1s,1h,1d,1mo,1y", chips=2, gdc="global", text=None,
                    tokens=256, context=128, sentences=64, overrides: dict | None = None, progress=False,
-                   lm: LanguageModel | None = None, first_chip: int = 0, uncompensated: bool = True,
+                   lm: LanguageModel | None = None, uncompensated: bool = True,
                    reference_model: nn.Module | None = None, per_pass: int | None = None) -> dict:
     """The metric at each time after programming over ``chips`` chips, with ``gdc`` and (``uncompensated``)
-    without. ``overrides``: AnalogConfig fields replacing the preset's. Chip k (``first_chip`` .. ``first_chip``
-    + ``chips`` - 1) is programmed with seed k and read with seed 10000 k + (time index), as for the
+    without. ``overrides``: AnalogConfig fields replacing the preset's. Chip k (0 .. ``chips`` - 1)
+    is programmed with seed k and read with seed 10000 k + (time index), as for the
     classifiers, so chips run a few at a time are the chips one pass would hold: ``per_pass`` chips at a time
     (default: as many as the memory available holds). An encoder's chips are compared with the digital
     embeddings of ``reference_model`` (default: the model itself)."""
@@ -276,7 +276,7 @@ def lm_drift_study(model="smollm2", preset_name="pcm", times="1s,1h,1d,1mo,1y", 
     start = time.perf_counter()
     memory = chip_memory(analog)
     per_pass = per_pass or chips_per_pass(memory["bytes_per_chip"], chips, available)
-    passes = [range(k, min(k + per_pass, first_chip + chips)) for k in range(first_chip, first_chip + chips, per_pass)]
+    passes = [range(k, min(k + per_pass, chips)) for k in range(0, chips, per_pass)]
     if len(passes) > 1:
         LOG.info(f"{chips} chips of {memory['bytes_per_chip'] / 2**20:.0f} MiB: {per_pass} at a time"
                  + (f" (what {available / 2**30:.1f} GiB available holds)" if available else ""))
