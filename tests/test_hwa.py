@@ -1,5 +1,6 @@
 """`hilt hwa`: fine-tuning a language model for a CIM chip (cim_sim.training's LM losses, hilt.tasks.hwa)."""
 
+import dataclasses
 import filecmp
 import math
 
@@ -137,6 +138,37 @@ def test_resume_gives_the_same_bytes(tiny_gguf, tmp_path, monkeypatch):
     assert not torch.equal(tuned.blk[0].attn_q.weight, base.blk[0].attn_q.weight)
 
 
+def test_a_teacher_is_what_the_student_is_distilled_from(tiny_gguf, tmp_path):
+    """--teacher: the loss is taken against the teacher's outputs while the student starts from MODEL; a copy
+    of MODEL as the teacher changes nothing."""
+    copy_path = tmp_path / "copy.gguf"
+    copy_path.write_bytes(tiny_gguf.read_bytes())
+    other = tmp_path / "other.gguf"
+    torch.manual_seed(1)
+    model, _ = llama.load_llama(tiny_gguf)
+    llama.save_gguf(llama.Llama(model.cfg).eval(), tiny_gguf, other)
+    one = {**SMALL, "steps": 1}
+    itself = hwa.tune(str(tiny_gguf), tmp_path / "a.gguf", **one)
+    copied = hwa.tune(str(tiny_gguf), tmp_path / "b.gguf", **one, teacher=str(copy_path))
+    taught = hwa.tune(str(tiny_gguf), tmp_path / "c.gguf", **one, teacher=str(other))
+    assert copied["losses"] == itself["losses"] and copied["teacher"] == str(copy_path)
+    assert filecmp.cmp(tmp_path / "a.gguf", tmp_path / "b.gguf", shallow=False)
+    assert taught["losses"][0] > 2 * itself["losses"][0]  # two random models disagree far more than noise does
+    tuned, _ = llama.load_llama(tmp_path / "c.gguf")  # one step from MODEL, not from the teacher
+    assert torch.allclose(tuned.blk[0].attn_q.weight, model.blk[0].attn_q.weight, atol=1e-3)
+
+
+def test_a_teacher_must_share_the_students_tokens(tiny_gguf, tmp_path):
+    from hilt.tasks.drift_lm import load_language_model
+
+    lm = load_language_model(str(tiny_gguf))
+    shifted = dataclasses.replace(lm, encode=lambda text: [i + 1 for i in lm.encode(text)])
+    with pytest.raises(HiltError, match="tokenizer splits text differently"):
+        hwa._teacher(shifted, str(tiny_gguf), "student.gguf")
+    _one_line_failure(run_hilt("hwa", tiny_gguf, tmp_path / "e.gguf", "--teacher", "minilm"),
+                      "--teacher minilm: an encoder", "a causal LM", absent=[tmp_path / "e.gguf"])
+
+
 def test_clip_std_clips_the_tuned_weights(tiny_gguf, tmp_path):
     r = hwa.tune(str(tiny_gguf), tmp_path / "clipped.gguf", **{**SMALL, "steps": 1, "overrides": {"clip_std": 1.5}})
     assert 0 < r["clipped_share"] < 0.5  # uniform init: |w| reaches sqrt(3) std
@@ -192,6 +224,9 @@ def test_bad_input_is_one_line_and_writes_nothing(tiny_gguf, tmp_path):
                       "not a field of AnalogConfig", absent=[tmp_path / "b.gguf"])
     _one_line_failure(run_hilt("hwa", tiny_gguf, tmp_path / "b.gguf", "--set", "adc_bits=many"), "adc_bits",
                       "expected int or none", absent=[tmp_path / "b.gguf"])
+
+
+def test_bad_chip_or_times_is_one_line_and_writes_nothing(tiny_gguf, tmp_path):
     _one_line_failure(run_hilt("hwa", tiny_gguf, tmp_path / "c.gguf", "--preset", "ideal"), "pcm or rram",
                       absent=[tmp_path / "c.gguf"])
     for times in ("1y,1d", "1d", "0,1y", "1d,soon"):

@@ -13,7 +13,7 @@ def cmd_hwa(args) -> int:
     result = hwa.tune(args.model, args.out, args.method, args.preset, config_overrides(args.set), args.eta,
                       *args.eta_range, args.copies, args.weighting, args.steps, args.lr, args.batch,
                       args.context, args.save_every, args.seed, args.resume, args.overwrite, progress=True,
-                      times=args.times)
+                      times=args.times, teacher=args.teacher)
     write_json_option(args, result)
     return 0
 
@@ -36,6 +36,9 @@ def register(sub) -> None:
     h.add_argument("--times", default="1s,1y", metavar="FROM,TO",
                    help="the device reads' times after programming, drawn log-uniformly between the two (default "
                         "1s,1y; e.g. 1d,1y to tune for the late part of a deployment)")
+    h.add_argument("--teacher", metavar="MODEL",
+                   help="the model distilled from, with the same tokenizer (default MODEL itself); e.g. the "
+                        "original when MODEL is a tuned one to continue")
     h.add_argument("--eta", type=number(), default=1.0, help="noise: the device noise level (1 = the published device)")
     h.add_argument("--eta-range", type=float_pair, default=(0.5, 1.5), metavar="MIN,MAX",
                    help="dwp: the reads' noise levels (default 0.5,1.5)")

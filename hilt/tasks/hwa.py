@@ -12,7 +12,10 @@ late part of a deployment), mapped to conductances as the configuration says
   sentence) weighted by how much the reads disagree on it.
 
 Causal LMs minimise KL(digital || noisy) per token on Shakespeare's works but Hamlet; encoders
-minimise 1 - cosine of the sentence embeddings on their sentences. With ``clip_std`` set in the
+minimise 1 - cosine of the sentence embeddings on their sentences. The digital side (the teacher)
+is the model itself unless ``teacher`` names another with the same tokenizer: continuing a tuned
+model, its original keeps the target fixed (a continuation that distils from itself lets the target
+drift a little further from the original with every run). With ``clip_std`` set in the
 configuration, every output column is clipped to that many standard deviations after each step
 (iterative weight clipping), as the mapping will clip it on the chip. Static input ranges and
 smoothing scales are calibrated when the tuned model is put on a chip (`hilt drift --set ...`).
@@ -84,9 +87,36 @@ def _training_data(lm):
     return training_sentences(4096)
 
 
+def _teacher(lm, spec: str, student_spec: str):
+    """The model ``spec`` loaded as the teacher of ``lm`` (the student, from ``student_spec``), refused unless
+    it is the same kind of model, splits text into the same tokens and gives outputs of the same width."""
+    from hilt.tasks.drift_lm import load_language_model
+
+    teacher = load_language_model(spec)
+    if teacher.kind != lm.kind:
+        kinds = {"causal": "a causal LM", "encoder": "an encoder"}
+        raise HiltError(f"--teacher {spec}: {kinds[teacher.kind]}, while {student_spec} is {kinds[lm.kind]}")
+    probe = "Fair is foul, and foul is fair: hover through the fog and filthy air."
+    same = (lm.encode(probe) == teacher.encode(probe) if lm.kind == "causal"
+            else all(torch.equal(a, b) for a, b in zip(lm.encode([probe]), teacher.encode([probe]))))
+    if not same:
+        raise HiltError(f"--teacher {spec}: its tokenizer splits text differently from {student_spec}'s; the teacher "
+                        "must share the student's tokens")
+    with torch.no_grad():
+        if lm.kind == "causal":
+            ids = torch.tensor([lm.encode(probe)])
+            widths = lm.logits(lm.model, ids).shape[-1], teacher.logits(teacher.model, ids).shape[-1]
+        else:
+            args = lm.encode([probe])
+            widths = lm.hidden(lm.model, *args).shape[-1], teacher.hidden(teacher.model, *args).shape[-1]
+    if widths[0] != widths[1]:
+        raise HiltError(f"--teacher {spec}: its outputs have {widths[1]} features, {student_spec}'s {widths[0]}")
+    return teacher
+
+
 def _digital_and_noisy(lm, teacher, student, data, batch: int, context: int, cfg, chip, times,
                        gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
-    """One step's inputs through the digital model and through cfg's noisy reads of the student on
+    """One step's inputs through the teacher (a LanguageModel) and through cfg's noisy reads of the student on
     ``chip``'s devices (an AnalogConfig: its device and weight mapping), read at a time within ``times``:
     (K, N, C) noisy outputs and (N, C) digital ones, N tokens or sentences."""
     from hilt.cim_sim.training import analog_weights, perturb
@@ -96,19 +126,19 @@ def _digital_and_noisy(lm, teacher, student, data, batch: int, context: int, cfg
         starts = torch.randint(len(data) - context, (batch,), generator=gen)
         args = (data[starts[:, None] + torch.arange(context)],)
 
-        def run(model, params=None):
-            out = lm.logits(model, *args) if params is None else functional_call(model, params, args)
+        def run(model, params=None, via=lm):
+            out = via.logits(model, *args) if params is None else functional_call(model, params, args)
             return out.flatten(0, 1)
     else:
         picks = torch.randint(len(data), (batch,), generator=gen).tolist()
         ids, mask = lm.encode([data[i] for i in picks])
         args = (ids, mask)
 
-        def run(model, params=None):
-            hidden = lm.hidden(model, *args) if params is None else functional_call(model, params, args)
+        def run(model, params=None, via=lm):
+            hidden = via.hidden(model, *args) if params is None else functional_call(model, params, args)
             return mean_pool(hidden, mask)
     with torch.no_grad():
-        digital = run(teacher)
+        digital = run(teacher.model, via=teacher)
     params = dict(student.named_parameters())
     names = analog_weights(student)
     outs = [run(student, {n: perturb(params[n], eta, chip.device, gen, chip.weight_mapping, chip.tile_size, times)
@@ -119,10 +149,11 @@ def _digital_and_noisy(lm, teacher, student, data, batch: int, context: int, cfg
 def tune(model: str, out, method: str = "noise", preset_name: str = "pcm", overrides: dict | None = None,
          eta: float = 1.0, eta_min: float = 0.5, eta_max: float = 1.5, copies: int = 2, weighting: str = "js",
          steps: int = 60, lr: float = 2e-5, batch: int = 4, context: int = 128, save_every: int = 10, seed: int = 0,
-         resume: bool = False, overwrite: bool = False, progress: bool = True, times: str = "1s,1y") -> dict:
+         resume: bool = False, overwrite: bool = False, progress: bool = True, times: str = "1s,1y",
+         teacher: str | None = None) -> dict:
     """Fine-tune ``model`` for the chip of ``preset_name`` (+ ``overrides``, AnalogConfig fields); see the
-    module docstring. ``times``: "FROM,TO", the range the device reads' times are drawn from. Returns the
-    settings and the loss per step."""
+    module docstring. ``times``: "FROM,TO", the range the device reads' times are drawn from; ``teacher``:
+    the model distilled from (default ``model`` itself). Returns the settings and the loss per step."""
     from hilt.cim_sim.training import (
         METHODS, NoisyTraining, clip_columns_, distillation_loss, embedding_distillation_loss,
     )
@@ -152,13 +183,13 @@ def tune(model: str, out, method: str = "noise", preset_name: str = "pcm", overr
         shutil.rmtree(state_dir, ignore_errors=True)
     settings = {"model": model, "preset": preset_name, "config": dataclasses.asdict(config),
                 "training": dataclasses.asdict(cfg), "times": read_times, "steps": steps, "lr": lr, "batch": batch,
-                "context": context, "seed": seed}
+                "context": context, "seed": seed, "teacher": teacher}
     source = _source(model)
     meta = state_meta(state_dir, settings) if resume else None
     lm = load_language_model(model)
     _check_out(out, lm.kind == "causal", overwrite)
-    teacher = lm.model
-    student = copy.deepcopy(teacher).train().requires_grad_(True)
+    student = copy.deepcopy(lm.model).train().requires_grad_(True)
+    teacher = lm if teacher is None else _teacher(lm, teacher, model)
     opt = torch.optim.AdamW(student.parameters(), lr=lr, weight_decay=0.0)
     start = 0
     if meta is not None:
