@@ -242,8 +242,9 @@ class AnalogMixin:
         exponents drawn once, each chip from its own generator.
 
         Returns the devices for the model to read (cim_sim.model pools every layer's devices, so a
-        drift step reads them all in one pass), chips first: G+ and G- stacked, in weight units
-        (G / scale; a read is linear in G), their drift exponents and read-noise coefficients. None
+        drift step reads them all in one pass), chips first: G+ and G- stacked (each side
+        ``devices_per_weight`` devices deep where that is above 1), in weight units (G / scale; a read is
+        linear in G), their drift exponents and read-noise coefficients. None
         on the ideal device, whose weights are then the digital ones.
         """
         self.chips = len(gens)
@@ -260,6 +261,9 @@ class AnalogMixin:
             scale = dev.g_max / (self.w_max if self.column_unit is None else self.column_unit.view(-1, 1))
         # G+ and G- stacked: one tensor op per step for both devices of every pair
         g_target = torch.stack([(mapped * scale).clamp(0, dev.g_max), (-mapped * scale).clamp(0, dev.g_max)])
+        n = self.config.devices_per_weight
+        if n > 1:  # n devices per side, each at the pair's target (cim_sim.model averages their reads)
+            g_target = g_target.unsqueeze(1).expand(2, n, *mapped.shape).contiguous()
         chips = []
         for gen in gens:  # in each chip's generator, the draws of a one-chip programming
             g_prog = stuck_at(dev.program(g_target, gen), self.config.stuck_at_rate, dev.g_max, gen)

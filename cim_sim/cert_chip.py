@@ -213,6 +213,9 @@ def cim_perturbations(model: nn.Module, config="pcm", times=(0.0,), delta: float
     if config.weight_mapping != "layer":  # the moments below map each layer with one scale
         raise HiltError(f"certificates model one programming scale per layer; got weight_mapping="
                         f"{config.weight_mapping!r}")
+    if config.devices_per_weight != 1:  # nor do they average several devices per side
+        raise HiltError(f"certificates model one device pair per weight; got devices_per_weight="
+                        f"{config.devices_per_weight}")
     times = [float(t) for t in times]
     if not all(t >= 0 for t in times):
         raise HiltError(f"time after programming must be >= 0 s, got {min(times)}")

@@ -62,6 +62,11 @@ class AnalogConfig:
     # noise and the ADC (a read-out whose integration window or ADC reference follows the drift), the
     # output noise referred to the ADC's input: what a periphery that tracks the drift can do at best.
     gdc_before_adc: bool = False
+    # Devices per side of a weight (a multi-device synapse): each of the n G+ and n G- devices is
+    # programmed to the pair's target and their currents add on the column, the read-out dividing by n.
+    # Programming noise, drift exponents and read noise are drawn per device, so their share of the
+    # weight shrinks as 1/sqrt(n); the array holds n times the devices and draws n times the current.
+    devices_per_weight: int = 1
 
     @property
     def needs_calibration(self) -> bool:
@@ -82,6 +87,9 @@ class AnalogConfig:
                             f"{self.clip_std}, {self.clip_percentile}, {self.input_percentile}")
         if self.clip_std and self.clip_percentile:
             raise HiltError("clip_std and clip_percentile exclude each other: set one of them")
+        if isinstance(self.devices_per_weight, bool) or not isinstance(self.devices_per_weight, int) \
+                or not 1 <= self.devices_per_weight <= 64:
+            raise HiltError(f"devices_per_weight is the devices per side of a weight, 1 to 64; got {self.devices_per_weight!r}")
         if not 0 <= self.stuck_at_rate <= 1:
             raise HiltError(f"stuck_at_rate is a fraction of the devices, 0 to 1; got {self.stuck_at_rate}")
         kw = dict(prog_noise_scale=self.prog_noise_scale, read_noise_scale=self.read_noise_scale,

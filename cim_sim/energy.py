@@ -13,6 +13,9 @@ inference (1 for a Linear on one sample, oh * ow for a Conv2d):
     movement  = vectors * (n_in + n_out) bytes            x  buffer_byte_fj
                 (8-bit activations in and out through the on-chip buffers)
 
+    With ``devices`` devices per side of a weight (AnalogConfig.devices_per_weight), the array part
+    (MACs) costs ``devices`` times as much: the same rows drive that many devices' currents.
+
     adc_fj(b) = readout_fj * 2^(b - 8)    (the Walden figure of merit: energy doubles per bit)
     dac_fj(b) = dac_fj_per_bit * b
 
@@ -135,13 +138,14 @@ def layer_shapes(model: nn.Module, example: torch.Tensor) -> list[dict]:
     return rows
 
 
-def cim_energy(shape: dict, chip_: ChipEnergy, tile: int = 512, adc_bits: int = 9, dac_bits: int = 7) -> dict:
+def cim_energy(shape: dict, chip_: ChipEnergy, tile: int = 512, adc_bits: int = 9, dac_bits: int = 7,
+               devices: int = 1) -> dict:
     """Energy in joules of one layer for one inference on the CIM chip, by component."""
     v, n_in, n_out = shape["vectors"], shape["n_in"], shape["n_out"]
     row_tiles, col_tiles = math.ceil(n_in / tile), math.ceil(n_out / tile)
     counts = {"macs": v * n_in * n_out, "adc": v * n_out * row_tiles, "dac": v * n_in * col_tiles,
               "digital": v * n_out * (row_tiles + 3), "bytes": v * (n_in + n_out)}
-    fj = {"array": counts["macs"] * chip_.mac_fj, "adc": counts["adc"] * chip_.adc_fj(adc_bits),
+    fj = {"array": counts["macs"] * chip_.mac_fj * devices, "adc": counts["adc"] * chip_.adc_fj(adc_bits),
           "dac": counts["dac"] * chip_.dac_fj(dac_bits), "digital": counts["digital"] * chip_.digital_op_fj,
           "movement": counts["bytes"] * chip_.buffer_byte_fj}
     joules = {k: v * 1e-15 for k, v in fj.items()}
@@ -157,8 +161,9 @@ def gpu_energy(shape: dict, gpu: GPUEnergy) -> dict:
 
 
 def estimate(model: nn.Module, example: torch.Tensor, chip_: ChipEnergy, gpu: GPUEnergy | None = None,
-             tile: int = 512, adc_bits: int = 9, dac_bits: int = 7) -> dict:
-    """Per-layer and total energy per inference, CIM against the GPU, and their ratio."""
+             tile: int = 512, adc_bits: int = 9, dac_bits: int = 7, devices: int = 1) -> dict:
+    """Per-layer and total energy per inference, CIM against the GPU, and their ratio (``devices``: per
+    side of a weight)."""
     gpu = gpu or GPUEnergy()
     if not isinstance(gpu.batch, int) or gpu.batch < 1:
         raise HiltError(f"the GPU batch must be a positive integer, got {gpu.batch!r}")
@@ -167,9 +172,10 @@ def estimate(model: nn.Module, example: torch.Tensor, chip_: ChipEnergy, gpu: GP
             raise HiltError(f"{what} bits must be an integer from 1 to 16, got {bits!r}")
     layers = []
     for shape in layer_shapes(model, example):
-        c, g = cim_energy(shape, chip_, tile, adc_bits, dac_bits), gpu_energy(shape, gpu)
+        c, g = cim_energy(shape, chip_, tile, adc_bits, dac_bits, devices), gpu_energy(shape, gpu)
         layers.append({**shape, "cim": c, "gpu": g})
     cim_total = sum(r["cim"]["total"] for r in layers)
     gpu_total = sum(r["gpu"]["total"] for r in layers)
     return {"chip": asdict(chip_), "gpu": asdict(gpu), "tile": tile, "adc_bits": adc_bits, "dac_bits": dac_bits,
+            "devices_per_weight": devices,
             "layers": layers, "cim_joules": cim_total, "gpu_joules": gpu_total, "cim_over_gpu": cim_total / gpu_total}

@@ -272,13 +272,16 @@ def _set_programmed(model: nn.Module) -> None:
 
 
 def _set_pool_weights(pool: dict, w: torch.Tensor) -> None:
-    """Hand each layer of a pool its part of ``w`` (chips, devices)."""
+    """Hand each layer of a pool its part of ``w`` (chips, device pairs): with several devices per weight,
+    the mean of its pairs (their summed currents, read out divided by their number)."""
     chips, offset = w.shape[0], 0
     for layer in pool["layers"]:
-        n = layer.w_digital.numel()
-        part = w[:, offset : offset + n]
+        n, deep = layer.w_digital.numel(), layer.config.devices_per_weight
+        part = w[:, offset : offset + n * deep]
+        if deep > 1:
+            part = part.view(chips, deep, n).mean(1)
         layer.set_weights(part.reshape(layer.w_digital.shape) if chips == 1 else part.view(chips, *layer.w_digital.shape))
-        offset += n
+        offset += n * deep
 
 
 def _read(model: nn.Module, t: float, gens: list[torch.Generator]) -> None:

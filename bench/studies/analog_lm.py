@@ -202,8 +202,9 @@ def forward_speed(lm, tokens: int, group: int, repeats: int = 2, most: int = 8) 
     return out
 
 
-def energy_per_token(lm, data, chip_name: str = "rram-22nm") -> dict:
-    """Joules per token of the layers the chip holds: on the CIM chip model against the GPU model."""
+def energy_per_token(lm, data, chip_name: str = "rram-22nm", devices: int = 1) -> dict:
+    """Joules per token of the layers the chip holds: on the CIM chip model against the GPU model
+    (``devices``: per side of a weight)."""
     from hilt.cim_sim.energy import chip, estimate
 
     class Forward(nn.Module):  # estimate feeds one tensor; an encoder also takes its mask
@@ -217,13 +218,14 @@ def energy_per_token(lm, data, chip_name: str = "rram-22nm") -> dict:
             return lm.hidden(self.inner, ids, torch.ones_like(ids))
 
     example = data[0].view(1, -1) if lm.kind == "causal" else data[0][0][:1]
-    result = estimate(Forward(), example, chip(chip_name))
+    result = estimate(Forward(), example, chip(chip_name), devices=devices)
     on_chip = {f"inner.{n}" for n, _ in chip_linears(lm.model)}
     layers = [r for r in result["layers"] if r["layer"] in on_chip]
     tokens = example.shape[1]
     cim = sum(r["cim"]["total"] for r in layers) / tokens
     gpu = sum(r["gpu"]["total"] for r in layers) / tokens
-    return {"chip": chip_name, "layers": len(layers), "tokens": tokens, "cim_joules_per_token": cim,
+    return {"chip": chip_name, "devices_per_weight": devices, "layers": len(layers), "tokens": tokens,
+            "cim_joules_per_token": cim,
             "gpu_joules_per_token": gpu, "cim_over_gpu": cim / gpu}
 
 
@@ -284,7 +286,8 @@ def study(quick: bool = False, models=None, presets=None, chips: int | None = No
         reference = None if lm.kind == "causal" else chip_metric(lm, original, data)[0]
         metric = "perplexity" if lm.kind == "causal" else "cosine"
         entry = {"kind": lm.kind, "metric": metric, "data": data_name, "variants": {},
-                 "energy": energy_per_token(lm, data), "speed": forward_speed(lm, budget["speed_tokens"], budget["group"])}
+                 "energy": energy_per_token(lm, data, devices=deploy.get("devices_per_weight", 1)),
+                 "speed": forward_speed(lm, budget["speed_tokens"], budget["group"])}
         speed = entry["speed"]
         LOG.info(f"{spec}: {metric} on {data_name}; the chip layers {entry['energy']['cim_over_gpu']:.3g}x "
                  f"the GPU's energy per token; one forward on one chip {speed['one_chip_over_digital']:.3g}x the "
@@ -388,7 +391,9 @@ def render(result: dict) -> str:
                      "available: not run") + ".", ""]
         e = entry["energy"]
         lines += [f"Energy per token of the {e['layers']} chip layers: {e['cim_joules_per_token'] * 1e6:.3g} uJ on the "
-                  f"{e['chip']} chip model against {e['gpu_joules_per_token'] * 1e6:.3g} uJ on the GPU model "
+                  f"{e['chip']} chip model"
+                  + (f" ({e['devices_per_weight']} devices per side of a weight)" if e.get("devices_per_weight", 1) > 1
+                     else "") + f" against {e['gpu_joules_per_token'] * 1e6:.3g} uJ on the GPU model "
                   f"({e['cim_over_gpu']:.3g}x).", ""]
         peer = entry.get("aihwkit", "not run")
         if peer is None:

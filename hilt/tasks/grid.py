@@ -298,7 +298,7 @@ def _combinations(grid: Grid, axes) -> list[dict]:
 # AnalogConfig fields added after the seed rules were fixed: left out of a cell's seed at their
 # defaults, so that a grid that does not set them keeps its seeds (and its rows)
 _LATER_FIELDS = ("weight_mapping", "clip_std", "clip_percentile", "input_range", "input_percentile", "smoothing",
-                 "gdc_before_adc")
+                 "gdc_before_adc", "devices_per_weight")
 
 
 def seed_fields(config: AnalogConfig) -> dict:

@@ -5,7 +5,7 @@ chip's devices (cim_sim.training): every Linear the chip would hold (those `conv
 puts on arrays) is replaced, in each forward, by one programmed-and-drifted read of the preset's
 device at a time drawn log-uniformly between 1 s and 1 year (``times``: another range, e.g. the
 late part of a deployment), mapped to conductances as the configuration says
-(``weight_mapping``); the gradient reaches the clean weights straight through the device.
+(``weight_mapping``, ``devices_per_weight``); the gradient reaches the clean weights straight through the device.
 
 - ``noise``: one read per step at noise level ``eta`` (1 = the published device);
 - ``dwp``: ``copies`` reads per step at levels spread over [eta_min, eta_max], each token (or
@@ -141,8 +141,9 @@ def _digital_and_noisy(lm, teacher, student, data, batch: int, context: int, cfg
         digital = run(teacher.model, via=teacher)
     params = dict(student.named_parameters())
     names = analog_weights(student)
-    outs = [run(student, {n: perturb(params[n], eta, chip.device, gen, chip.weight_mapping, chip.tile_size, times)
-                          for n in names}) for eta in cfg.levels()]
+    mapping = (chip.weight_mapping, chip.tile_size, times, chip.devices_per_weight)
+    outs = [run(student, {n: perturb(params[n], eta, chip.device, gen, *mapping) for n in names})
+            for eta in cfg.levels()]
     return torch.stack(outs), digital
 
 
