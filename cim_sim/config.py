@@ -87,9 +87,9 @@ class AnalogConfig:
                             f"{self.clip_std}, {self.clip_percentile}, {self.input_percentile}")
         if self.clip_std and self.clip_percentile:
             raise HiltError("clip_std and clip_percentile exclude each other: set one of them")
-        if isinstance(self.devices_per_weight, bool) or not isinstance(self.devices_per_weight, int) \
-                or not 1 <= self.devices_per_weight <= 64:
-            raise HiltError(f"devices_per_weight is the devices per side of a weight, 1 to 64; got {self.devices_per_weight!r}")
+        n = self.devices_per_weight
+        if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= 64:
+            raise HiltError(f"devices_per_weight is the devices per side of a weight, 1 to 64; got {n!r}")
         if not 0 <= self.stuck_at_rate <= 1:
             raise HiltError(f"stuck_at_rate is a fraction of the devices, 0 to 1; got {self.stuck_at_rate}")
         kw = dict(prog_noise_scale=self.prog_noise_scale, read_noise_scale=self.read_noise_scale,

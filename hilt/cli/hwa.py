@@ -32,7 +32,8 @@ def register(sub) -> None:
     h.add_argument("--preset", default="pcm", choices=CIM_PRESETS, help="the chip tuned for (default pcm)")
     h.add_argument("--set", action="append", metavar="FIELD=VALUE",
                    help="an AnalogConfig field over the preset (repeatable): weight_mapping=column maps the noise "
-                        "per column; clip_std=K clips every column to K std after each step")
+                        "per column; clip_std=K clips every column to K std after each step; devices_per_weight=N reads "
+                        "the mean of N devices per side")
     h.add_argument("--times", default="1s,1y", metavar="FROM,TO",
                    help="the device reads' times after programming, drawn log-uniformly between the two (default "
                         "1s,1y; e.g. 1d,1y to tune for the late part of a deployment)")
