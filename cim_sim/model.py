@@ -237,17 +237,29 @@ def program(model: nn.Module, seed: int = 0, seeds=None) -> nn.Module:
     gens = [torch.Generator().manual_seed(s) for s in seeds]
     chips = len(seeds)
     _require_analog(model, "program")
-    by_device = {}
+    # every device of a chip in one flat pool per device model: a read is one pass over all of them. Each
+    # layer's devices go into their place as it is programmed, so a chip is never held twice (nor the chips
+    # programmed before: they go first).
+    model.device_pools = []
+    pools, places = {}, {}
     for name, layer in analog_layers(model):
         layer.path = name
+        if layer.device_model is not None:
+            pool = pools.setdefault(layer.device_model, {"device": layer.device_model, "layers": [], "size": 0})
+            places[name] = pool["size"]
+            pool["layers"].append(layer)
+            pool["size"] += layer.config.devices_per_weight * layer.w_digital.numel()
+    for name, layer in analog_layers(model):
         devices = layer.program(gens)
-        if devices is not None:
-            by_device.setdefault(layer.device_model, []).append((layer, devices))
-    # every device of a chip in one flat pool per device model: a read is one pass over all of them
-    model.device_pools = [
-        {"device": device, "layers": [layer for layer, _ in members],
-         **{k: torch.cat([d[k].reshape(chips, 2, -1) for _, d in members], 2) for k in ("g", "nu", "q")}}
-        for device, members in by_device.items()]
+        if devices is None:
+            continue
+        pool = pools[layer.device_model]
+        for k, t in devices.items():
+            if k not in pool:
+                pool[k] = torch.empty(chips, 2, pool["size"], dtype=t.dtype)
+            pool[k][:, :, places[name] : places[name] + t[0, 0].numel()] = t.reshape(chips, 2, -1)
+        del devices
+    model.device_pools = [{k: v for k, v in pool.items() if k != "size"} for pool in pools.values()]
     model.chips = chips
     if not hasattr(model, "_chip_batch_hook"):
         model._chip_batch_hook = model.register_forward_pre_hook(_record_batch, with_kwargs=True)
