@@ -131,7 +131,7 @@ def _device_read(target, keys, log_t, read_sigma, device):
     nu = (mu + sd * z[1]).abs() * factor
     g_t = g * torch.exp(nu * -log_t)
     g_t = (g_t + read_sigma * g_t * device.read_noise_coefficient(g) * z[2]).clamp_min(0)
-    return g_t[0] - g_t[1]  # (devices per weight, out, in) for a deep target: the caller averages them
+    return g_t[0] - g_t[1]
 
 
 _device_read_compiled = compiled(_device_read)
@@ -155,14 +155,14 @@ def perturb(w: torch.Tensor, eta: float, noise_model: str, gen: torch.Generator,
             else wd.abs().max().view(1, 1)
         scale = device.g_max / unit.clamp_min(1e-30)
         target = torch.stack([(wd * scale).clamp_min(0), (-wd * scale).clamp_min(0)])
-        if devices > 1:
-            target = target.unsqueeze(1).expand(2, devices, *wd.shape).contiguous()
+        if devices > 1:  # the devices of a side stacked on the rows: the compiled read keeps its shapes' rank
+            target = target.unsqueeze(1).expand(2, devices, *wd.shape).reshape(2, devices * wd.shape[0], -1)
         lo, hi = math.log(times[0]), math.log(times[1])
         t = math.exp(lo + float(torch.rand((), generator=gen)) * (hi - lo))  # log-uniform
         keys = torch.randint(-(2**31), 2**31, (2,), generator=gen, dtype=torch.int32)
         log_t, sigma = (torch.tensor(v) for v in (math.log((t + device.t0) / device.t0), device.read_sigma(t)))
         w_t = _device_read_compiled(target, keys, log_t, sigma, device)
-        w_t = (w_t.mean(0) if devices > 1 else w_t) / scale
+        w_t = (w_t.view(devices, *wd.shape).mean(0) if devices > 1 else w_t) / scale
         w_t *= wd.abs().sum() / w_t.abs().sum().clamp_min(1e-12)  # global drift compensation
     return w + (w_t.view(w.shape).to(w.dtype) - w).detach()
 
