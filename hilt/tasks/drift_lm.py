@@ -265,14 +265,9 @@ def lm_drift_study(model="smollm2", preset_name="pcm", times="1s,1h,1d,1mo,1y", 
         digital = 1.0 if reference_model is None else chip_metric(lm, lm.model, data, reference)[0]
     else:
         digital = chip_metric(lm, lm.model, data)[0]
-
-    def chip_model():
-        analog = convert_to_analog(lm.model, config)
-        if needs_calibration(analog):
-            calibrate(lm, analog)
-        return analog
-
-    analog = chip_model()
+    analog = convert_to_analog(lm.model, config)
+    if needs_calibration(analog):
+        calibrate(lm, analog)
     start = time.perf_counter()
     memory = chip_memory(analog)
     per_pass = per_pass or chips_per_pass(memory["bytes_per_chip"], chips, available)
@@ -283,11 +278,8 @@ def lm_drift_study(model="smollm2", preset_name="pcm", times="1s,1h,1d,1mo,1y", 
     modes = ["none"] if gdc == "none" else ["none", gdc] if uncompensated else [gdc]
     values = {m: [[] for _ in seconds] for m in modes}
     steps = Progress(len(seconds) * len(passes), "drift", "time", steps=len(modes), enabled=progress)
-    for n, chip_ids in enumerate(passes):
-        if n:
-            del analog  # the last pass's chips go before the next pass's come
-            analog = chip_model()
-        program(analog, seeds=chip_ids)
+    for chip_ids in passes:
+        program(analog, seeds=chip_ids)  # the last pass's chips go before this pass's come
         for i, t in enumerate(seconds):
             for m in modes:
                 drift_to(analog, t, seeds=[10_000 * k + i for k in chip_ids], gdc=m)
