@@ -498,9 +498,7 @@ class AnalogMixin:
 
     def converter_steps(self) -> tuple[float, float]:
         """(DAC step, ADC step) in normalised units (1 where a converter is off)."""
-        c = self.config
-        return (2 * c.inp_bound / (2**c.dac_bits - 2) if c.dac_bits is not None else 1.0,
-                2 * c.out_bound / (2**c.adc_bits - 2) if c.adc_bits is not None else 1.0)
+        return self.config.converter_steps()
 
     def tile_bounds(self) -> list[tuple[int, int]]:
         return array_bounds(self.w_digital.shape[1], self.config.tile_size)

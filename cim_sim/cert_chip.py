@@ -157,10 +157,9 @@ def _probe_read(config, probe: torch.Tensor, mean_w: torch.Tensor, var_w: torch.
     weights are independent and |y| is 1-Lipschitz, so resampling W_ok moves R_o by at most
     a_k |dW_ok| with a_k = mean_r |p_rk| (E dW^2 = 2 Var W), and a row's noise moves it by |dn| / rows.
     ``unit``: the weight the arrays hold as 1 (AnalogMixin.w_unit). -> (mean (out,), var bound (out,))."""
-    from hilt.cim_sim.analog import AnalogMixin
     from hilt.cim_sim.config import array_bounds
 
-    in_step, out_step = AnalogMixin.converter_steps(types.SimpleNamespace(config=config))
+    in_step, out_step = config.converter_steps()
     mean = probe @ mean_w.T
     var = (probe * probe) @ var_w.T
     extra_all = torch.zeros_like(mean)

@@ -68,6 +68,11 @@ class AnalogConfig:
     # weight shrinks as 1/sqrt(n); the array holds n times the devices and draws n times the current.
     devices_per_weight: int = 1
 
+    def converter_steps(self) -> tuple[float, float]:
+        """(DAC step, ADC step) in normalised units (1 where a converter is off)."""
+        return (2 * self.inp_bound / (2**self.dac_bits - 2) if self.dac_bits is not None else 1.0,
+                2 * self.out_bound / (2**self.adc_bits - 2) if self.adc_bits is not None else 1.0)
+
     @property
     def needs_calibration(self) -> bool:
         """Whether layers of this configuration need calibrate_inputs before they run."""

@@ -49,7 +49,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.func import functional_call
 
-from hilt.cim_sim.config import WEIGHT_MAPPINGS, tile_unit
+from hilt.cim_sim.config import WEIGHT_MAPPINGS, array_bounds, tile_unit
 from hilt.cim_sim.devices import PCM, RRAM, compiled, hashed_normal
 from hilt.errors import HiltError
 
@@ -139,13 +139,15 @@ _device_read_compiled = compiled(_device_read)
 
 def perturb(w: torch.Tensor, eta: float, noise_model: str, gen: torch.Generator,
             mapping: str = "layer", tile: int = 512, times: tuple[float, float] = (1.0, _YEAR),
-            devices: int = 1) -> torch.Tensor:
+            devices: int = 1, return_gain: bool = False) -> torch.Tensor | tuple[torch.Tensor, float]:
     """One noisy copy of weight ``w`` (differentiable to w), per the module docstring. ``mapping``:
     the device models' weight mapping, "layer", "column" or "tile" (AnalogConfig.weight_mapping; ``tile``:
     its tile_size). ``times``: the device models' read time is drawn log-uniformly between these (seconds).
-    ``devices``: devices per side of a weight (AnalogConfig.devices_per_weight), their reads averaged."""
+    ``devices``: devices per side of a weight (AnalogConfig.devices_per_weight), their reads averaged.
+    ``return_gain``: also return the global drift compensation factor applied (1 for ``mismatch``)."""
     if noise_model == "mismatch":
-        return w * (1 + eta * torch.randn(w.shape, generator=gen, dtype=w.dtype))
+        noisy = w * (1 + eta * torch.randn(w.shape, generator=gen, dtype=w.dtype))
+        return (noisy, 1.0) if return_gain else noisy
     if mapping not in WEIGHT_MAPPINGS:
         raise HiltError(f"unknown weight mapping {mapping!r}; choose {', '.join(WEIGHT_MAPPINGS)}")
     device = {"pcm": PCM, "rram": RRAM}[noise_model](prog_noise_scale=eta, read_noise_scale=eta)
@@ -163,8 +165,115 @@ def perturb(w: torch.Tensor, eta: float, noise_model: str, gen: torch.Generator,
         log_t, sigma = (torch.tensor(v) for v in (math.log((t + device.t0) / device.t0), device.read_sigma(t)))
         w_t = _device_read_compiled(target, keys, log_t, sigma, device)
         w_t = (w_t.view(devices, *wd.shape).mean(0) if devices > 1 else w_t) / scale
-        w_t *= wd.abs().sum() / w_t.abs().sum().clamp_min(1e-12)  # global drift compensation
-    return w + (w_t.view(w.shape).to(w.dtype) - w).detach()
+        gain = wd.abs().sum() / w_t.abs().sum().clamp_min(1e-12)
+        w_t *= gain  # global drift compensation
+    noisy = w + (w_t.view(w.shape).to(w.dtype) - w).detach()
+    return (noisy, float(gain)) if return_gain else noisy
+
+
+class Periphery:
+    """A chip's periphery as a training read sees it: each analog Linear's input through the DAC and its
+    output through the output noise and the ADC, array by array, as the chip's layers compute them
+    (cim_sim/analog.py), the gradient passing straight through the converters.
+
+    Per array j of a layer (``tile_size`` inputs) and token row r, the chip divides the row's slice of
+    x / s (s: the smoothing scales) by a_rj, its abs-max (static ranges: the array's calibrated range,
+    clipped beyond it; no DAC and dynamic ranges: 1), rounds it to the DAC's steps, and reads the product
+    in units of the weight the arrays hold as 1, u_o (weight_mapping="column": column o's abs-max of W s,
+    before a percentile clip the mapping would apply). The output noise
+    (std ``out_noise``) and the ADC's rounding (a step's uniform error, variance step^2 / 12) are added in
+    those units, so in the layer's units output o of row r carries noise of variance
+    u_o^2 (out_noise^2 + step^2 / 12) sum_j a_rj^2: one normal draw per output. Noise in the compensated
+    output is multiplied by the layer's drift compensation unless the chip applies it ahead of the ADC
+    (``gdc_before_adc``). The ADC's rounding enters as noise of its variance, not as the rounding itself
+    (that would need each array's output apart), and its clip is left out (bound management retries
+    saturated rows).
+
+    The smoothing scales and static ranges are the deployment's, calibrated once on the model as it
+    starts (:meth:`calibrated`)."""
+
+    def __init__(self, config, scales: dict, ranges: dict):
+        self.config, self.scales, self.ranges = config, scales, ranges  # per analog Linear's path
+
+    @classmethod
+    def calibrated(cls, model: nn.Module, config, run) -> Periphery:
+        """The periphery of ``model`` on a chip of ``config``, its smoothing scales and static ranges
+        calibrated by ``run(model)`` as cim_sim.calibrate_inputs does for the deployment."""
+        import dataclasses
+
+        from hilt.cim_sim.analog import AnalogLinear
+        from hilt.cim_sim.model import analog_layers, calibrate_inputs, convert_to_analog
+
+        # an ideal device: calibration computes digitally, so programming devices would only cost memory
+        probe = convert_to_analog(model, dataclasses.replace(config, device="ideal", devices_per_weight=1))
+        if config.needs_calibration:
+            calibrate_inputs(probe, run)
+        layers = analog_layers(probe)
+        for name, layer in layers:
+            if not isinstance(layer, AnalogLinear):
+                kind = type(layer).__name__.removeprefix("Analog")
+                raise HiltError(f"periphery noise in training covers Linear layers; {name} is a {kind}")
+        return cls(config, {n: layer.input_scale for n, layer in layers},
+                   {n: layer.input_ranges for n, layer in layers})
+
+    def unit(self, w: torch.Tensor, s: torch.Tensor | None) -> torch.Tensor:
+        """The weight each output column's arrays hold as 1 (AnalogMixin.w_unit and column_unit), (out,)."""
+        w = w.detach().float()
+        if s is not None:
+            w = w * s
+        if self.config.weight_mapping == "column":
+            return w.abs().amax(1).clamp_min(1e-30)
+        return (w.abs().max() if self.config.weight_scaling else torch.ones(())).expand(w.shape[0])
+
+    def attach(self, model: nn.Module, weights: dict[str, torch.Tensor], gen: torch.Generator,
+               gains: dict[str, float] | None = None) -> list:
+        """Hooks on ``model``'s chip layers that read them through this periphery (remove them after the
+        forward). ``weights``: the weights as programmed (by name; they set each column's unit, as the
+        mapping does); ``gains``: each layer's drift compensation factor (by name), where it multiplies the
+        noise. Noise is drawn from ``gen``."""
+        c = self.config
+        in_step, out_step = c.converter_steps()
+        sigma = math.sqrt(c.out_noise**2 + (out_step**2 / 12 if c.adc_bits is not None else 0.0))
+        modules = dict(model.named_modules())
+        handles = []
+        for name, s in self.scales.items():
+            m, ranges = modules[name], self.ranges[name]
+            bounds = array_bounds(m.in_features, c.tile_size)
+            gain = 1.0 if c.gdc_before_adc or gains is None else gains[f"{name}.weight"]
+            unit = self.unit(weights[f"{name}.weight"], s)
+            seen = {}
+
+            def before(mod, args, s=s, ranges=ranges, bounds=bounds, seen=seen):
+                x = args[0]
+                xs = x if s is None else x / s
+                parts, squares = [], 0
+                for k0, k1 in bounds:
+                    part = xs[..., k0:k1]
+                    if ranges is not None:  # static: the array's range, what lies beyond it clipped
+                        a = torch.full((*x.shape[:-1], 1), float(ranges[k0]))
+                        part = torch.maximum(torch.minimum(part, a * c.inp_bound), -a * c.inp_bound)
+                    elif c.dac_bits is not None:  # noise management: the row's own abs-max
+                        a = part.detach().abs().amax(-1, keepdim=True).clamp_min(1e-12)
+                    else:  # no DAC: the row as it comes
+                        a = torch.ones((*x.shape[:-1], 1))
+                    if c.dac_bits is not None:
+                        part = (part / (a * in_step)).round() * (a * in_step)
+                    parts.append(part)
+                    squares = squares + a.detach() ** 2
+                seen["a2"] = squares
+                read = torch.cat(parts, -1) if len(parts) > 1 else parts[0]
+                if s is not None:
+                    read = read * s
+                return (x + (read - x).detach(),) + args[1:]
+
+            def after(mod, args, y, unit=unit, gain=gain, seen=seen):
+                if not sigma:
+                    return y
+                scale = (seen.pop("a2").sqrt() * unit) * (sigma * gain)
+                return y + torch.randn(y.shape, generator=gen, dtype=y.dtype) * scale.to(y.dtype)
+
+            handles += [m.register_forward_pre_hook(before), m.register_forward_hook(after)]
+        return handles
 
 
 def disagreement(logits: torch.Tensor, labels: torch.Tensor, weighting: str) -> torch.Tensor:

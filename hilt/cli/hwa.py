@@ -13,7 +13,7 @@ def cmd_hwa(args) -> int:
     result = hwa.tune(args.model, args.out, args.method, args.preset, config_overrides(args.set), args.eta,
                       *args.eta_range, args.copies, args.weighting, args.steps, args.lr, args.batch,
                       args.context, args.save_every, args.seed, args.resume, args.overwrite, progress=True,
-                      times=args.times, teacher=args.teacher)
+                      times=args.times, teacher=args.teacher, periphery=args.periphery)
     write_json_option(args, result)
     return 0
 
@@ -40,6 +40,9 @@ def register(sub) -> None:
     h.add_argument("--teacher", metavar="MODEL",
                    help="the model distilled from, with the same tokenizer (default MODEL itself); e.g. the "
                         "original when MODEL is a tuned one to continue")
+    h.add_argument("--periphery", action="store_true",
+                   help="the reads also pass the chip's DAC, output noise and ADC, array by array (with the "
+                        "configuration's tile_size, smoothing and input ranges)")
     h.add_argument("--eta", type=number(), default=1.0, help="noise: the device noise level (1 = the published device)")
     h.add_argument("--eta-range", type=float_pair, default=(0.5, 1.5), metavar="MIN,MAX",
                    help="dwp: the reads' noise levels (default 0.5,1.5)")

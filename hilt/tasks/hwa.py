@@ -20,6 +20,11 @@ configuration, every output column is clipped to that many standard deviations a
 (iterative weight clipping), as the mapping will clip it on the chip. Static input ranges and
 smoothing scales are calibrated when the tuned model is put on a chip (`hilt drift --set ...`).
 
+With ``periphery`` the reads also pass the chip's periphery (cim_sim.training.Periphery): each array's
+DAC on the layer's input, the output noise and the ADC's rounding on its output, in the units the
+configuration's mapping, smoothing and input ranges give them (calibrated once, on the model as it
+starts), multiplied by the drift compensation unless the chip applies it ahead of the ADC.
+
 Resumable like `hilt qat`: the state goes to ``OUT.hwa-state/`` every ``save_every`` steps, and
 ``resume`` draws the same batches and the same noise an uninterrupted run would. The output is the
 model in its own format: a GGUF file (a Llama) or a model folder (a BERT), which `hilt drift
@@ -115,10 +120,11 @@ def _teacher(lm, spec: str, student_spec: str):
 
 
 def _digital_and_noisy(lm, teacher, student, data, batch: int, context: int, cfg, chip, times,
-                       gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+                       gen: torch.Generator, periphery=None) -> tuple[torch.Tensor, torch.Tensor]:
     """One step's inputs through the teacher (a LanguageModel) and through cfg's noisy reads of the student on
-    ``chip``'s devices (an AnalogConfig: its device and weight mapping), read at a time within ``times``:
-    (K, N, C) noisy outputs and (N, C) digital ones, N tokens or sentences."""
+    ``chip``'s devices (an AnalogConfig: its device and weight mapping), read at a time within ``times``, and
+    through ``periphery`` (cim_sim.training.Periphery) where given: (K, N, C) noisy outputs and (N, C) digital
+    ones, N tokens or sentences."""
     from hilt.cim_sim.training import analog_weights, perturb
     from hilt.models.bert import mean_pool
 
@@ -142,8 +148,15 @@ def _digital_and_noisy(lm, teacher, student, data, batch: int, context: int, cfg
     params = dict(student.named_parameters())
     names = analog_weights(student)
     mapping = (chip.weight_mapping, chip.tile_size, times, chip.devices_per_weight)
-    outs = [run(student, {n: perturb(params[n], eta, chip.device, gen, *mapping) for n in names})
-            for eta in cfg.levels()]
+    outs = []
+    for eta in cfg.levels():
+        reads = {n: perturb(params[n], eta, chip.device, gen, *mapping, return_gain=True) for n in names}
+        hooks = [] if periphery is None else periphery.attach(student, params, gen, {n: g for n, (_, g) in reads.items()})
+        try:
+            outs.append(run(student, {n: w for n, (w, _) in reads.items()}))
+        finally:
+            for h in hooks:
+                h.remove()
     return torch.stack(outs), digital
 
 
@@ -151,16 +164,17 @@ def tune(model: str, out, method: str = "noise", preset_name: str = "pcm", overr
          eta: float = 1.0, eta_min: float = 0.5, eta_max: float = 1.5, copies: int = 2, weighting: str = "js",
          steps: int = 60, lr: float = 2e-5, batch: int = 4, context: int = 128, save_every: int = 10, seed: int = 0,
          resume: bool = False, overwrite: bool = False, progress: bool = True, times: str = "1s,1y",
-         teacher: str | None = None) -> dict:
+         teacher: str | None = None, periphery: bool = False) -> dict:
     """Fine-tune ``model`` for the chip of ``preset_name`` (+ ``overrides``, AnalogConfig fields); see the
     module docstring. ``times``: "FROM,TO", the range the device reads' times are drawn from; ``teacher``:
-    the model distilled from (default ``model`` itself). Returns the settings and the loss per step."""
+    the model distilled from (default ``model`` itself); ``periphery``: the reads also pass the chip's
+    converters and output noise (cim_sim.training.Periphery). Returns the settings and the loss per step."""
     from hilt.cim_sim.training import (
-        METHODS, NoisyTraining, clip_columns_, distillation_loss, embedding_distillation_loss,
+        METHODS, NoisyTraining, Periphery, clip_columns_, distillation_loss, embedding_distillation_loss,
     )
     from hilt.cim_sim.model import parse_time
     from hilt.models import bert, llama
-    from hilt.tasks.drift_lm import chip_config, load_language_model
+    from hilt.tasks.drift_lm import calibration_run, chip_config, load_language_model
     from hilt.tasks.training_state import load_state, save_state, state_meta
 
     out = Path(out)
@@ -184,7 +198,7 @@ def tune(model: str, out, method: str = "noise", preset_name: str = "pcm", overr
         shutil.rmtree(state_dir, ignore_errors=True)
     settings = {"model": model, "preset": preset_name, "config": dataclasses.asdict(config),
                 "training": dataclasses.asdict(cfg), "times": read_times, "steps": steps, "lr": lr, "batch": batch,
-                "context": context, "seed": seed, "teacher": teacher}
+                "context": context, "seed": seed, "teacher": teacher, "periphery": periphery}
     source = _source(model)
     meta = state_meta(state_dir, settings) if resume else None
     lm = load_language_model(model)
@@ -197,6 +211,7 @@ def tune(model: str, out, method: str = "noise", preset_name: str = "pcm", overr
         start = load_state(state_dir, meta, student, opt)
         LOG.info(f"resuming at step {start} of {steps} from {state_dir}")
     data = _training_data(lm)
+    chip_periphery = Periphery.calibrated(lm.model, config, calibration_run(lm)) if periphery else None
     if lm.kind == "causal" and len(data) <= context:
         raise HiltError(f"the training text has {len(data)} tokens, fewer than --context {context}")
     loss_of = distillation_loss if lm.kind == "causal" else embedding_distillation_loss
@@ -204,7 +219,8 @@ def tune(model: str, out, method: str = "noise", preset_name: str = "pcm", overr
     bar = Progress(steps, "hwa", "step", initial=start, enabled=progress)
     for step in range(start, steps):
         gen = torch.Generator().manual_seed(seed * 1_000_003 + step)  # the same batch and noise, resumed or not
-        noisy, digital = _digital_and_noisy(lm, teacher, student, data, batch, context, cfg, config, read_times, gen)
+        noisy, digital = _digital_and_noisy(lm, teacher, student, data, batch, context, cfg, config, read_times, gen,
+                                            chip_periphery)
         loss = loss_of(noisy, digital, cfg)
         if not torch.isfinite(loss):
             raise HiltError(f"hwa loss became {float(loss)} at step {step}; lower --lr")
