@@ -2,6 +2,7 @@
 
 import dataclasses
 import filecmp
+import json
 import math
 
 import pytest
@@ -194,9 +195,10 @@ def test_dwp_tunes_minilm_into_a_folder_hilt_reads(minilm_dir, tmp_path):
 
 def test_cli_tunes_and_refuses_to_overwrite(tiny_gguf, tmp_path):
     out = tmp_path / "tuned.gguf"
-    r = run_hilt("hwa", tiny_gguf, out, "--steps", "1", "--batch", "1", "--context", "16", "--json", tmp_path / "h.json")
+    r = run_hilt("hwa", tiny_gguf, out, "--steps", "1", "--batch", "1", "--context", "16", "--periphery",
+                 "--json", tmp_path / "h.json")
     assert r.returncode == 0, r.stderr
-    assert out.is_file() and (tmp_path / "h.json").is_file()
+    assert out.is_file() and json.loads((tmp_path / "h.json").read_text())["periphery"] is True
     before = out.read_bytes()
     _one_line_failure(run_hilt("hwa", tiny_gguf, out, "--steps", "1"), "already exists", "--overwrite")
     assert out.read_bytes() == before
