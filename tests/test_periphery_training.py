@@ -17,7 +17,7 @@ CHIPS = 200
 
 
 def _layer():
-    """A Linear with an outlier input channel and an outlier weight column, inputs to match."""
+    """A Linear whose input channel 3 has outlier weights and channel 5 outlier inputs (calibration alike)."""
     torch.manual_seed(0)
     lin = nn.Sequential(nn.Linear(40, 12, bias=False))
     with torch.no_grad():
