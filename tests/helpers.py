@@ -35,7 +35,7 @@ def make_checkpoint(path: Path, n_layers: int = 2, hidden: int = 128, seed: int 
 # What a process reads from its environment only as it starts (the interpreter, OpenMP, torch's and the
 # math libraries' settings): a command whose environment differs there from the command server's runs
 # in a fresh interpreter instead.
-_STARTUP_ENV = re.compile(r"^(PYTHON|OMP_|KMP_|MKL_|OPENBLAS_|GOMP_|LD_|TORCH|CUDA|MALLOC)")
+_STARTUP_ENV = re.compile(r"^(PYTHON(?!BREAKPOINT)|OMP_|KMP_|MKL_|OPENBLAS_|GOMP_|LD_|TORCH|CUDA|MALLOC)")
 _server = None
 
 

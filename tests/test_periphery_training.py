@@ -107,11 +107,15 @@ def test_a_chip_without_periphery_adds_nothing(tiny_gguf, tmp_path):
 
 
 def test_the_periphery_makes_the_reads_noisier(tiny_gguf, tmp_path):
-    column = {"weight_mapping": "column", "smoothing": 0.5}
-    devices = hwa.tune(str(tiny_gguf), tmp_path / "c.gguf", overrides=column, **SMALL)
-    noisy = hwa.tune(str(tiny_gguf), tmp_path / "d.gguf", overrides=column, periphery=True, **SMALL)
-    assert noisy["losses"][0] > 1.2 * devices["losses"][0], (noisy["losses"], devices["losses"])
-    tuned, _ = llama.load_llama(tmp_path / "d.gguf")
+    """The preset's converters and output noise raise the loss over the devices' alone; a coarser ADC more."""
+    rise = {}
+    for adc in (9, 6):  # the preset's ADC, a coarser one
+        column = {"weight_mapping": "column", "smoothing": 0.5, "adc_bits": adc}
+        devices = hwa.tune(str(tiny_gguf), tmp_path / f"c{adc}.gguf", overrides=column, **SMALL)
+        noisy = hwa.tune(str(tiny_gguf), tmp_path / f"d{adc}.gguf", overrides=column, periphery=True, **SMALL)
+        rise[adc] = noisy["losses"][0] / devices["losses"][0]
+    assert 1.05 < rise[9] and 2 * rise[9] < rise[6], rise
+    tuned, _ = llama.load_llama(tmp_path / "d9.gguf")
     assert all(torch.isfinite(p).all() for p in tuned.parameters())
 
 
