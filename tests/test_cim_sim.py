@@ -232,6 +232,26 @@ def test_held_weights_are_two_int8_codes_within_a_64516th_of_the_row():
     torch.testing.assert_close(array.w.double(), rebuilt, rtol=1e-6, atol=0)  # the floats are the codes
 
 
+@pytest.mark.parametrize("shape", [(1, 1, 1), (3, 37, 5), (17, 1024, 9), (29, 1025, 40), (8, 3000, 33)])
+def test_int8_product_is_torchs_whichever_way_it_runs(shape):
+    """Both ways of the arrays' int8 product give torch._int_mm's int32 exactly, on awkward shapes and
+    on codes at +-127, whose sums over 3,000 terms float32 would round if it summed them in one go."""
+    from hilt.cim_sim.analog import _int8_product_by_floats, int8_product
+
+    m, k, n = shape
+    g = torch.Generator().manual_seed(k)
+    for a, b in [(torch.randint(-127, 128, (m, k), dtype=torch.int8, generator=g),
+                  torch.randint(-127, 128, (n, k), dtype=torch.int8, generator=g).T),
+                 (torch.full((m, k), 127, dtype=torch.int8),
+                  torch.where(torch.rand(k, n, generator=g) < 0.97, 127, -127).to(torch.int8))]:
+        want = torch._int_mm(a, b) if m > 16 and k % 8 == 0 and n % 8 == 0 else a.int() @ b.int()
+        assert torch.equal(int8_product(a, b), want) and torch.equal(_int8_product_by_floats(a, b), want)
+        out = torch.empty(m, n, dtype=torch.int32)
+        assert _int8_product_by_floats(a, b, out=out) is out and torch.equal(out, want)
+    if k > 2048:  # the +-127 codes: one float32 sum of all k terms would not be exact
+        assert not torch.equal((a.float() @ b.float()).to(torch.int32), want)
+
+
 @pytest.mark.parametrize("dac_bits", [7, 8])
 def test_integer_product_computes_what_the_float_product_does(dac_bits, monkeypatch):
     """The arrays' int8 x int8 -> int32 product against a float32 product of the same held weights:
@@ -247,8 +267,10 @@ def test_integer_product_computes_what_the_float_product_does(dac_bits, monkeypa
         model[0].weight.add_(2.0)  # positive weights on positive inputs: the ADC saturates on many rows
     config = dataclasses.replace(preset("pcm"), tile_size=16, dac_bits=dac_bits)
     x = 0.8 + 0.2 * torch.rand(29, 37)
-    real_int_mm, calls = torch._int_mm, []
-    monkeypatch.setattr(torch, "_int_mm", lambda *a, **kw: calls.append(1) or real_int_mm(*a, **kw))
+    from hilt.cim_sim import analog as analog_module
+
+    real_product, calls = analog_module.int8_product, []
+    monkeypatch.setattr(analog_module, "int8_product", lambda *a, **kw: calls.append(1) or real_product(*a, **kw))
     outs = []
     for integer in (True, False):
         monkeypatch.setattr(AnalogMixin, "integer_product", property(lambda self, v=integer: v))
