@@ -552,8 +552,8 @@ class AnalogMixin:
     @property
     def integer_product(self) -> bool:
         """Whether the arrays compute with int8 x int8 -> int32 products: the DAC's codes fit int8
-        (at most 8 bits), the layer is on the CPU (where these products run several times faster
-        than float32 ones), and neither per-read weight noise nor IR drop needs the product as
+        (at most 8 bits), the layer is on the CPU (where :func:`int8_product` runs them at least as
+        fast as float32 products of the held weights), and neither per-read weight noise nor IR drop needs the product as
         floats first. Both ways compute with the same held weights."""
         c = self.config
         return c.dac_bits is not None and c.dac_bits <= 8 and not (c.w_noise or c.ir_drop) \
