@@ -46,6 +46,8 @@ from hilt.progress import LOG
 
 CHECK_SHAPES = [(1, 64, 128), (3, 70, 192), (16, 33, 256), (17, 128, 128), (100, 96, 320)]  # (M, N, K)
 QUICK_CHECK_SHAPES = [(1, 64, 128), (3, 70, 192), (17, 128, 128)]  # decode, an awkward N, the tiled path
+# (N, K) of the tuning configurations' check: N a partial block of every config, K not a multiple of 128
+CONFIG_SHAPE, CONFIG_SHAPE_QUICK = (70, 320), (40, 192)
 CHECK_FORMATS = [("kmeans", "layer"), ("kmeans", "block"), ("int-asym", "layer")]
 LAYER_SHAPES = {  # (N, K) = (out_features, in_features)
     "smollm2.q_proj": (576, 576), "smollm2.k_proj": (192, 576), "smollm2.up_proj": (1536, 576),
@@ -71,7 +73,8 @@ def check(device: str = "cpu", configs=None, quick: bool = False) -> dict:
 
     Fixed shapes x bits x formats x dtypes x paths with :func:`default_config` (tuning every
     case would cost minutes on a GPU), then each of ``SPLIT_K_CONFIGS`` and ``GEMM_CONFIGS``
-    (what the tuning may pick) on one awkward shape with a bias. ``quick``: three of the fixed shapes, each bit width in one of the two dtypes."""
+    (what the tuning may pick) on one awkward shape with a bias. ``quick``: three of the fixed shapes, each bit width in one of the two dtypes, the configurations
+    on a smaller awkward shape."""
     kt = _kernels(device)
     failures, cases, worst = [], 0, 0.0
     g = torch.Generator().manual_seed(0)
@@ -110,10 +113,11 @@ def check(device: str = "cpu", configs=None, quick: bool = False) -> dict:
         reads = config.kwargs["CODES"]
         bits = (1, 2, 4)[i % 3] if reads != "code" else 1 + i % 4  # the bit widths this way of reading serves
         scope = "layer" if reads == "table" or i % 2 == 0 else "block"  # the table serves one codebook per layer
-        q = quantize_tensor(torch.randn(70, 320, generator=g) * 0.05,
+        n, k = CONFIG_SHAPE_QUICK if quick else CONFIG_SHAPE
+        q = quantize_tensor(torch.randn(n, k, generator=g) * 0.05,
                             QuantConfig("kmeans", bits, 64, codebook=scope)).to(device)
-        x = torch.randn(m, 320, generator=g).to((torch.float16, torch.bfloat16)[i % 2]).to(device)
-        bias = torch.randn(70, generator=g).to(device)
+        x = torch.randn(m, k, generator=g).to((torch.float16, torch.bfloat16)[i % 2]).to(device)
+        bias = torch.randn(n, generator=g).to(device)
         for split_k in ((1, 2) if path == "gemv" else (None,)):
             run(x, q, path, config, bias, split_k, label=f"config {config}")
     LOG.info(f"kernel check on {device}: {cases} cases ({len(configs)} tuning configurations), {len(failures)} failures, "
