@@ -62,17 +62,32 @@ class _CommandServer:
             request = {"args": args, "cwd": str(cwd or os.getcwd()), "env": env, "stdout": str(out), "stderr": str(err)}
             self.proc.stdin.write(json.dumps(request) + "\n")
             self.proc.stdin.flush()
-            pid = json.loads(self.proc.stdout.readline())["pid"]
+            pid = json.loads(self._answer())["pid"]
             answer = {}
-            reader = threading.Thread(target=lambda: answer.update(json.loads(self.proc.stdout.readline())))
+
+            def read():
+                try:
+                    answer.update(json.loads(self._answer()))
+                except RuntimeError as e:
+                    answer["error"] = e
+            reader = threading.Thread(target=read)
             reader.start()
             reader.join(timeout)
             if reader.is_alive():
                 os.kill(pid, signal.SIGKILL)
                 reader.join()
                 raise subprocess.TimeoutExpired([sys.executable, "-m", "hilt", *args], timeout)
+            if "error" in answer:
+                raise answer["error"]
             return subprocess.CompletedProcess([sys.executable, "-m", "hilt", *args], answer["rc"],
                                                out.read_text(), err.read_text())
+
+    def _answer(self) -> str:
+        line = self.proc.stdout.readline()
+        if not line:
+            raise RuntimeError(f"tests/command_server.py stopped (exit status {self.proc.wait()}); its stderr is in "
+                               "the test's output")
+        return line
 
     def close(self):
         if self.proc.poll() is None:
