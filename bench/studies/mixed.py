@@ -135,7 +135,7 @@ def study(model: str, budgets=BUDGETS, quick: bool = False, candidates: str = CA
     variances = candidate_variances(subject, parse_candidates(candidates), keep_error=True)
     variances = {n: variances[n] for n in params}  # what the outputs never use is not in the comparison
     t1 = time.perf_counter()
-    probes = 2
+    probes = 1 if quick else 2  # Hutchinson probes per calibration sample (TPV and HAWQ's traces)
     tpv = estimate_tpv(subject.model, subject.batches, params, variances, output=subject.output,
                        metric=subject.metric, probes=probes)
     t2 = time.perf_counter()

@@ -191,7 +191,8 @@ def register(bsub) -> None:
                    "allocations at 2.5/3/3.5/4.25 bits/weight on SmolLM2 and MiniLM",
                    "hilt bench mixed --out report/", [OUTPUT])
     bmix.add_argument("--out", default="report", metavar="DIR", help="folder for mixed.json, mixed.md, mixed.png")
-    bmix.add_argument("--quick", action="store_true", help="MiniLM at 3 bits/weight on fewer sentences")
+    bmix.add_argument("--quick", action="store_true", help="MiniLM at 3 bits/weight on fewer sentences, one Hutchinson "
+                      "probe a sample")
     bmix.add_argument("--models", nargs="+", choices=["smollm2", "minilm"], help="default: both (--quick: minilm)")
     bmix.add_argument("--budgets", type=POSITIVE_NUMBER, nargs="+", metavar="BITS",
                       help="default: 2.5 3 3.5 4.25 (--quick: 3)")
