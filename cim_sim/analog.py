@@ -37,8 +37,8 @@ from hilt.errors import HiltError
 _ZERO = torch.zeros(())  # addmm's ignored input (beta=0): a product scaled inside BLAS
 
 
-# Sums of at most this many int8 x int8 terms stay below 2^24 (127 * 127 * 1,040), where float32 holds
-# every integer: float32 products of that length are exact.
+# A sum of up to 1,040 products of codes within +-127 stays below 2^24 (127 * 127 * 1,040), below which
+# float32 holds every integer: float32 products over this many inputs are exact.
 _EXACT_FLOAT_TERMS = 1024
 
 
