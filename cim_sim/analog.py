@@ -22,8 +22,9 @@ The forward pass of one analog layer, all as a few tensor ops per layer:
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import dataclass
-from functools import cached_property
+from functools import cache, cached_property
 
 import torch
 import torch.nn.functional as F
@@ -57,7 +58,23 @@ def _int8_product_by_floats(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor 
     return out
 
 
-_int8_product_choice: list = []
+@cache
+def _faster_int8_product():
+    """torch._int_mm or _int8_product_by_floats, whichever runs one array's product faster here."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randint(-127, 128, (64, 1024), dtype=torch.int8, generator=g)
+    w = torch.randint(-127, 128, (512, 1024), dtype=torch.int8, generator=g).T
+    best = {}
+    for f in (torch._int_mm, _int8_product_by_floats):
+        try:
+            f(x, w)
+        except RuntimeError:  # a build without an int8 product on this CPU
+            continue
+        start = time.perf_counter()
+        for _ in range(3):
+            f(x, w)
+        best[f] = time.perf_counter() - start
+    return min(best, key=best.get)
 
 
 def int8_product(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -65,24 +82,7 @@ def int8_product(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None = No
     with int8 dot-product instructions), else float32 products (on a CPU without them, such as AVX2
     alone, torch's int8 product runs 20-30x slower than float32's). Chosen once per process by timing
     both on one array's shape; the two give the same integers, so the choice changes no result."""
-    if not _int8_product_choice:
-        import time
-
-        g = torch.Generator().manual_seed(0)
-        x = torch.randint(-127, 128, (64, 1024), dtype=torch.int8, generator=g)
-        w = torch.randint(-127, 128, (512, 1024), dtype=torch.int8, generator=g).T
-        best = {}
-        for f in (torch._int_mm, _int8_product_by_floats):
-            try:
-                f(x, w)
-            except RuntimeError:  # a build without an int8 product on this CPU
-                continue
-            start = time.perf_counter()
-            for _ in range(3):
-                f(x, w)
-            best[f] = time.perf_counter() - start
-        _int8_product_choice.append(min(best, key=best.get))
-    f = _int8_product_choice[0]
+    f = _faster_int8_product()
     return f(a, b) if out is None else f(a, b, out=out)
 
 

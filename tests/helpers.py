@@ -57,6 +57,7 @@ class _CommandServer:
         atexit.register(self.close)
 
     def run(self, args: list[str], cwd, env: dict, timeout: float) -> subprocess.CompletedProcess:
+        command = [sys.executable, "-m", "hilt", *args]
         with self.lock:
             out, err = self.folder / "stdout", self.folder / "stderr"
             request = {"args": args, "cwd": str(cwd or os.getcwd()), "env": env, "stdout": str(out), "stderr": str(err)}
@@ -76,11 +77,10 @@ class _CommandServer:
             if reader.is_alive():
                 os.kill(pid, signal.SIGKILL)
                 reader.join()
-                raise subprocess.TimeoutExpired([sys.executable, "-m", "hilt", *args], timeout)
+                raise subprocess.TimeoutExpired(command, timeout)
             if "error" in answer:
                 raise answer["error"]
-            return subprocess.CompletedProcess([sys.executable, "-m", "hilt", *args], answer["rc"],
-                                               out.read_text(), err.read_text())
+            return subprocess.CompletedProcess(command, answer["rc"], out.read_text(), err.read_text())
 
     def _answer(self) -> str:
         line = self.proc.stdout.readline()
