@@ -225,6 +225,8 @@ class AnalogMixin:
         self.column_unit = None  # weight_mapping="column": per output column, the weight mapped to g_max
         self.w_target = None  # the weights as mapped where smoothing or clipping changed them (else w_digital)
         self.clipped_share = 0.0  # the share of this layer's weights clipped by the mapping
+        self.g_scale = None  # program: conductance per weight unit (scalar, per column or per weight)
+        self.drift_draws = []  # program: each chip's generator state before its drift exponents' draw
         self.input_ranges = None  # input_range="static": one calibrated range per array (calibrate_inputs)
         self.input_scale = None  # smoothing: s per input channel (calibrate_inputs); the arrays hold W * s
         self.calibrating = False  # True while calibrate_inputs records inputs: the layer computes digitally
@@ -290,11 +292,12 @@ class AnalogMixin:
         """Program the conductance pairs of one chip per generator: programming noise and drift
         exponents drawn once, each chip from its own generator.
 
-        Returns the devices for the model to read (cim_sim.model pools every layer's devices, so a
-        drift step reads them all in one pass), chips first: G+ and G- stacked (each side
-        ``devices_per_weight`` devices deep where that is above 1), in weight units (G / scale; a read is
-        linear in G), their drift exponents and read-noise coefficients. None
-        on the ideal device, whose weights are then the digital ones.
+        Returns the programmed conductances for the model to hold (cim_sim.model pools every layer's
+        devices), chips first: G+ and G- stacked, each side ``devices_per_weight`` devices deep, in weight
+        units (G / scale; a read is linear in G). None on the ideal device, whose weights are then the
+        digital ones. The drift exponents are not stored: each chip's generator state before their draw
+        is (``drift_draws``), and every read draws them again from it (read_pairs): held, they and the
+        read-noise coefficients would triple the chip's memory.
         """
         self.chips = len(gens)
         self.gens = [torch.Generator().manual_seed(int(torch.randint(2**62, (1,), generator=g))) for g in gens]
@@ -308,17 +311,28 @@ class AnalogMixin:
             scale = dev.g_max / tile_unit(mapped, self.config.tile_size)
         else:
             scale = dev.g_max / (self.w_max if self.column_unit is None else self.column_unit.view(-1, 1))
-        # G+ and G- stacked: one tensor op per step for both devices of every pair
-        g_target = torch.stack([(mapped * scale).clamp(0, dev.g_max), (-mapped * scale).clamp(0, dev.g_max)])
+        self.g_scale = torch.as_tensor(scale, dtype=mapped.dtype)
+        # G+ and G- stacked: one tensor op per step for both devices of every pair; n devices per side,
+        # each at the pair's target (their reads are averaged)
         n = self.config.devices_per_weight
-        if n > 1:  # n devices per side, each at the pair's target (cim_sim.model averages their reads)
-            g_target = g_target.unsqueeze(1).expand(2, n, *mapped.shape).contiguous()
-        chips = []
+        g_target = torch.stack([mapped * scale, -mapped * scale]).clamp(0, dev.g_max).unsqueeze(1)
+        g_target = g_target.expand(2, n, *mapped.shape).contiguous()
+        chips, self.drift_draws = [], []
         for gen in gens:  # in each chip's generator, the draws of a one-chip programming
             g_prog = stuck_at(dev.program(g_target, gen), self.config.stuck_at_rate, dev.g_max, gen)
-            chips.append({"g": g_prog / scale, "nu": dev.drift_exponent(g_target, gen),
-                          "q": dev.read_noise_coefficient(g_prog)})
-        return {k: torch.stack([c[k] for c in chips]) for k in ("g", "nu", "q")}
+            self.drift_draws.append(gen.get_state())
+            torch.randn(g_target.shape, generator=gen, dtype=g_target.dtype)  # the drift exponents' draws, dropped
+            chips.append(g_prog / scale)
+        return torch.stack(chips)
+
+    def read_pairs(self, g: torch.Tensor, chip: int, t: float, keys: torch.Tensor, start: torch.Tensor) -> torch.Tensor:
+        """The weights chip ``chip`` holds t seconds after programming (before compensation), from its
+        programmed devices ``g`` (2, devices): PCM.read_pairs with the drift exponents drawn again as
+        ``program`` drew them."""
+        shape = (2, self.config.devices_per_weight, *self.w_digital.shape)
+        z = torch.randn(shape, generator=torch.Generator().set_state(self.drift_draws[chip]), dtype=g.dtype)
+        mapped = self.w_digital if self.w_target is None else self.w_target
+        return self.device_model.read_pairs(g.view(shape), z, mapped, self.g_scale, t, keys, start)
 
     def set_weights(self, w: torch.Tensor) -> None:
         """What the arrays hold now (a read of the devices): shaped like the digital weights, with a

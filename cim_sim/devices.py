@@ -46,11 +46,14 @@ def _hash32(x: torch.Tensor) -> torch.Tensor:
     return x ^ ((x >> 15) & 0x1FFFF)
 
 
-def hashed_normal(n: int, keys: torch.Tensor) -> torch.Tensor:
+def hashed_normal(n: int, keys: torch.Tensor, start: torch.Tensor | None = None) -> torch.Tensor:
     """Draws 0..n-1 keyed by ``keys`` (two int32; or (K, 2) for K independent streams, shape (K, n)),
     in float32. A hash of a hash: two keys share (almost) no hashed counter, so their draws are
-    independent."""
+    independent. ``start`` (R int32, with two keys): R rows, row r holding draws start[r] .. start[r] + n - 1
+    of the one stream (a slice of a longer read, the same numbers), shape (R, n)."""
     i = torch.arange(n, dtype=torch.int32)
+    if start is not None:
+        i = i.view(1, n) + start.view(-1, 1)
     if keys.dim() == 2:
         x = _hash32(_hash32(i.view(1, n) ^ keys[:, :1]) ^ keys[:, 1:])
     else:
@@ -65,10 +68,19 @@ def _drifted_read(g_prog, nu, q, log_t, sigma, keys):
     return (g + sigma * g * q * noise).clamp_min(0)
 
 
-def _differential_read(g_prog, nu, q, log_t, sigma, keys):
-    """G+ - G- of the pairs stacked on dim 0, without storing either read (one pass when compiled)."""
-    g = _drifted_read(g_prog, nu, q, log_t, sigma, keys)
-    return g[0] - g[1]
+def _pairs_read(device, g, z, w, scale, log_t, sigma, keys, start):
+    """One layer's differential pairs read at log(T / t0) = log_t, each weight's G+ - G- averaged over its
+    n devices per side (one pass when compiled, never storing a device's read): ``g`` (2, n, out, in) as
+    programmed, in weight units (G / scale); ``z`` the normal draws of their drift exponents; the targets
+    w * scale on G+ and -w * scale on G- (both clipped to [0, g_max]), as programming set them; device i
+    of side s draws read noise start[s] + i of ``keys``. The arithmetic of PCM.read, per device."""
+    target = (torch.stack([w, -w]) * scale).clamp(0, device.g_max).unsqueeze(1)
+    nu = device.drift_exponent_of(target, z)
+    q = device.read_noise_coefficient(g * scale)
+    drifted = g * torch.exp(nu * -log_t)
+    noise = hashed_normal(g[0].numel(), keys, start).view(g.shape).to(g.dtype)
+    read = (drifted + sigma * drifted * q * noise).clamp_min(0)
+    return (read[0] - read[1]).mean(0)
 
 
 def compiled(fn):
@@ -95,7 +107,7 @@ def compiled(fn):
 
 
 _drifted_read_compiled = compiled(_drifted_read)
-_differential_read_compiled = compiled(_differential_read)
+_pairs_read_compiled = compiled(_pairs_read)
 
 
 @dataclass(frozen=True)
@@ -125,12 +137,15 @@ class PCM:
 
     def drift_exponent(self, g_target: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
         """nu = |mu(g_T) + sigma(g_T) N(0,1)|, drawn once per device at programming."""
+        return self.drift_exponent_of(g_target, torch.randn(g_target.shape, generator=gen, dtype=g_target.dtype))
+
+    def drift_exponent_of(self, g_target: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+        """The drift exponents of devices programmed to ``g_target`` whose normal draws were ``z``."""
         mu, sd, factor = self.drift_law(g_target)
-        nu = (mu + sd * torch.randn(g_target.shape, generator=gen, dtype=g_target.dtype)).abs()
-        return nu * factor
+        return (mu + sd * z).abs() * factor
 
     def read_noise_coefficient(self, g_prog: torch.Tensor) -> torch.Tensor:
-        """Q(g_prog) of the 1/f read noise; depends only on the programmed state (computed once)."""
+        """Q(g_prog) of the 1/f read noise; depends only on the programmed state."""
         return (0.0088 / (g_prog.abs() / self.g_max).pow(0.65).clamp_min(1e-3)).clamp_max(0.2)
 
     def read(self, g_prog: torch.Tensor, nu: torch.Tensor, t: float, gen: torch.Generator,
@@ -140,27 +155,32 @@ class PCM:
         g = max(0, g_drift (1 + Q sqrt(ln((T + t_read) / (2 t_read))) N(0,1))),
         g_drift = g_prog (T / t0)^-nu, T = t + t0 (g_prog >= 0). ``q``: precomputed Q(g_prog).
         """
-        return _drifted_read_compiled(*self._read_args(g_prog, nu, t, gen, q))
+        q = self.read_noise_coefficient(g_prog) if q is None else q
+        return _drifted_read_compiled(g_prog, nu, q, *self._time_args(t, g_prog.dtype), self.read_keys(gen))
 
-    def read_differential(self, g_pairs: torch.Tensor, nu: torch.Tensor, t: float, gen: torch.Generator,
-                          q: torch.Tensor | None = None) -> torch.Tensor:
-        """G+ - G- of device pairs stacked on dim 0 (``g_pairs[0]`` the G+), read as ``read`` does
-        (the same draws for the same generator state) in one pass, never storing either device."""
-        return _differential_read_compiled(*self._read_args(g_pairs, nu, t, gen, q))
+    def read_pairs(self, g: torch.Tensor, z: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, t: float,
+                   keys: torch.Tensor, start: torch.Tensor) -> torch.Tensor:
+        """One layer's pairs read t seconds after programming, as ``read`` reads each device, G+ - G- averaged
+        over the devices per side: (out, in) in weight units. ``g`` (2, n, out, in): the programmed
+        conductances over ``scale`` (programmed to the targets +-w * scale); ``z``: the normal draws of their
+        drift exponents; device i of side s takes read-noise draw start[s] + i of ``keys`` (read_keys)."""
+        return _pairs_read_compiled(self, g, z, w, scale, *self._time_args(t, g.dtype), keys, start)
 
     def read_sigma(self, t: float) -> float:
         """sqrt(ln((T + t_read) / (2 t_read))) (times read_noise_scale), T = t + t0: the read noise
         of a device is g_drift Q(g_prog) read_sigma(t) N(0, 1)."""
         return math.sqrt(math.log((t + self.t0 + self.t_read) / (2 * self.t_read))) * self.read_noise_scale
 
-    def _read_args(self, g_prog, nu, t, gen, q):
-        T = t + self.t0
-        q = self.read_noise_coefficient(g_prog) if q is None else q
-        sigma = self.read_sigma(t)
-        keys = torch.randint(-(2**31), 2**31, (2,), generator=gen, dtype=torch.int32)
-        # times as 0-d tensors: the compiled read would be specialised (recompiled) on each float
-        log_t, sigma = (torch.tensor(v, dtype=g_prog.dtype) for v in (math.log(T / self.t0), sigma))
-        return g_prog, nu, q, log_t, sigma, keys
+    @staticmethod
+    def read_keys(gen: torch.Generator) -> torch.Tensor:
+        """The keys of one read's noise draws (hashed_normal), from the read's generator."""
+        return torch.randint(-(2**31), 2**31, (2,), generator=gen, dtype=torch.int32)
+
+    def _time_args(self, t: float, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """log(T / t0) and read_sigma(t) as 0-d tensors: the compiled reads would be specialised
+        (recompiled) on each float."""
+        log_t = math.log((t + self.t0) / self.t0)
+        return torch.tensor(log_t, dtype=dtype), torch.tensor(self.read_sigma(t), dtype=dtype)
 
 
 @dataclass(frozen=True)

@@ -212,11 +212,10 @@ def needs_calibration(model: nn.Module) -> bool:
 
 
 def chip_memory(model: nn.Module) -> dict:
-    """Bytes the simulator holds per programmed chip: the devices (conductance pairs, drift exponents,
-    read-noise coefficients) and the weights as read (float, and the arrays' int8 codes)."""
+    """Bytes the simulator holds per programmed chip: the devices (their programmed conductances) and
+    the weights as read (float, and the arrays' int8 codes)."""
     chips = getattr(model, "chips", 1)
-    devices = sum(t.numel() * t.element_size() for pool in getattr(model, "device_pools", []) for t in
-                  (pool["g"], pool["nu"], pool["q"])) // chips
+    devices = sum(pool["g"].numel() * pool["g"].element_size() for pool in getattr(model, "device_pools", [])) // chips
     weights = sum(layer.w_digital.numel() for _, layer in analog_layers(model))
     return {"device_bytes": devices, "weight_bytes": weights * (4 + 2), "analog_weights": weights,
             "bytes_per_chip": devices + weights * 6}
@@ -250,15 +249,14 @@ def program(model: nn.Module, seed: int = 0, seeds=None) -> nn.Module:
             pool["layers"].append(layer)
             pool["size"] += layer.config.devices_per_weight * layer.w_digital.numel()
     for name, layer in analog_layers(model):
-        devices = layer.program(gens)
-        if devices is None:
+        g = layer.program(gens)
+        if g is None:
             continue
         pool = pools[layer.device_model]
-        for k, t in devices.items():
-            if k not in pool:
-                pool[k] = torch.empty(chips, 2, pool["size"], dtype=t.dtype)
-            pool[k][:, :, places[name] : places[name] + t[0, 0].numel()] = t.reshape(chips, 2, -1)
-        del devices
+        if "g" not in pool:
+            pool["g"] = torch.empty(chips, 2, pool["size"], dtype=g.dtype)
+        pool["g"][:, :, places[name] : places[name] + g[0, 0].numel()] = g.reshape(chips, 2, -1)
+        del g
     model.device_pools = [{k: v for k, v in pool.items() if k != "size"} for pool in pools.values()]
     model.chips = chips
     if not hasattr(model, "_chip_batch_hook"):
@@ -298,12 +296,19 @@ def _set_pool_weights(pool: dict, w: torch.Tensor) -> None:
 
 def _read(model: nn.Module, t: float, gens: list[torch.Generator]) -> None:
     """Set every analog layer's weights to its devices read t seconds after programming, chip k
-    with generator k."""
+    with generator k: one stream of read-noise draws over the chip's pool, a layer at a time."""
     for pool in getattr(model, "device_pools", []):
-        device, chips = pool["device"], len(gens)
-        reads = [device.read_differential(pool["g"][k], pool["nu"][k], t, gens[k], q=pool["q"][k])
-                 for k in range(chips)]  # weight units
-        _set_pool_weights(pool, reads[0].unsqueeze(0) if chips == 1 else torch.stack(reads))
+        size = pool["g"].shape[-1]
+        reads = {layer: [] for layer in pool["layers"]}
+        for k, gen in enumerate(gens):
+            keys, offset = pool["device"].read_keys(gen), 0
+            for layer in pool["layers"]:
+                n = layer.config.devices_per_weight * layer.w_digital.numel()
+                start = torch.tensor([offset, size + offset], dtype=torch.int32)  # G+ then G- in the stream
+                reads[layer].append(layer.read_pairs(pool["g"][k, :, offset : offset + n], k, t, keys, start))
+                offset += n
+        for layer, w in reads.items():
+            layer.set_weights(w[0] if len(w) == 1 else torch.stack(w))
 
 
 @torch.no_grad()

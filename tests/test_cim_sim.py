@@ -108,21 +108,36 @@ def test_hashed_read_noise_is_the_documented_generator():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-def test_fused_read_equals_its_reference(dtype, monkeypatch):
-    """The compiled read (one pass) computes what its torch reference does, with the same draws;
-    read_differential is read's G+ - G-; a failed compile warns once and runs the reference."""
+def test_fused_reads_equal_their_reference(dtype, monkeypatch):
+    """The compiled read (one pass) computes what its torch reference does, with the same draws; a layer's
+    pairs read (read_pairs, the drift exponents drawn again from their normal draws) is that read of each
+    of its devices at its place in a chip's stream of draws, G+ - G-, averaged over the devices per side;
+    a failed compile warns once and runs the reference."""
     dev, gen = PCM(), torch.Generator().manual_seed(5)
-    target = torch.rand(2, 37, 53, generator=gen, dtype=dtype) * 25
-    target[1] = 0  # the off device of each pair, as the analog mapping programs it
-    g, nu = dev.program(target, gen), dev.drift_exponent(target, gen)
+    n, out, inp = 3, 37, 53
+    m, offset, size = n * out * inp, 1000, n * out * inp + 2017
+    w = torch.randn(out, inp, generator=gen, dtype=dtype)
+    scale = dev.g_max / w.abs().amax(1, keepdim=True)  # column mapping
+    target = torch.stack([w * scale, -w * scale]).clamp(0, dev.g_max).unsqueeze(1).expand(2, n, out, inp).contiguous()
+    g = dev.program(target, gen)
+    z = torch.randn(target.shape, generator=gen, dtype=dtype)
+    # the layer's devices at ``offset`` of a chip's pool of ``size`` devices per side
+    pool_g = torch.rand(2, size, generator=gen, dtype=dtype) * dev.g_max
+    pool_nu = dev.drift_exponent(pool_g, gen)
+    pool_g[:, offset : offset + m], pool_nu[:, offset : offset + m] = g.view(2, m), dev.drift_exponent_of(target, z).view(2, m)
     state = torch.Generator().manual_seed(9).get_state()
-    read = dev.read(g, nu, 86400.0, torch.Generator().set_state(state))
-    args = dev._read_args(g, nu, 86400.0, torch.Generator().set_state(state), None)
+    read = dev.read(pool_g, pool_nu, 86400.0, torch.Generator().set_state(state))
+    keys = dev.read_keys(torch.Generator().set_state(state))
+    args = (pool_g, pool_nu, dev.read_noise_coefficient(pool_g), *dev._time_args(86400.0, dtype), keys)
     reference = devices._drifted_read(*args)
     assert read.dtype == dtype and torch.isfinite(read).all() and (read >= 0).all()
     torch.testing.assert_close(read, reference, rtol=1e-6, atol=1e-6)
-    diff = dev.read_differential(g, nu, 86400.0, torch.Generator().set_state(state))
-    torch.testing.assert_close(diff, read[0] - read[1], rtol=1e-6, atol=1e-6)
+    start = torch.tensor([offset, size + offset], dtype=torch.int32)
+    pairs = dev.read_pairs(g / scale, z, w, scale, 86400.0, keys, start)
+    layer = read[:, offset : offset + m].view(2, n, out, inp) / scale
+    assert pairs.shape == (out, inp) and pairs.dtype == dtype
+    torch.testing.assert_close(pairs, (layer[0] - layer[1]).mean(0), rtol=1e-5, atol=1e-6)
+    assert not torch.allclose(pairs, layer[0, 0] - layer[1, 0], rtol=1e-3, atol=1e-3)  # the devices are averaged
 
     def no_compiler(fn, **kwargs):
         def fail(*args):

@@ -49,8 +49,16 @@ def test_the_weight_is_the_mean_of_its_pairs():
     pairs = (pool["g"][0, 0] - pool["g"][0, 1])[: 3 * first].view(3, first)
     assert not torch.equal(pairs[0], pairs[1])  # the pairs draw their own programming noise
     drift_to(three, 3600.0, seed=2, gdc="none")  # a read: each device drifts and is read on its own, then averaged
-    reads = pool["device"].read_differential(pool["g"][0], pool["nu"][0], 3600.0, torch.Generator().manual_seed(2),
-                                             q=pool["q"][0])
+    dev, nu, q, offset = pool["device"], [], [], 0
+    for _, layer in analog_layers(three):  # each device's drift exponent and read-noise coefficient, as programmed
+        g_target = (torch.stack([layer.w_digital, -layer.w_digital]) * layer.g_scale).clamp(0, dev.g_max)
+        z = torch.randn(2, 3, *layer.w_digital.shape, generator=torch.Generator().set_state(layer.drift_draws[0]))
+        nu.append(dev.drift_exponent_of(g_target.unsqueeze(1), z).view(2, -1))
+        n = 3 * layer.w_digital.numel()
+        q.append(dev.read_noise_coefficient(pool["g"][0, :, offset : offset + n] * layer.g_scale))
+        offset += n
+    read = dev.read(pool["g"][0], torch.cat(nu, 1), 3600.0, torch.Generator().manual_seed(2), q=torch.cat(q, 1))
+    reads = read[0] - read[1]
     offset = 0
     for _, layer in analog_layers(three):
         n = layer.w_digital.numel()
