@@ -68,19 +68,38 @@ def _drifted_read(g_prog, nu, q, log_t, sigma, keys):
     return (g + sigma * g * q * noise).clamp_min(0)
 
 
-def _pairs_read(device, g, z, w, scale, log_t, sigma, keys, start):
+def _pairs_read(g, z, w, scale, g_max, factor, log_t, sigma, keys, start):
     """One layer's differential pairs read at log(T / t0) = log_t, each weight's G+ - G- averaged over its
-    n devices per side (one pass when compiled, never storing a device's read): ``g`` (2, n, out, in) as
-    programmed, in weight units (G / scale); ``z`` the normal draws of their drift exponents; the targets
-    w * scale on G+ and -w * scale on G- (both clipped to [0, g_max]), as programming set them; device i
-    of side s draws read noise start[s] + i of ``keys``. The arithmetic of PCM.read, per device."""
-    target = (torch.stack([w, -w]) * scale).clamp(0, device.g_max).unsqueeze(1)
-    nu = device.drift_exponent_of(target, z)
-    q = device.read_noise_coefficient(g * scale)
+    n devices per side (one pass when compiled, never storing a device's read), all flat and every
+    parameter a tensor so that one compiled loop serves every layer and device: ``g`` (2, n K) as
+    programmed, in weight units (G / scale), device j of weight k at j K + k; ``z`` the normal draws of
+    their drift exponents (nu = ``factor`` |mu + sd z|); the targets w * scale on G+ and -w * scale on G-
+    (w, scale: K; both clipped to [0, g_max]), as programming set them; device i of side s draws read
+    noise start[s] + i of ``keys``. PCM.read's arithmetic, per device. Returns K weights."""
+    shape = (2, -1, w.shape[0])
+    g, z = g.view(shape), z.view(shape)
+    target = (torch.stack([w, -w]) * scale).clamp_min(0).minimum(g_max).unsqueeze(1)
+    mu, sd = _drift_moments(target, g_max)
+    nu = (mu + sd * z).abs() * factor
+    q = _read_noise_coefficient(g * scale, g_max)
     drifted = g * torch.exp(nu * -log_t)
-    noise = hashed_normal(g[0].numel(), keys, start).view(g.shape).to(g.dtype)
+    noise = hashed_normal(g.shape[1] * g.shape[2], keys, start).view(g.shape).to(g.dtype)
     read = (drifted + sigma * drifted * q * noise).clamp_min(0)
     return (read[0] - read[1]).mean(0)
+
+
+# PCM's device laws (RRAM's the same, its drift scaled), as functions for the compiled read to share
+
+def _drift_moments(g_target: torch.Tensor, g_max) -> tuple[torch.Tensor, torch.Tensor]:
+    """mu(g_T) and sd(g_T) of the drift exponent's normal before its absolute value."""
+    x = (g_target.abs() / g_max).clamp_min(1e-7)
+    mu = (-0.0155 * torch.log(x) + 0.0244).clamp(0.049, 0.1)
+    sd = (-0.0125 * torch.log(x) - 0.0059).clamp(0.008, 0.045)
+    return mu, sd
+
+
+def _read_noise_coefficient(g_prog: torch.Tensor, g_max) -> torch.Tensor:
+    return (0.0088 / (g_prog.abs() / g_max).pow(0.65).clamp_min(1e-3)).clamp_max(0.2)
 
 
 def compiled(fn):
@@ -127,13 +146,15 @@ class PCM:
         """g_prog = max(0, g_T + sigma(g_T) * N(0, 1)), for every device (a zero target included)."""
         return (g_target + self.programming_sigma(g_target) * torch.randn(g_target.shape, generator=gen, dtype=g_target.dtype)).clamp_min_(0)
 
+    @property
+    def drift_factor(self) -> float:
+        """What the drift exponents are scaled by (``drift_scale``)."""
+        return self.drift_scale
+
     def drift_law(self, g_target: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, float]:
         """(mu, sd, factor): the drift exponent is nu = factor |mu(g_T) + sd(g_T) N(0,1)|
         (drift_exponent draws it; cim_sim.cert_chip takes its moments in closed form)."""
-        x = (g_target.abs() / self.g_max).clamp_min(1e-7)
-        mu = (-0.0155 * torch.log(x) + 0.0244).clamp(0.049, 0.1)
-        sd = (-0.0125 * torch.log(x) - 0.0059).clamp(0.008, 0.045)
-        return mu, sd, self.drift_scale
+        return *_drift_moments(g_target, self.g_max), self.drift_factor
 
     def drift_exponent(self, g_target: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
         """nu = |mu(g_T) + sigma(g_T) N(0,1)|, drawn once per device at programming."""
@@ -146,7 +167,7 @@ class PCM:
 
     def read_noise_coefficient(self, g_prog: torch.Tensor) -> torch.Tensor:
         """Q(g_prog) of the 1/f read noise; depends only on the programmed state."""
-        return (0.0088 / (g_prog.abs() / self.g_max).pow(0.65).clamp_min(1e-3)).clamp_max(0.2)
+        return _read_noise_coefficient(g_prog, self.g_max)
 
     def read(self, g_prog: torch.Tensor, nu: torch.Tensor, t: float, gen: torch.Generator,
              q: torch.Tensor | None = None) -> torch.Tensor:
@@ -161,10 +182,16 @@ class PCM:
     def read_pairs(self, g: torch.Tensor, z: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, t: float,
                    keys: torch.Tensor, start: torch.Tensor) -> torch.Tensor:
         """One layer's pairs read t seconds after programming, as ``read`` reads each device, G+ - G- averaged
-        over the devices per side: (out, in) in weight units. ``g`` (2, n, out, in): the programmed
-        conductances over ``scale`` (programmed to the targets +-w * scale); ``z``: the normal draws of their
-        drift exponents; device i of side s takes read-noise draw start[s] + i of ``keys`` (read_keys)."""
-        return _pairs_read_compiled(self, g, z, w, scale, *self._time_args(t, g.dtype), keys, start)
+        over the devices per side: shaped like ``w``, in weight units. ``g`` (2, n, *w.shape): the programmed
+        conductances over ``scale`` (programmed to the targets +-w * scale; ``scale`` broadcasts to w);
+        ``z``: the normal draws of their drift exponents; device i of side s takes read-noise draw
+        start[s] + i of ``keys`` (read_keys)."""
+        flat = (2, -1)
+        w_flat, scale_flat = w.reshape(-1), scale.expand(w.shape).contiguous().view(-1)  # one stride: one compile
+        device = (torch.tensor(v, dtype=g.dtype) for v in (self.g_max, self.drift_factor))
+        out = _pairs_read_compiled(g.reshape(flat), z.reshape(flat), w_flat, scale_flat, *device,
+                                   *self._time_args(t, g.dtype), keys, start)
+        return out.view(w.shape)
 
     def read_sigma(self, t: float) -> float:
         """sqrt(ln((T + t_read) / (2 t_read))) (times read_noise_scale), T = t + t0: the read noise
@@ -196,9 +223,9 @@ class RRAM(PCM):
     def programming_sigma(self, g_target: torch.Tensor) -> torch.Tensor:
         return self.prog_relative * self.g_max * torch.ones_like(g_target) * self.prog_noise_scale
 
-    def drift_law(self, g_target):
-        mu, sd, factor = super().drift_law(g_target)
-        return mu, sd, factor * 0.1
+    @property
+    def drift_factor(self) -> float:
+        return self.drift_scale * 0.1
 
 
 def mismatch(w: torch.Tensor, eta: float, gen: torch.Generator) -> torch.Tensor:
