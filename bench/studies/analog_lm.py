@@ -8,7 +8,7 @@ folder: a rerun with the same settings reads them back, other settings are refus
 
 Each variant is deployed on every preset with the mapping the diagnosis found best (column
 mapping, smoothing 0.5 calibrated on Macbeth; docs/results/cim_lm.md), programmed on ``chips``
-chips (``group`` per pass: a SmolLM2 chip holds about 3 GB) and read at each time after programming
+chips (``group`` per pass: a SmolLM2 chip holds about 1.5 GB) and read at each time after programming
 with global drift compensation. Chip k is the chip `hilt drift` draws as chip k.
 
 Beside the chips, each variant digital on the same tokens: float, W4 (int4 round to nearest in
