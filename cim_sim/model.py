@@ -281,17 +281,22 @@ def _set_programmed(model: nn.Module) -> None:
         _set_pool_weights(pool, pool["g"][:, 0] - pool["g"][:, 1])
 
 
+def _pool_places(pool: dict):
+    """(layer, first device, devices per side) of each layer in its pool, in the pool's order."""
+    offset = 0
+    for layer in pool["layers"]:
+        n = layer.config.devices_per_weight * layer.w_digital.numel()
+        yield layer, offset, n
+        offset += n
+
+
 def _set_pool_weights(pool: dict, w: torch.Tensor) -> None:
     """Hand each layer of a pool its part of ``w`` (chips, device pairs): with several devices per weight,
     the mean of its pairs (their summed currents, read out divided by their number)."""
-    chips, offset = w.shape[0], 0
-    for layer in pool["layers"]:
-        n, deep = layer.w_digital.numel(), layer.config.devices_per_weight
-        part = w[:, offset : offset + n * deep]
-        if deep > 1:
-            part = part.view(chips, deep, n).mean(1)
+    chips = w.shape[0]
+    for layer, offset, n in _pool_places(pool):
+        part = w[:, offset : offset + n].view(chips, layer.config.devices_per_weight, -1).mean(1)
         layer.set_weights(part.reshape(layer.w_digital.shape) if chips == 1 else part.view(chips, *layer.w_digital.shape))
-        offset += n * deep
 
 
 def _read(model: nn.Module, t: float, gens: list[torch.Generator]) -> None:
@@ -301,12 +306,10 @@ def _read(model: nn.Module, t: float, gens: list[torch.Generator]) -> None:
         size = pool["g"].shape[-1]
         reads = {layer: [] for layer in pool["layers"]}
         for k, gen in enumerate(gens):
-            keys, offset = pool["device"].read_keys(gen), 0
-            for layer in pool["layers"]:
-                n = layer.config.devices_per_weight * layer.w_digital.numel()
+            keys = pool["device"].read_keys(gen)
+            for layer, offset, n in _pool_places(pool):
                 start = torch.tensor([offset, size + offset], dtype=torch.int32)  # G+ then G- in the stream
                 reads[layer].append(layer.read_pairs(pool["g"][k, :, offset : offset + n], k, t, keys, start))
-                offset += n
         for layer, w in reads.items():
             layer.set_weights(w[0] if len(w) == 1 else torch.stack(w))
 
