@@ -28,7 +28,7 @@ compiler="$("$CXX_BIN" --version | head -n1)"
 # enabled for the process, and llama-perplexity dies of SIGILL on batches (seen on a Xeon with AMX).
 NO_AMX=""
 if [[ "$(uname -m)" == x86_64 ]]; then NO_AMX="-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"; fi
-stamp_text="llama-cpp-python ${VERSION} | ${compiler} | ${TOOLS[*]} | ${NO_AMX:-native}"
+stamp_text="llama-cpp-python ${VERSION} | ${compiler} | ${TOOLS[*]} | ${NO_AMX:-native} | log drained at exit"
 stamp="$ROOT/bin/.stamp"
 if [[ -f "$stamp" && "$(cat "$stamp")" == "$stamp_text" ]]; then
   all=1
@@ -58,6 +58,12 @@ echo "build_llama_cpp: unpacking $sdist"
 tar -xzf "$sdist" -C "$work" --strip-components=1 \
   "llama_cpp_python-${VERSION}/vendor/llama.cpp"
 src="$work/vendor/llama.cpp"
+
+# llama.cpp's tools print through a logging thread whose singleton is never torn down, so a busy machine can
+# exit before the thread has written the last lines (llama-perplexity's estimate among them). Drain it at exit.
+anchor='log->set_colors(tty_can_use_colors());'
+grep -qF "$anchor" "$src/common/log.cpp" || { echo "build_llama_cpp: common/log.cpp has changed; the exit drain cannot be added" >&2; exit 1; }
+sed -i "s|$anchor|$anchor std::atexit([]() { common_log_main()->pause(); });|" "$src/common/log.cpp"
 
 echo "build_llama_cpp: configuring (Release, CPU only, static)"
 cmake -S "$src" -B "$work/build" -G "$(command -v ninja >/dev/null && echo Ninja || echo 'Unix Makefiles')" \

@@ -62,7 +62,8 @@ def llama_perplexity(gguf, text_file, context: int, chunks: int) -> float:
     m = re.search(r"Final estimate: PPL = ([0-9.]+)", text)
     if m is not None:
         return float(m.group(1))
-    # its log thread can lose the last line at exit; the running estimate after the last chunk is the same number
+    # tools built elsewhere (without the build script's drain of the log thread at exit) can lose the last line;
+    # the running estimate after the last chunk is the same number
     m = re.search(rf"\[{chunks}\]([0-9.]+),", text)
     if m is None:
         raise HiltError(f"llama-perplexity on {gguf}: no final estimate in its output")
