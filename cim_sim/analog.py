@@ -288,13 +288,14 @@ class AnalogMixin:
 
     # -- device life cycle ------------------------------------------------------------------
 
-    def program(self, gens: list[torch.Generator]) -> dict | None:
+    def program(self, gens: list[torch.Generator], out: torch.Tensor | None = None) -> torch.Tensor | None:
         """Program the conductance pairs of one chip per generator: programming noise and drift
         exponents drawn once, each chip from its own generator.
 
         Returns the programmed conductances for the model to hold (cim_sim.model pools every layer's
         devices), chips first: G+ and G- stacked, each side ``devices_per_weight`` devices deep, in weight
-        units (G / scale; a read is linear in G). None on the ideal device, whose weights are then the
+        units (G / scale; a read is linear in G), written into ``out`` (chips, 2, devices per side) where
+        given (the layer's place in the pool). None on the ideal device, whose weights are then the
         digital ones. The drift exponents are not stored: each chip's generator state before their draw
         is (``drift_draws``), and every read draws them again from it (read_pairs): held, they and the
         read-noise coefficients would triple the chip's memory.
@@ -317,13 +318,15 @@ class AnalogMixin:
         n = self.config.devices_per_weight
         g_target = torch.stack([mapped * scale, -mapped * scale]).clamp(0, dev.g_max).unsqueeze(1)
         g_target = g_target.expand(2, n, *mapped.shape).contiguous()
-        chips, self.drift_draws = [], []
-        for gen in gens:  # in each chip's generator, the draws of a one-chip programming
+        out = torch.empty(len(gens), *g_target.shape, dtype=g_target.dtype) if out is None else \
+            out.view(len(gens), *g_target.shape)
+        self.drift_draws = []
+        for k, gen in enumerate(gens):  # in each chip's generator, the draws of a one-chip programming
             g_prog = stuck_at(dev.program(g_target, gen), self.config.stuck_at_rate, dev.g_max, gen)
             self.drift_draws.append(gen.get_state())
             torch.randn(g_target.shape, generator=gen, dtype=g_target.dtype)  # the drift exponents' draws, dropped
-            chips.append(g_prog / scale)
-        return torch.stack(chips)
+            torch.div(g_prog, scale, out=out[k])
+        return out
 
     def read_pairs(self, g: torch.Tensor, chip: int, t: float, keys: torch.Tensor, start: torch.Tensor) -> torch.Tensor:
         """The weights chip ``chip`` holds t seconds after programming (before compensation), from its
@@ -338,7 +341,7 @@ class AnalogMixin:
         """What the arrays hold now (a read of the devices): shaped like the digital weights, with a
         leading chip dimension when the layer holds several chips."""
         self.w_eff = w
-        self._tiles_of = None
+        self._tiles_of = self._tile_list = None  # the old codes go now, before the next forward builds new ones
 
     def chip_rows(self, x: torch.Tensor) -> bool:
         """Whether a forward's input ``x`` is stacked one batch per chip (else shared by all chips)."""

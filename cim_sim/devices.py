@@ -145,7 +145,8 @@ class PCM:
 
     def program(self, g_target: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
         """g_prog = max(0, g_T + sigma(g_T) * N(0, 1)), for every device (a zero target included)."""
-        return (g_target + self.programming_sigma(g_target) * torch.randn(g_target.shape, generator=gen, dtype=g_target.dtype)).clamp_min_(0)
+        z = torch.randn(g_target.shape, generator=gen, dtype=g_target.dtype)
+        return z.mul_(self.programming_sigma(g_target)).add_(g_target).clamp_min_(0)  # in place: one device-sized temporary
 
     @property
     def drift_factor(self) -> float:
