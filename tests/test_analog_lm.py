@@ -77,6 +77,22 @@ def test_energy_counts_the_layers_the_chip_holds(tiny_gguf):
         e["cim_joules_per_token"] / e["gpu_joules_per_token"])
 
 
+def test_forward_speed_runs_the_most_chips_only_where_they_fit(tiny_gguf, monkeypatch):
+    """The study's speed: 1, ``group`` and ``most`` chips in one pass, ``most`` only where its chips' state fits in
+    60% of the memory available (else its bytes are reported and no ratio)."""
+    from hilt.tasks import drift_lm
+
+    lm = drift_lm.load_language_model(str(tiny_gguf))
+    speed = analog_lm.forward_speed(lm, 16, 2, repeats=1, most=3)
+    assert set(speed["chips_s"]) == {"1", "2", "3"} and speed["most_bytes"] > 0
+    assert speed["most_over_one_chip"] == pytest.approx(speed["chips_s"]["3"] / speed["chips_s"]["1"])
+    need = speed["most_bytes"]
+    for available, measured in ((int(need / 0.6) + 2, {"1", "2", "3"}), (int(need / 0.6) - 1, {"1", "2"})):
+        monkeypatch.setattr(drift_lm, "available_bytes", lambda: available)
+        speed = analog_lm.forward_speed(lm, 16, 2, repeats=1, most=3)
+        assert set(speed["chips_s"]) == measured and ("most_over_one_chip" in speed) == ("3" in measured)
+
+
 def test_quick_study_on_a_tiny_llama_keeps_its_tuned_models(tiny_gguf, tmp_path, monkeypatch):
     work = tmp_path / "work"
     deployed, on_chips = [], analog_lm.on_chips
@@ -97,9 +113,9 @@ def test_quick_study_on_a_tiny_llama_keeps_its_tuned_models(tiny_gguf, tmp_path,
         assert (row["training"] is None) == (variant == "as trained")
     assert entry["variants"]["noise"]["training"]["settings"]["steps"] == analog_lm.QUICK["steps"]["noise"]
     assert "mean_over_w4" in result["goals"][str(tiny_gguf)]
-    speed = entry["speed"]  # a tiny model's 8 chips fit in memory: measured
-    assert speed["one_chip_over_digital"] > 0 and set(speed["chips_s"]) == {"1", "2", "8"}
-    assert speed["most_over_one_chip"] == pytest.approx(speed["chips_s"]["8"] / speed["chips_s"]["1"])
+    speed = entry["speed"]  # --quick: at most 2 chips in one pass
+    assert speed["one_chip_over_digital"] > 0 and set(speed["chips_s"]) == {"1", "2"} and speed["most"] == 2
+    assert speed["most_over_one_chip"] == pytest.approx(speed["chips_s"]["2"] / speed["chips_s"]["1"])
     assert (tmp_path / "study.png").stat().st_size > 0 and "| as trained |" in analog_lm.render(result)
 
     # a rerun reads the tuned models back; other settings are refused, naming the file
