@@ -246,17 +246,17 @@ def program(model: nn.Module, seed: int = 0, seeds=None) -> nn.Module:
         layer.path = name
         if layer.device_model is not None:
             pool = pools.setdefault(layer.device_model, {"device": layer.device_model, "layers": [], "size": 0})
-            places[name] = pool["size"]
+            n = layer.config.devices_per_weight * layer.w_digital.numel()
+            places[name] = slice(pool["size"], pool["size"] + n)
             pool["layers"].append(layer)
-            pool["size"] += layer.config.devices_per_weight * layer.w_digital.numel()
+            pool["size"] += n
     for pool in pools.values():
         pool["g"] = torch.empty(chips, 2, pool["size"], dtype=pool["layers"][0].w_digital.dtype)
     for name, layer in analog_layers(model):
         if layer.device_model is None:
             layer.program(gens)
             continue
-        n = layer.config.devices_per_weight * layer.w_digital.numel()
-        layer.program(gens, out=pools[layer.device_model]["g"][:, :, places[name] : places[name] + n])
+        layer.program(gens, out=pools[layer.device_model]["g"][:, :, places[name]])
     model.device_pools = [{k: v for k, v in pool.items() if k != "size"} for pool in pools.values()]
     trim_heap()  # what programming freed, glibc would keep resident (2 SmolLM2 chips: 9.0 -> 7.1 GB peak)
     model.chips = chips
