@@ -53,6 +53,7 @@ def _gguf(path: Path, arch: str = "llama", rows: int = 64) -> Path:
     import gguf
 
     w = gguf.GGUFWriter(str(path), arch)
+    w.add_tokenizer_model("gpt2")
     w.add_tensor("blk.0.ffn_up.weight", np.random.default_rng(0).standard_normal((rows, 64)).astype(np.float32))
     w.write_header_to_file()
     w.write_kv_data_to_file()

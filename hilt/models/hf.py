@@ -31,9 +31,11 @@ def require_transformers():
 def gguf_to_hf(src, dst, dtype: torch.dtype = torch.bfloat16, overwrite: bool = False) -> Path:
     """Write the model of a GGUF file as a Hugging Face folder of its architecture: config, weights in
     ``dtype`` (transformers' own GGUF reader maps the names and undoes llama.cpp's row order), generation
-    settings and chat template; the tokenizer is rebuilt from the GGUF's vocabulary as llama.cpp splits
-    text (digits one by one), which transformers' GGUF tokenizer does not. Written under ``DST.partial``
-    and renamed when complete."""
+    settings and chat template. A byte-level BPE tokenizer ('gpt2') is rebuilt from the GGUF's vocabulary
+    as llama.cpp splits text (digits one by one), which transformers' GGUF tokenizer does not; any other
+    kind transformers reads (SentencePiece, 'llama') is kept as transformers builds it. The architecture
+    and tokenizer are checked before any weight is read. Written under ``DST.partial`` and renamed when
+    complete."""
     from hilt.models.llama import GGUFTokenizer
 
     src, dst = Path(src), Path(dst)
@@ -52,6 +54,7 @@ def gguf_to_hf(src, dst, dtype: torch.dtype = torch.bfloat16, overwrite: bool = 
     if arch not in GGUF_SUPPORTED_ARCHITECTURES:
         raise HiltError(f"{src}: architecture {arch!r} has no Hugging Face conversion here (supported: "
                         f"{', '.join(sorted(GGUF_SUPPORTED_ARCHITECTURES))})")
+    tokenizer_kind = gguf_tokenizer_kind(src, reader, arch)
     partial = dst.with_name(dst.name + ".partial")
     shutil.rmtree(partial, ignore_errors=True)
     try:
@@ -66,7 +69,8 @@ def gguf_to_hf(src, dst, dtype: torch.dtype = torch.bfloat16, overwrite: bool = 
         del model
         tokenizer = transformers.AutoTokenizer.from_pretrained(str(src.parent), gguf_file=src.name)
         tokenizer.save_pretrained(partial)  # tokenizer_config, special tokens, chat template
-        GGUFTokenizer.from_gguf(src, reader).tk.save(str(partial / "tokenizer.json"))
+        if tokenizer_kind == "gpt2":
+            GGUFTokenizer.from_gguf(src, reader).tk.save(str(partial / "tokenizer.json"))
         for f in partial.iterdir():  # safetensors writes owner-only files
             make_readable(f)
     except BaseException as e:  # an interrupted or failed conversion leaves nothing behind
@@ -80,6 +84,19 @@ def gguf_to_hf(src, dst, dtype: torch.dtype = torch.bfloat16, overwrite: bool = 
         raise HiltError(f"{src}: transformers could not convert it ({one_line(e)})") from None
     move_into_place(partial, dst)  # an old DST (--overwrite) is removed only once the new one is in place
     return dst
+
+
+def gguf_tokenizer_kind(src, reader, arch: str) -> str:
+    """The GGUF's ``tokenizer.ggml.model``, refused in one line where transformers builds no tokenizer of it."""
+    from transformers.integrations.gguf.gguf_tokenizer_mapping import select_tokenizer_builder
+
+    field = reader.fields.get("tokenizer.ggml.model")
+    kind = field.contents() if field is not None else None
+    try:
+        select_tokenizer_builder(arch, kind)
+    except ValueError as e:
+        raise HiltError(f"{src}: {one_line(e)}") from None
+    return kind
 
 
 def check_folder(folder) -> dict:

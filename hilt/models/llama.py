@@ -15,7 +15,6 @@ they are the float reference here.
 """
 
 import importlib.util
-import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,10 +26,10 @@ import torch.nn.functional as F
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
 from hilt.errors import HiltError
-from hilt.progress import Progress
 from hilt.quant.nn import QuantEmbedding
 from hilt.quant.sources import read_gguf
 from hilt.models.weights import load_weights_, meta_init
+from hilt.models.lm import perplexity  # noqa: F401  (one perplexity for every language model)
 
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 BLOCKS = "blk."  # tensor-name prefix of the decoder blocks
@@ -308,27 +307,6 @@ def save_gguf(model: Llama, like, out) -> Path:
 
 
 # ------------------------------------------------------------------------- evaluation
-
-
-def perplexity(model: Llama, token_ids: torch.Tensor, context: int = 512, progress: bool = False) -> float:
-    """exp(mean next-token NLL) over non-overlapping windows of `context` tokens.
-
-    Each window starts fresh (no carried-over context), so the first token of each
-    window is not predicted; a last window shorter than 2 tokens is dropped.
-    """
-    ids = torch.as_tensor(token_ids, dtype=torch.long).flatten()
-    if context < 2 or ids.numel() < 2:
-        raise HiltError(f"perplexity needs context >= 2 and >= 2 tokens (got context={context}, {ids.numel()} tokens)")
-    windows = [ids[i:i + context] for i in range(0, ids.numel(), context)]
-    windows = [w for w in windows if w.numel() >= 2]
-    nll_sum, count = 0.0, 0
-    with torch.inference_mode(), Progress(len(windows), "perplexity", "window", enabled=progress) as bar:
-        for i, w in enumerate(windows):
-            logits = model(w[None])[0, :-1].float()
-            nll_sum += F.cross_entropy(logits, w[1:], reduction="sum").item()
-            count += w.numel() - 1
-            bar.done(f"window {i + 1}", f"running perplexity {math.exp(nll_sum / count):.2f}")
-    return math.exp(nll_sum / count)
 
 
 def greedy(model: Llama, ids: torch.Tensor, max_new_tokens: int, stop=frozenset(), cache: bool = True) -> torch.Tensor:

@@ -23,13 +23,13 @@ def _resolve(model: str, default_name: str, default_path) -> Path:
 
 
 def perplexity_run(model="smollm2", quantized=None, text=None, tokens=2048, context=512, progress=False) -> dict:
-    """Perplexity of a causal LM on ``tokens`` tokens of ``text`` (a file; default Hamlet). ``model``:
-    smollm2, a Llama GGUF (``quantized``: a hilt checkpoint of it), or a Hugging Face causal-LM folder,
-    quantized by hilt or not (``quantized``: a hilt folder made from it, run instead)."""
-    from hilt.models import llama
+    """Perplexity of a causal LM on ``tokens`` tokens of ``text`` (a file; default Hamlet). ``model``: any
+    language model hilt.models.lm names (smollm2, gemma3, a GGUF file, a Hugging Face causal-LM folder,
+    quantized by hilt or not). ``quantized``: a hilt checkpoint of a Llama GGUF, loaded over it, or a hilt
+    folder made from a Hugging Face model, run instead of it."""
     from hilt.data.text import shakespeare_text
+    from hilt.models.lm import BUILTIN, HF_FOLDER, OWN, load_lm, lm_source
 
-    path = _resolve(model, "smollm2", llama.smollm2_path)
     if text is None:
         body, text_name = shakespeare_text("hamlet"), "Hamlet (shakespeare package)"
     else:
@@ -39,30 +39,29 @@ def perplexity_run(model="smollm2", quantized=None, text=None, tokens=2048, cont
             raise HiltError(f"{text}: cannot read text ({e})") from None
     if tokens < 2:
         raise HiltError(f"--tokens must be at least 2, got {tokens}")
-    if path.is_dir():
-        from hilt.models import hf
-
+    path = None if model in BUILTIN else Path(model)
+    if path is not None and path.is_dir():
         if quantized is None and not is_hf_folder(path):
             _refuse_quantized_as_model(path, "ppl", "smollm2")
         if quantized is None and is_hf_folder(path) and read_config(path).get("quantization_config"):
             quantized = path  # a quantized folder given as the model: say so in the result
-        folder = Path(quantized or path)
-        config = hf.check_folder(folder)  # before transformers reads any weight
-        hf.require_causal_lm(folder, config, _embed_hint(path, quantized))
-        net, tokenizer = hf.load_causal_lm(folder)
-        forward, encode = (lambda ids: net(ids).logits), (lambda t: tokenizer(t, add_special_tokens=False)["input_ids"])
-    else:
-        net, tokenizer = llama.load_llama(path)
-        if quantized is not None:
-            load_quantized_(net, quantized, strict=False)
-        forward, encode = net, tokenizer.encode
-    ids = encode(body)[:tokens]
+    source = lm_source(model, _embed_hint(path, quantized) if path is not None else None)
+    if source.runner == HF_FOLDER and quantized is not None:
+        source = lm_source(quantized, _embed_hint(source.path, quantized))  # hilt's folder, run through transformers
+    elif quantized is not None and source.runner != OWN:
+        raise HiltError(f"--quantized {quantized}: {model} runs through transformers; quantize a Hugging Face folder "
+                        f"of it (`hilt convert`, then `hilt quantize`) and give that folder as the model")
+    lm = load_lm(model, source)
+    if quantized is not None and lm.own:
+        load_quantized_(lm.model, quantized, strict=False)
+    ids = lm.encode(body)[:tokens]
     if len(ids) < tokens:
         raise HiltError(f"{text_name}: only {len(ids)} tokens, asked for {tokens}")
     start = time.perf_counter()
-    ppl = llama.perplexity(forward, ids, context=context, progress=progress)
+    ppl = lm.perplexity(ids, context=context, progress=progress)
     return {
-        "model": str(path), "quantized": None if quantized is None else str(quantized),
+        "model": model if model in BUILTIN else str(path), "family": source.family,
+        "quantized": None if quantized is None else str(quantized),
         "bits_per_weight": _bits(quantized), "text": text_name, "tokens": len(ids), "context": context,
         "perplexity": ppl, "seconds": round(time.perf_counter() - start, 2),
     }

