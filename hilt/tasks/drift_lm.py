@@ -29,7 +29,7 @@ from torch import nn
 from hilt.errors import HiltError
 from hilt.progress import LOG, Progress
 
-LANGUAGE_MODELS = ("smollm2", "minilm")
+LANGUAGE_MODELS = ("smollm2", "gemma3", "minilm")
 
 
 @dataclass
@@ -43,23 +43,20 @@ class LanguageModel:
 
 
 def is_language_model(spec: str) -> bool:
-    """Whether ``--model`` names a language model (a built-in one, a GGUF file or a folder)."""
+    """Whether ``--model`` names a language model (a built-in one, a GGUF file or a folder): its form only."""
     return spec in LANGUAGE_MODELS or spec.endswith(".gguf") or Path(spec).is_dir()
 
 
 def load_language_model(spec: str) -> LanguageModel:
-    """smollm2, minilm, a Llama GGUF file, a BERT folder hilt runs (config model_type bert) or a
-    transformers causal-LM / encoder folder."""
-    from hilt.models import bert, llama
+    """A causal LM as hilt.models.lm names it (smollm2, gemma3, a GGUF file, a causal-LM folder), or an encoder:
+    minilm, a BERT folder hilt runs (config model_type bert) or a transformers encoder folder."""
+    from hilt.models import bert, lm as causal
 
     path = Path(spec)
-    if spec == "smollm2" or spec.endswith(".gguf"):
-        if spec != "smollm2" and not path.is_file():
-            raise HiltError(f"{spec}: no such GGUF file")
-        net, tok = llama.load_llama(None if spec == "smollm2" else path)
-        return LanguageModel("causal", net, spec, tok.encode, logits=lambda m, ids: m(ids))
+    if spec in causal.BUILTIN or spec.endswith(".gguf"):
+        return _causal(causal.load_lm(spec))
     if spec != "minilm" and not path.is_dir():
-        raise HiltError(f"--model {spec}: not smollm2, minilm, a .gguf file or a model folder")
+        raise HiltError(f"--model {spec}: not {', '.join(LANGUAGE_MODELS)}, a .gguf file or a model folder")
     if spec != "minilm" and not (path / "config.json").is_file():
         raise HiltError(f"{path}: not a model folder (no config.json)")
     import json
@@ -75,12 +72,9 @@ def load_language_model(spec: str) -> LanguageModel:
         return LanguageModel("encoder", net, spec, encode, hidden=lambda m, ids, mask: m(ids, mask))
     from hilt.models import hf
 
-    checked = hf.check_folder(path)
-    archs = " ".join(checked.get("architectures") or [])
-    if "CausalLM" in archs or "LMHead" in archs:
-        net, tok = hf.load_causal_lm(path)
-        return LanguageModel("causal", net, str(path), lambda t: tok(t, add_special_tokens=False)["input_ids"],
-                             logits=lambda m, ids: m(ids).logits)
+    hf.check_folder(path)
+    if causal.is_language_model(path):
+        return _causal(causal.load_lm(path))
     net, tok = hf.load_encoder(path)
 
     def encode_hf(sentences):
@@ -89,6 +83,10 @@ def load_language_model(spec: str) -> LanguageModel:
 
     return LanguageModel("encoder", net, str(path), encode_hf,
                          hidden=lambda m, ids, mask: m(input_ids=ids, attention_mask=mask).last_hidden_state)
+
+
+def _causal(lm) -> LanguageModel:
+    return LanguageModel("causal", lm.model, lm.name, lm.encode, logits=lambda m, ids: lm.logits(ids, m))
 
 
 def _read_text(text) -> tuple[str, str]:

@@ -33,6 +33,7 @@ WORKLOAD_NAMES = ("mlp", "cnn")
 # k-means where learned levels pay most (1-4 bits; above, its optimal fit costs more than it gains), integers to 8
 DEFAULT_CANDIDATES = {"lm": "kmeans1-4,int2-8", "workload": "kmeans1-4@row,int2-8@row"}
 PREDICTS = {"llama": "mean KL divergence of the next-token distribution per token (TPV / 2)",
+            "causal": "mean KL divergence of the next-token distribution per token (TPV / 2)",
             "bert": "1 - cosine similarity of the sentence embeddings (TPV / 2)",
             "workload": "mean KL divergence of the predicted class distribution per image (TPV / 2)"}
 
@@ -42,7 +43,7 @@ class Subject:
     """A model with what its sensitivity needs: calibration batches, the output, its metric, and the
     weights to measure (name -> parameter, names as the model's checkpoint names them)."""
 
-    kind: str  # llama | bert | workload
+    kind: str  # llama (hilt's own forward) | causal (any other causal LM, through transformers) | bert | workload
     model: nn.Module
     batches: list
     output: Callable
@@ -65,14 +66,15 @@ def _llama_output(model, ids):
 
 
 def _text_model_kind(src: Path) -> str:
-    """'llama' for a GGUF file, 'bert' for a BERT folder (or a file in one); otherwise the real problem,
-    read before any weights: no config.json, one that is not JSON, another model_type."""
+    """'causal' for any causal language model (hilt.models.lm), 'bert' for a BERT folder (or a file in one);
+    otherwise the real problem, read before any weights: no config.json, one that is not JSON, another model_type."""
+    from hilt.models.lm import is_language_model
     from hilt.quant.hf_folder import CONFIG, read_config
 
-    if src.is_file() and src.suffix == ".gguf":
-        return "llama"
+    if (src.is_file() and src.suffix == ".gguf") or is_language_model(src):
+        return "causal"
     folder = src if src.is_dir() else src.parent
-    runs = "hilt sensitivity runs mlp, cnn, a Llama GGUF file or a BERT folder"
+    runs = "hilt sensitivity runs mlp, cnn, a causal language model (a GGUF file or folder) or a BERT folder"
     if not (folder / CONFIG).is_file():
         raise HiltError(f"{src}: no {CONFIG} beside the weights, so not a BERT folder ({runs})")
     model_type = read_config(folder).get("model_type")
@@ -83,7 +85,7 @@ def _text_model_kind(src: Path) -> str:
 
 def load_subject(model: str, checkpoint=None, calibration=None, tokens: int = 2048, sentences: int = 256,
                  images: int = 2048) -> Subject:
-    """``model``: smollm2, minilm, mlp, cnn, a Llama GGUF file or a BERT folder."""
+    """``model``: smollm2, gemma3, minilm, mlp, cnn, any causal LM hilt.models.lm loads or a BERT folder."""
     from hilt.tasks.compensate import bert_batches, llama_batches
     from hilt.quant.checkpoint import select_targets
     from hilt.quant.sources import open_source
@@ -102,27 +104,32 @@ def load_subject(model: str, checkpoint=None, calibration=None, tokens: int = 20
                        f"{x.shape[0]} Fashion-MNIST training images", str(path))
     if checkpoint is not None:
         raise HiltError("--checkpoint applies to the workloads (mlp, cnn) only")
-    if model == "smollm2":
-        from hilt.models.llama import smollm2_path
-        src = smollm2_path()
+    if model in ("smollm2", "gemma3"):
+        from hilt.models.lm import lm_source
+        src = lm_source(model).path
     elif model == "minilm":
         from hilt.models.bert import minilm_path
         src = minilm_path()
     else:
         src = Path(model)
         if not src.exists():
-            raise HiltError(f"{model}: no such file or folder (models: smollm2, minilm, mlp, cnn, a Llama GGUF "
-                            "file or a BERT folder)")
+            raise HiltError(f"{model}: no such file or folder (models: smollm2, gemma3, minilm, mlp, cnn, a GGUF "
+                            "file, a causal-LM or BERT folder)")
     kind = _text_model_kind(src)
     with open_source(src) as source:
         targets = select_targets(source)
-    if kind == "llama":
-        from hilt.models import llama
+    if kind == "causal":
+        from hilt.models.lm import load_lm
 
-        net, tokenizer = llama.load_llama(src)
-        windows, seen = llama_batches(tokenizer, calibration, tokens)
+        lm = load_lm(src)
+        net, tokenizer = lm.model, lm.tokenizer
+        windows, seen = llama_batches(lm, calibration, tokens)
         batches = [(w[i:i + 1],) for w in (b[0] for b in windows) for i in range(w.shape[0])]  # a window a pass
-        output, metric = _llama_output, "softmax"
+        if lm.own:
+            kind, output = "llama", _llama_output
+        else:
+            output = lambda m, ids: lm.logits(ids, m)[:, :-1]  # noqa: E731
+        metric = "softmax"
     else:
         from hilt.models import bert
 
@@ -131,6 +138,9 @@ def load_subject(model: str, checkpoint=None, calibration=None, tokens: int = 20
         output, metric = _bert_output, "euclidean"
     own = dict(net.named_parameters())
     params = {n: own[n] for n in targets if n in own}
+    if kind == "causal" and not params:  # a GGUF read by transformers: its names are not the file's
+        params = {f"{n}.weight": m.weight for n, m in lm.linear_layers().items()}
+        targets = list(params)
     unused = {}
     if len(params) < len(targets):  # e.g. MiniLM's pooler: in the file, not in the sentence embedding
         with open_source(src) as source:

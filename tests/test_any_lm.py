@@ -1,0 +1,156 @@
+"""Every language-model path on three families: tiny random Llama, Gemma 3 (q/k RMSNorm, GeGLU, sliding
+window, tied embeddings) and Qwen2 (q/k/v biases), built from transformers configs, no download."""
+
+import math
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from hilt.cli import main  # noqa: E402
+from hilt.errors import HiltError  # noqa: E402
+from hilt.models.lm import HF_FOLDER, OWN, is_language_model, lm_source, load_lm  # noqa: E402
+
+VOCAB = 128
+
+
+def _tokenizer():
+    """Characters as tokens (printable ASCII at their code points), saved the way transformers reads it."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    tk = Tokenizer(models.WordLevel({chr(i): i for i in range(32, 127)} | {"<unk>": 1, "\n": 10},
+                                    unk_token="<unk>"))
+    tk.pre_tokenizer = pre_tokenizers.Split("", "isolated")
+    return transformers.PreTrainedTokenizerFast(tokenizer_object=tk, unk_token="<unk>")
+
+
+def _config(family):
+    common = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+    if family == "llama":
+        return transformers.LlamaConfig(**common, tie_word_embeddings=True), transformers.LlamaForCausalLM
+    if family == "gemma3":
+        return (transformers.Gemma3TextConfig(**common, head_dim=32, sliding_window=16, query_pre_attn_scalar=32,
+                                              layer_types=["sliding_attention", "full_attention"]),
+                transformers.Gemma3ForCausalLM)
+    return transformers.Qwen2Config(**common, tie_word_embeddings=False), transformers.Qwen2ForCausalLM
+
+
+FAMILIES = ("llama", "gemma3", "qwen2")
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory):
+    """{family: a Hugging Face folder of a tiny random model of it}; Gemma 3 in bfloat16, the others float32."""
+    out = {}
+    for i, family in enumerate(FAMILIES):
+        config, cls = _config(family)
+        torch.manual_seed(i)
+        model = cls(config)
+        with torch.no_grad():  # norms away from their initial values, so a wrong gain convention shows
+            for name, p in model.named_parameters():
+                if "norm" in name:
+                    p.add_(0.3 * torch.randn_like(p))
+        folder = tmp_path_factory.mktemp(family)
+        model.to(torch.bfloat16 if family == "gemma3" else torch.float32).save_pretrained(folder)
+        _tokenizer().save_pretrained(folder)
+        out[family] = folder
+    return out
+
+
+def hilt(capsys, *args):
+    capsys.readouterr()
+    code = main([str(a) for a in args])
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+TEXT = "To be, or not to be, that is the question:\nWhether 'tis nobler in the mind to suffer\n" * 8
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_adapter_loads_scores_and_lists_layers(folders, family):
+    source = lm_source(folders[family])
+    assert source.runner == HF_FOLDER and is_language_model(folders[family])
+    lm = load_lm(folders[family], source)
+    ids = lm.encode(TEXT)
+    assert ids[:2] == [ord("T"), ord("o")]  # no special token in front
+    # perplexity by hand: one window, cross-entropy of the model's own logits
+    window = torch.tensor(ids[:64])
+    with torch.no_grad():
+        logits = lm.model(input_ids=window[None]).logits[0, :-1].float()
+    expected = math.exp(float(torch.nn.functional.cross_entropy(logits, window[1:])))
+    assert lm.perplexity(window, context=64) == pytest.approx(expected, rel=1e-5)
+    layers = lm.linear_layers()
+    assert len(layers) == 2 * 7 and not any(n.endswith("lm_head") for n in layers)  # q k v o gate up down a block
+    assert len(lm.attention_layers()) == 2
+    if family == "qwen2":
+        assert all(layers[f"model.layers.0.self_attn.{p}_proj"].bias is not None for p in "qkv")
+
+
+def test_the_builtin_llama_runs_on_hilts_own_forward(smollm2_gguf):
+    assert lm_source("smollm2").runner == OWN and lm_source(smollm2_gguf).runner == OWN
+
+
+def test_refusals_name_the_file_and_what_is_supported(tmp_path, folders):
+    import gguf
+
+    path = tmp_path / "m.gguf"
+    w = gguf.GGUFWriter(str(path), "no-such-arch")
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.close()
+    with pytest.raises(HiltError, match=r"m\.gguf: architecture 'no-such-arch' .*supported: .*gemma3"):
+        lm_source(path)
+    with pytest.raises(HiltError, match="no such file or folder"):
+        lm_source(tmp_path / "nothing")
+    encoder = tmp_path / "enc"
+    encoder.mkdir()
+    (encoder / "config.json").write_text('{"model_type": "bert", "architectures": ["BertModel"]}')
+    (encoder / "model.safetensors").write_bytes(b"")
+    with pytest.raises(HiltError, match="is an encoder, not a causal LM"):
+        lm_source(encoder)
+    assert not is_language_model(encoder)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_eval_ppl_quantize_compensate_and_sensitivity(folders, family, tmp_path, capsys):
+    src = folders[family]
+    text = tmp_path / "t.txt"
+    text.write_text(TEXT * 4)
+    code, _, err = hilt(capsys, "eval", "ppl", src, "--text", text, "--tokens", 256, "--context", 64, "--json",
+                        tmp_path / "ppl.json")
+    assert code == 0, err
+    import json
+
+    ppl = json.loads((tmp_path / "ppl.json").read_text())
+    lm = load_lm(src)
+    assert ppl["perplexity"] == pytest.approx(lm.perplexity(lm.encode(TEXT * 4)[:256], context=64), rel=1e-5)
+    assert math.isfinite(ppl["perplexity"]) and ppl["family"] == lm.source.family
+
+    dst = tmp_path / "q"
+    code, _, err = hilt(capsys, "quantize", src, dst, "--method", "kmeans", "--bits", 4, "--block-size", 32,
+                        "--compensate", "--calibration", text, "--calibration-tokens", 512)
+    assert code == 0, err
+    code, _, err = hilt(capsys, "eval", "ppl", dst, "--text", text, "--tokens", 256, "--context", 64)
+    assert code == 0, err
+
+    code, _, err = hilt(capsys, "sensitivity", src, "--calibration", text, "--tokens", 512, "--candidates",
+                        "kmeans4,int4", "--block-size", 32, "--json", tmp_path / "tpv.json")
+    assert code == 0, err
+    tpv = json.loads((tmp_path / "tpv.json").read_text())
+    assert tpv["kind"] == "causal" and len(tpv["layers"]) == 14
+    assert all(math.isfinite(v) and v > 0 for layer in tpv["layers"] for v in layer["tpv"].values())
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_drift_on_a_chip(folders, family, tmp_path, capsys):
+    code, out, err = hilt(capsys, "drift", "--model", folders[family], "--preset", "pcm", "--times", "1s", "--chips",
+                          1, "--tokens", 64, "--context", 32, "--json", tmp_path / "d.json")
+    assert code == 0, err
+    import json
+
+    result = json.loads((tmp_path / "d.json").read_text())
+    assert result["kind"] == "causal" and result["analog_layers"] == 14
+    assert all(math.isfinite(r["mean"]) for r in result["rows"])
