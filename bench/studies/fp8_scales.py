@@ -1,7 +1,10 @@
 """`hilt fp8 scales`: per layer and head, the weight-only logit bound (fp8/bounds.py) against the
 largest |logit| observed on real text, for all-MiniLM-L6-v2 and SmolLM2-135M, or for another
 checkpoint of either family: a llama GGUF file (text: Hamlet, with the file's tokenizer) or a
-BERT directory with config.json, tokenizer.json and model.safetensors (text: English sentences)."""
+BERT directory with config.json, tokenizer.json and model.safetensors (text: English sentences).
+`causal_lm` does the same for any causal LM transformers loads (Llama, Qwen2, Gemma 3, Qwen3,
+OLMo2, ...): logits seen through transformers' attention hook, bounds from q/k norm gains where
+the layer has them (fp8.bounds.qk_norm_logit_bounds), else from W_Q, W_K and the input norm."""
 
 from __future__ import annotations
 
@@ -107,6 +110,64 @@ def smollm2(tokens: int = 1024, context: int = 256, path=None) -> list[dict]:
         b = logit_bounds(blk.attn_q.weight, blk.attn_k.weight, cfg.n_heads, cfg.n_kv_heads,
                          norm_radius(blk.attn_norm.weight), rope=True, n_tokens=context)
         rows.append(_row("smollm2", i, b, observed, d=cfg.dim))
+    return rows
+
+
+_CHUNK = 1 << 24  # logits at a time when recording (bounds the memory of long windows)
+
+
+def _logit_recorder(store: dict):
+    """A set_hf_attention handler: per attention module, the running max over calls of
+    |scaling q . k| per query head (H,) over the pairs the layer attends, then the layer's own attention."""
+    from hilt.fp8.attention import hf_allowed_pairs
+
+    def handler(module, query, key, value, attention_mask, inner, **kwargs):
+        scaling = kwargs.get("scaling") or getattr(module, "scaling", None) or query.shape[-1] ** -0.5
+        allowed = hf_allowed_pairs(module, query, key, attention_mask, **kwargs)
+        b, h, tq, _ = query.shape
+        k = key.detach().float().repeat_interleave(h // key.shape[1], dim=1)
+        rows = max(1, _CHUNK // max(1, b * h * key.shape[2]))
+        best = torch.zeros(h, device=query.device)
+        for i in range(0, tq, rows):
+            s = (query[:, :, i:i + rows].detach().float() @ k.transpose(-1, -2)).abs() * scaling
+            best = torch.maximum(best, s.masked_fill(~allowed[..., i:i + rows, :], 0).amax(dim=(0, 2, 3)))
+        store[module] = torch.maximum(store[module], best) if module in store else best
+        return inner(module, query, key, value, attention_mask, **kwargs)
+
+    return handler
+
+
+@torch.inference_mode()
+def causal_lm(model: torch.nn.Module, windows: list[torch.Tensor], name: str = "model") -> list[dict]:
+    """Per attention layer of a transformers causal LM (eval): the weight-only bounds against the
+    largest |logit| seen on ``windows`` (1-D token tensors), rows as for SmolLM2 and MiniLM plus
+    the layer's name, its kind (``qk_norm``: the bound from q/k norm gains; ``projection``: from
+    W_Q, W_K, biases and the input norm), scaling and RoPE layout."""
+    from hilt.fp8.attention import hf_attention, hf_attention_layers
+
+    windows = [w.reshape(-1) for w in windows]
+    if not windows or min(len(w) for w in windows) < 1:
+        raise HiltError(f"{name}: no token windows to observe logits on")
+    device = next(model.parameters()).device
+    layers = hf_attention_layers(model, windows[0])
+    store, observed = {}, []
+    with hf_attention(model, _logit_recorder(store)):
+        for w in windows:
+            store.clear()
+            model(input_ids=w[None].to(device), use_cache=False)
+            missing = [layer.name for layer in layers if layer.module not in store]
+            if missing:
+                raise HiltError(f"{name}: attention layer {missing[0]} did not run on a window of {len(w)} tokens")
+            observed.append([store[layer.module].cpu() for layer in layers])
+    n = max(len(w) for w in windows)
+    rows = []
+    for layer in layers:
+        b = layer.logit_bounds(n_tokens=n)
+        row = _row(name, layer.index, b, observed, d=b["d"])
+        row.update({"name": layer.name, "kind": "qk_norm" if layer.qk_norm else "projection",
+                    "heads": layer.n_heads, "kv_heads": layer.n_kv_heads, "head_dim": layer.head_dim,
+                    "scaling": b["scaling"], "rope": layer.rope, "sliding_window": layer.sliding_window})
+        rows.append(row)
     return rows
 
 
