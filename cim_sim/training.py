@@ -116,9 +116,10 @@ METHODS: dict[str, TrainingMethod] = {
 
 
 def analog_weights(model: nn.Module) -> list[str]:
-    """Names of the parameters a CIM chip would hold: the weights of every Linear and Conv2d."""
+    """Names of the parameters a CIM chip would hold: the weights of every Linear and Conv2d but a language
+    model's ``lm_head``, which convert_to_analog keeps digital (tied to the embedding, it has no name of its own)."""
     return [f"{name}.weight" if name else "weight" for name, m in model.named_modules()
-            if isinstance(m, (nn.Linear, nn.Conv2d))]
+            if isinstance(m, (nn.Linear, nn.Conv2d)) and name.rsplit(".", 1)[-1] != "lm_head"]
 
 
 def _device_read(target, keys, log_t, read_sigma, device):

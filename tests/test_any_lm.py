@@ -154,3 +154,18 @@ def test_drift_on_a_chip(folders, family, tmp_path, capsys):
     result = json.loads((tmp_path / "d.json").read_text())
     assert result["kind"] == "causal" and result["analog_layers"] == 14
     assert all(math.isfinite(r["mean"]) for r in result["rows"])
+
+
+def test_hwa_tunes_a_transformers_model_into_a_folder(folders, tmp_path, capsys):
+    out = tmp_path / "tuned"
+    code, _, err = hilt(capsys, "hwa", folders["gemma3"], out, "--steps", 2, "--batch", 1, "--context", 32,
+                        "--save-every", 1)
+    assert code == 0, err
+    tuned, before = load_lm(out), load_lm(folders["gemma3"])
+    assert type(tuned.model) is type(before.model) and tuned.encode(TEXT) == before.encode(TEXT)
+    changed = [n for n, p in tuned.model.named_parameters()
+               if not torch.equal(p, dict(before.model.named_parameters())[n])]
+    assert any(".mlp." in n for n in changed)  # trained through the chip's reads
+    assert not (tmp_path / "tuned.hwa-state").exists()
+    code, _, err = hilt(capsys, "hwa", folders["gemma3"], out, "--steps", 1)
+    assert code == 1 and "already exists" in err and out.is_dir()

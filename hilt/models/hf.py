@@ -99,6 +99,26 @@ def gguf_tokenizer_kind(src, reader, arch: str) -> str:
     return kind
 
 
+def save_causal_lm(model, like, out) -> Path:
+    """Write a transformers causal LM as a Hugging Face folder ``out``, with the tokenizer and settings of
+    ``like`` (the folder, or the GGUF file, it was loaded from). Written whole or not at all."""
+    from hilt.atomic import replacing
+
+    like, out = Path(like), Path(out)
+    with replacing(out, ".partial") as tmp:
+        if like.is_dir():
+            shutil.copytree(like, tmp, ignore=shutil.ignore_patterns(
+                *(f"*{s}" for s in WEIGHT_SUFFIXES), INDEX, "hilt.json", ".gitattributes"))
+        else:
+            transformers = require_transformers()
+            tokenizer = transformers.AutoTokenizer.from_pretrained(str(like.parent), gguf_file=like.name)
+            tokenizer.save_pretrained(tmp)
+        model.save_pretrained(tmp)
+        for f in tmp.iterdir():
+            make_readable(f)
+    return out
+
+
 def check_folder(folder) -> dict:
     """The config of a Hugging Face model folder, after the checks that read no weights: a folder,
     with a config.json, and every shard its index lists present (transformers' own error names a

@@ -27,7 +27,8 @@ starts), multiplied by the drift compensation unless the chip applies it ahead o
 
 Resumable like `hilt qat`: the state goes to ``OUT.hwa-state/`` every ``save_every`` steps, and
 ``resume`` draws the same batches and the same noise an uninterrupted run would. The output is the
-model in its own format: a GGUF file (a Llama) or a model folder (a BERT), which `hilt drift
+model in its own format: a GGUF file (a Llama hilt runs itself) or a model folder (any model transformers runs,
+a BERT), which `hilt drift
 --model`, `hilt eval` and `hilt quantize` read.
 """
 
@@ -46,19 +47,17 @@ from hilt.progress import LOG, Progress
 
 
 def _source(spec: str) -> Path:
-    """The file or folder of a model hilt runs itself, whose tokenizer and metadata the output keeps; any
-    other model refused before it loads."""
+    """The file or folder of the model whose tokenizer and metadata the output keeps: any causal LM
+    hilt.models.lm names, minilm or a BERT folder; any other model refused before it loads."""
     import json
 
-    from hilt.models import bert, llama
+    from hilt.models import bert, lm as causal
 
-    if spec == "smollm2":
-        return llama.smollm2_path()
     if spec == "minilm":
         return bert.minilm_path()
     path = Path(spec)
-    if spec.endswith(".gguf") and path.is_file():
-        return path
+    if spec in causal.BUILTIN or spec.endswith(".gguf") or causal.is_language_model(path):
+        return causal.lm_source(spec).path
     config = path / "config.json"
     if path.is_dir() and config.is_file():
         try:
@@ -66,19 +65,21 @@ def _source(spec: str) -> Path:
         except (OSError, ValueError, AttributeError) as e:
             raise HiltError(f"{config}: not a model config ({e})") from None
         if kind != "bert" or not (path / "tokenizer.json").is_file():
-            raise HiltError(f"{path}: hilt hwa fine-tunes the models hilt runs itself (smollm2 or a Llama GGUF, "
-                            "minilm or a BERT folder with tokenizer.json); this one runs through transformers")
+            raise HiltError(f"{path}: hilt hwa fine-tunes causal language models (smollm2, gemma3, a GGUF file or a "
+                            "causal-LM folder) and encoders hilt runs itself (minilm or a BERT folder with "
+                            f"tokenizer.json); model_type {kind!r} is neither")
         return path
     return path  # load_language_model says what is wrong with it
 
 
-def _check_out(out: Path, causal: bool | None, overwrite: bool) -> None:
+def _check_out(out: Path, as_file: bool | None, overwrite: bool) -> None:
+    """``as_file``: the output is one GGUF file (a model on hilt's own Llama), else a model folder."""
     if out.exists() and not overwrite:
         raise HiltError(f"{out}: already exists; pass --overwrite to replace it")
-    if causal is True and out.is_dir():
-        raise HiltError(f"{out}: is a folder; a causal LM is written as one GGUF file")
-    if causal is False and out.exists() and not out.is_dir():
-        raise HiltError(f"{out}: is a file; an encoder is written as a model folder")
+    if as_file is True and out.is_dir():
+        raise HiltError(f"{out}: is a folder; this model is written as one GGUF file")
+    if as_file is False and out.exists() and not out.is_dir():
+        raise HiltError(f"{out}: is a file; this model is written as a model folder")
     if not out.parent.is_dir():
         raise HiltError(f"{out.parent}: no such folder")
 
@@ -133,8 +134,10 @@ def _digital_and_noisy(lm, teacher, student, data, batch: int, context: int, cfg
         args = (data[starts[:, None] + torch.arange(context)],)
 
         def run(model, params=None, via=lm):
-            out = via.logits(model, *args) if params is None else functional_call(model, params, args)
-            return out.flatten(0, 1)
+            if params is None:
+                return via.logits(model, *args).flatten(0, 1)
+            out = functional_call(model, params, args)
+            return getattr(out, "logits", out).flatten(0, 1)  # a transformers model's output holds its logits
     else:
         picks = torch.randint(len(data), (batch,), generator=gen).tolist()
         ids, mask = lm.encode([data[i] for i in picks])
@@ -173,7 +176,8 @@ def tune(model: str, out, method: str = "noise", preset_name: str = "pcm", overr
         METHODS, NoisyTraining, Periphery, clip_columns_, distillation_loss, embedding_distillation_loss,
     )
     from hilt.cim_sim.model import parse_time
-    from hilt.models import bert, llama
+    from hilt.models import bert, hf, llama
+    from hilt.models.lm import OWN, lm_source
     from hilt.tasks.drift_lm import calibration_run, chip_config, load_language_model
     from hilt.tasks.training_state import load_state, save_state, state_meta
 
@@ -202,7 +206,8 @@ def tune(model: str, out, method: str = "noise", preset_name: str = "pcm", overr
     source = _source(model)
     meta = state_meta(state_dir, settings) if resume else None
     lm = load_language_model(model)
-    _check_out(out, lm.kind == "causal", overwrite)
+    as_gguf = lm.kind == "causal" and source.suffix == ".gguf" and lm_source(model).runner == OWN
+    _check_out(out, as_gguf, overwrite)
     student = copy.deepcopy(lm.model).train().requires_grad_(True)
     teacher = lm if teacher is None else _teacher(lm, teacher, model)
     opt = torch.optim.AdamW(student.parameters(), lr=lr, weight_decay=0.0)
@@ -236,8 +241,10 @@ def tune(model: str, out, method: str = "noise", preset_name: str = "pcm", overr
             save_state(state_dir, student, opt, step + 1, settings)
     bar.close()
     student.eval().requires_grad_(False)
-    if lm.kind == "causal":
+    if as_gguf:
         llama.save_gguf(student, source, out)
+    elif lm.kind == "causal":
+        hf.save_causal_lm(student, source, out)
     else:
         bert.save_folder(student, source, out)
     shutil.rmtree(state_dir, ignore_errors=True)
