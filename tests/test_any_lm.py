@@ -169,3 +169,19 @@ def test_hwa_tunes_a_transformers_model_into_a_folder(folders, tmp_path, capsys)
     assert not (tmp_path / "tuned.hwa-state").exists()
     code, _, err = hilt(capsys, "hwa", folders["gemma3"], out, "--steps", 1)
     assert code == 1 and "already exists" in err and out.is_dir()
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_fp8_scales_bound_every_head(folders, family, tmp_path, capsys, monkeypatch):
+    import json
+
+    from hilt.data import text as text_module
+
+    monkeypatch.setattr(text_module, "shakespeare_text", lambda work: TEXT * 4)
+    code, _, err = hilt(capsys, "fp8", "scales", folders[family], "--tokens", 128, "--context", 64, "--json",
+                        tmp_path / "f.json")
+    assert code == 0, err
+    rows = json.loads((tmp_path / "f.json").read_text())["rows"]
+    assert len(rows) == 2 and all(len(r["bound"]) == 4 and not r["exceeded"] for r in rows)
+    assert all(0 < o <= b for r in rows for o, b in zip(r["observed"], r["bound"]))
+    assert {r["kind"] for r in rows} == ({"qk_norm"} if family == "gemma3" else {"projection"})

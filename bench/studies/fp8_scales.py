@@ -211,16 +211,26 @@ def checkpoint_family(path) -> str:
     return family
 
 
-def run(model: str) -> dict:
-    """``model``: minilm, smollm2, or the path of a llama GGUF / BERT safetensors checkpoint."""
+def run(model: str, tokens: int = 1024, context: int = 256) -> dict:
+    """``model``: minilm, smollm2, the path of a llama GGUF / BERT safetensors checkpoint, or any other causal
+    LM hilt.models.lm loads (gemma3, a GGUF transformers reads, a causal-LM folder): ``tokens`` tokens of Hamlet
+    in windows of ``context``."""
+    from hilt.models import lm as causal
+
     if model in ("minilm", "smollm2"):
         rows = minilm() if model == "minilm" else smollm2()
+    elif model in causal.BUILTIN or (Path(model).exists() and causal.is_language_model(model)
+                                     and causal.lm_source(model).runner != causal.OWN):
+        from hilt.data.text import shakespeare_text
+
+        lm = causal.load_lm(model)
+        rows = causal_lm(lm.model, list(lm.windows(shakespeare_text("hamlet"), tokens, context, "Hamlet")), model)
     elif Path(model).exists():
         family = checkpoint_family(model)
         rows = minilm(path=model) if family == "bert" else smollm2(path=model)
         model = str(model)
     else:
-        raise HiltError(f"{model}: not minilm or smollm2, and no such file or directory")
+        raise HiltError(f"{model}: not minilm, smollm2 or gemma3, and no such file or directory")
     first = rows[0]
     LOG.info(f"{model}: per layer, max over heads: largest |logit| observed on real text; the worst-case bound "
              f"(holds for every input); the rank-aware prediction (delta 1e-6, n {first['n_tokens']}) and how the "

@@ -7,7 +7,7 @@ from hilt.cli.output import write_json_option, write_outputs
 def cmd_fp8_scales(args) -> int:
     from hilt.bench.studies import fp8_scales
 
-    write_json_option(args, fp8_scales.run(args.model))
+    write_json_option(args, fp8_scales.run(args.model, args.tokens, args.context))
     return 0
 
 
@@ -29,10 +29,13 @@ def cmd_fp8_attention(args) -> int:
 def register(sub) -> None:
     f8sub = group(sub, "fp8", "FP8 attention: logit bounds and scales from the weights", "what")
     fs = command(f8sub, "scales", "per layer and head: the weight-only bound on |attention logit| "
-                 "(spectral norm of W_Q,h^T W_K,g) against the largest observed on real text",
+                 "(spectral norm of W_Q,h^T W_K,g, or the q/k norms' gains) against the largest observed on real text",
                  "hilt fp8 scales minilm --json minilm-fp8.json", [OUTPUT])
-    fs.add_argument("model", help="minilm, smollm2, or a checkpoint: a llama GGUF file or a BERT directory "
+    fs.add_argument("model", help="minilm, smollm2, gemma3, a GGUF file, a causal-LM folder or a BERT directory "
                                   "(config.json, tokenizer.json, model.safetensors)")
+    fs.add_argument("--tokens", type=POSITIVE, default=1024,
+                    help="a causal LM through transformers: Hamlet tokens to observe logits on (default 1024)")
+    fs.add_argument("--context", type=POSITIVE, default=256, help="... in windows of this many tokens (default 256)")
     fs.set_defaults(func=cmd_fp8_scales)
     ft = command(f8sub, "transient", "overflow of FP8 attention logits after a load, a resume and a learning-rate "
                  "spike, per scale recipe (fine-tuning a character GPT on Shakespeare)",
