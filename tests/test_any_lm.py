@@ -185,3 +185,22 @@ def test_fp8_scales_bound_every_head(folders, family, tmp_path, capsys, monkeypa
     assert len(rows) == 2 and all(len(r["bound"]) == 4 and not r["exceeded"] for r in rows)
     assert all(0 < o <= b for r in rows for o, b in zip(r["observed"], r["bound"]))
     assert {r["kind"] for r in rows} == ({"qk_norm"} if family == "gemma3" else {"projection"})
+
+
+def test_windows_with_a_bos_score_every_text_token():
+    from hilt.models.lm import perplexity, split_windows
+
+    ids = torch.arange(10, 20)
+    plain = split_windows(ids, 4)
+    assert [w.tolist() for w in plain] == [[10, 11, 12, 13], [14, 15, 16, 17], [18, 19]]
+    led = split_windows(ids, 4, bos=2)
+    assert [w.tolist() for w in led] == [[2, 10, 11, 12], [2, 13, 14, 15], [2, 16, 17, 18], [2, 19]]
+    # a model that puts all its mass on the next id scores perplexity 1 on exactly the text's tokens
+    seen = []
+
+    def forward(w):
+        seen.extend(w[0, 1:].tolist())
+        return torch.nn.functional.one_hot(torch.cat([w[0, 1:], w[0, :1]]), 32).float()[None] * 100
+
+    assert perplexity(forward, ids, 4, bos=2) == pytest.approx(1.0)
+    assert seen == ids.tolist()

@@ -168,9 +168,19 @@ class CausalLM:
         model = self.model if model is None else model
         return model(ids) if self.own else model(input_ids=ids, use_cache=False).logits
 
+    @property
+    def bos(self) -> int | None:
+        """The token the tokenizer puts in front of a text (Gemma's <bos>), which every scored window then starts
+        with; None where it puts none, and for hilt's own Llama (SmolLM2 adds none)."""
+        if self.own:
+            return None
+        bos = getattr(self.tokenizer, "bos_token_id", None)
+        ids = self.tokenizer("a")["input_ids"]
+        return bos if bos is not None and ids and ids[0] == bos else None
+
     def perplexity(self, ids, context: int = 512, progress: bool = False, model: nn.Module | None = None) -> float:
-        """exp(mean next-token NLL) over non-overlapping windows of ``context`` tokens (each starts fresh)."""
-        return perplexity(lambda w: self.logits(w, model), ids, context, progress)
+        """exp(mean next-token NLL) over non-overlapping windows of ``context`` tokens (:func:`split_windows`)."""
+        return perplexity(lambda w: self.logits(w, model), ids, context, progress, self.bos)
 
     def windows(self, text: str, tokens: int, context: int, what: str = "text") -> torch.Tensor:
         """The first ``tokens`` tokens of ``text`` as (tokens // context, context) windows."""
@@ -224,14 +234,22 @@ def load_lm(spec, source: LMSource | None = None) -> CausalLM:
     return CausalLM(source, model.eval(), tokenizer)
 
 
-def perplexity(forward, token_ids, context: int = 512, progress: bool = False) -> float:
-    """exp(mean next-token NLL) of ``forward`` (ids (1, T) -> logits (1, T, vocab)) over non-overlapping windows
-    of ``context`` tokens. Each window starts fresh, so its first token is not predicted; a last window shorter
-    than 2 tokens is dropped."""
+def split_windows(token_ids, context: int, bos: int | None = None) -> list[torch.Tensor]:
+    """Non-overlapping windows of at most ``context`` tokens, a last one shorter than 2 dropped. With ``bos`` each
+    window is that token and ``context`` - 1 tokens of the text, so every text token is predicted (a model trained
+    with a BOS in front, Gemma's, is lost without it); without, a window's first token is not predicted."""
     ids = torch.as_tensor(token_ids, dtype=torch.long).flatten()
     if context < 2 or ids.numel() < 2:
         raise HiltError(f"perplexity needs context >= 2 and >= 2 tokens (got context={context}, {ids.numel()} tokens)")
-    windows = [w for w in ids.split(context) if w.numel() >= 2]
+    if bos is None:
+        return [w for w in ids.split(context) if w.numel() >= 2]
+    return [torch.cat([ids.new_tensor([bos]), w]) for w in ids.split(context - 1)]
+
+
+def perplexity(forward, token_ids, context: int = 512, progress: bool = False, bos: int | None = None) -> float:
+    """exp(mean next-token NLL) of ``forward`` (ids (1, T) -> logits (1, T, vocab)) over the windows
+    :func:`split_windows` makes. Each window starts fresh."""
+    windows = split_windows(token_ids, context, bos)
     nll_sum, count = 0.0, 0
     with torch.inference_mode(), Progress(len(windows), "perplexity", "window", enabled=progress) as bar:
         for i, w in enumerate(windows):

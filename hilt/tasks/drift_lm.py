@@ -40,6 +40,7 @@ class LanguageModel:
     encode: Callable  # text -> token ids (causal) / sentences -> (ids, mask) (encoder)
     logits: Callable | None = None  # causal: (model, ids (B, T)) -> logits (B, T, vocab)
     hidden: Callable | None = None  # encoder: (model, ids, mask) -> last hidden states (B, T, d)
+    bos: int | None = None  # causal: the token each scored window starts with (hilt.models.lm.split_windows)
 
 
 def is_language_model(spec: str) -> bool:
@@ -86,7 +87,7 @@ def load_language_model(spec: str) -> LanguageModel:
 
 
 def _causal(lm) -> LanguageModel:
-    return LanguageModel("causal", lm.model, lm.name, lm.encode, logits=lambda m, ids: lm.logits(ids, m))
+    return LanguageModel("causal", lm.model, lm.name, lm.encode, logits=lambda m, ids: lm.logits(ids, m), bos=lm.bos)
 
 
 def _read_text(text) -> tuple[str, str]:
@@ -112,7 +113,9 @@ def eval_data(lm: LanguageModel, text=None, tokens: int = 256, context: int = 12
         ids = torch.tensor(lm.encode(body)[:tokens], dtype=torch.long)
         if len(ids) < min(tokens, 2):
             raise HiltError(f"{name}: only {len(ids)} tokens, need at least 2")
-        windows = [w for w in ids.split(context) if w.numel() >= 2]
+        from hilt.models.lm import split_windows
+
+        windows = split_windows(ids, context, lm.bos)
         return windows, f"{name}, {len(ids)} tokens in windows of {context}"
     from hilt.data.text import spoken_sentences, sentences as hamlet_sentences
 
