@@ -204,3 +204,18 @@ def test_windows_with_a_bos_score_every_text_token():
 
     assert perplexity(forward, ids, 4, bos=2) == pytest.approx(1.0)
     assert seen == ids.tolist()
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_calibrate_then_quantize_by_importance(folders, family, tmp_path, capsys):
+    imp = tmp_path / "imp.safetensors"
+    code, _, err = hilt(capsys, "calibrate", folders[family], "--out", imp, "--tokens", 512)
+    assert code == 0, err
+    from safetensors.torch import load_file
+
+    importance = load_file(imp)
+    layers = {f"{n}.weight" for n in load_lm(folders[family]).linear_layers()}
+    assert layers <= set(importance) and all(bool((importance[n] > 0).all()) for n in layers)
+    code, _, err = hilt(capsys, "quantize", folders[family], tmp_path / "q", "--bits", 3, "--block-size", 32,
+                        "--importance", imp)
+    assert code == 0, err

@@ -224,7 +224,7 @@ def run(model: str, tokens: int = 1024, context: int = 256) -> dict:
         from hilt.data.text import shakespeare_text
 
         lm = causal.load_lm(model)
-        rows = causal_lm(lm.model, list(lm.windows(shakespeare_text("hamlet"), tokens, context, "Hamlet")), model)
+        rows = causal_lm(lm.model, lm.windows(shakespeare_text("hamlet"), tokens, context, "Hamlet"), model)
     elif Path(model).exists():
         family = checkpoint_family(model)
         rows = minilm(path=model) if family == "bert" else smollm2(path=model)

@@ -17,7 +17,7 @@ def cmd_calibrate(args) -> int:
 def register(sub) -> None:
     c = command(sub, "calibrate", "per-column input importance of every linear layer, from real text",
                 "hilt calibrate smollm2 --out smollm2-importance.safetensors", [OUTPUT])
-    c.add_argument("model", nargs="?", default="smollm2", help="'smollm2', 'minilm', a GGUF path or a MiniLM folder")
+    c.add_argument("model", nargs="?", default="smollm2", help="smollm2, gemma3, a GGUF path, a causal-LM folder, minilm or a BERT folder")
     c.add_argument("--out", required=True, metavar="FILE", help="safetensors file to write")
     c.add_argument("--work", default="macbeth", help="Shakespeare work to calibrate on (default macbeth)")
     c.add_argument("--tokens", type=POSITIVE, default=2048, help="tokens for a causal LM (default 2048)")

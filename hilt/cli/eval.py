@@ -31,9 +31,9 @@ def register(sub) -> None:
     esub = group(sub, "eval", "evaluate a model, quantized or not", "metric")
     pp = command(esub, "ppl", "perplexity of a causal LM on text: SmolLM2-135M (default), a Llama GGUF, or any "
                  "Hugging Face folder (through transformers; hilt's quantized folders included)",
-                 "hilt eval ppl smollm2 --quantized out-2bit --tokens 2048\n  hilt eval ppl smol-hf-4bit", [OUTPUT])
+                 "hilt eval ppl smollm2 --quantized out-2bit --tokens 2048\n  hilt eval ppl gemma3\n  hilt eval ppl smol-hf-4bit", [OUTPUT])
     pp.add_argument("model", nargs="?", default="smollm2",
-                    help="'smollm2' (the packaged model), a GGUF path, or a Hugging Face causal-LM folder")
+                    help="smollm2 or gemma3 (the packaged models), a GGUF path, or a Hugging Face causal-LM folder")
     pp.add_argument("--quantized", metavar="DST", help="hilt checkpoint made from MODEL by `hilt quantize`")
     pp.add_argument("--text", metavar="FILE", help="UTF-8 text file (default: Shakespeare's Hamlet)")
     pp.add_argument("--tokens", type=integer(2), default=2048, help="tokens to score (default 2048)")

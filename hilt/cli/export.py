@@ -37,8 +37,9 @@ def cmd_export_gguf(args) -> int:
 
     r = export_gguf(args.src, args.out, overwrite=args.overwrite, dense=args.dense)
     kinds = ", ".join(f"{v} {k}" for k, v in sorted(r["types"].items()))
-    print(f"wrote {r['out']}: {r['tensors']} tensors ({kinds}), {r['bytes'] / 1e6:.1f} MB; metadata and tokenizer "
-          f"from {r['source']}")
+    skipped = f"; {r['left_out']} tensors outside the text model left out" if r.get("left_out") else ""
+    print(f"wrote {r['out']}: {r['architecture']}, {r['tensors']} tensors ({kinds}), {r['bytes'] / 1e6:.1f} MB; "
+          f"metadata and tokenizer from {r['source']}{skipped}")
     write_json_option(args, r)
     return 0
 
@@ -73,9 +74,11 @@ def register(sub) -> None:
     xo.add_argument("--overwrite", action="store_true")
     xo.set_defaults(func=cmd_export_onnx)
     xg = command(xsub, "gguf", "a checkpoint of integer weights (4-bit and 8-bit int, 4-bit int-asym) as a GGUF "
-                 "file llama.cpp reads (Q4_0, Q8_0, Q4_1), losslessly; metadata and tokenizer from its source GGUF",
-                 "hilt export gguf smol-int4 smol-int4.gguf", [OUTPUT])
-    xg.add_argument("src", help="hilt checkpoint folder quantized from a GGUF file")
+                 "file llama.cpp reads (Q4_0, Q8_0, Q4_1), losslessly; metadata and tokenizer from its source GGUF, "
+                 "or from the config and tokenizer.json of a Hugging Face Llama or Gemma 3 folder",
+                 "hilt export gguf smol-int4 smol-int4.gguf\n  hilt export gguf gemma-hf-int4 gemma-int4.gguf", [OUTPUT])
+    xg.add_argument("src", help="hilt checkpoint folder quantized from a GGUF file, or from a Hugging Face Llama or "
+                    "Gemma 3 folder")
     xg.add_argument("out", help="the .gguf file to write")
     xg.add_argument("--overwrite", action="store_true")
     xg.add_argument("--dense", action="store_true",

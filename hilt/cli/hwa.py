@@ -24,7 +24,7 @@ def register(sub) -> None:
                 "hilt hwa smollm2 smollm2-pcm.gguf --method noise --set weight_mapping=column --steps 60\n  "
                 "hilt drift --model smollm2-pcm.gguf --preset pcm --set weight_mapping=column --times 1s,1y",
                 [OUTPUT, SEED])
-    h.add_argument("model", help="smollm2, a Llama .gguf, minilm or a BERT model folder")
+    h.add_argument("model", help="smollm2, gemma3, a .gguf, a causal-LM folder (written out as a folder), minilm or a BERT folder")
     h.add_argument("out", help="the tuned model: a .gguf file for a causal LM, a folder for an encoder")
     h.add_argument("--method", default="noise", choices=("noise", "dwp"),
                    help="noise: one device read per step at --eta; dwp: --copies reads at levels over "

@@ -39,7 +39,7 @@ def register(sub) -> None:
                  "hilt sensitivity minilm --json minilm-tpv.json --plot minilm-tpv.png", [OUTPUT, PLOT, SEED],
                  plot="Tr(H_eff) per layer with its standard error, and the predicted change of a few formats")
     se.add_argument("model", nargs="?", default="smollm2",
-                    help="smollm2, minilm, mlp, cnn, a Llama GGUF file or a BERT folder (default smollm2)")
+                    help="smollm2, gemma3, minilm, mlp, cnn, a GGUF file, a causal-LM or BERT folder (default smollm2)")
     se.add_argument("--checkpoint", metavar="FILE", help="mlp/cnn: the workload checkpoint (default the trained one)")
     se.add_argument("--candidates", metavar="LIST",
                     help="formats METHOD BITS[@BLOCK], ranges allowed: default kmeans1-4,int2-8 (mlp/cnn: @row)")

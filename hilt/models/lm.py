@@ -182,15 +182,13 @@ class CausalLM:
         """exp(mean next-token NLL) over non-overlapping windows of ``context`` tokens (:func:`split_windows`)."""
         return perplexity(lambda w: self.logits(w, model), ids, context, progress, self.bos)
 
-    def windows(self, text: str, tokens: int, context: int, what: str = "text") -> torch.Tensor:
-        """The first ``tokens`` tokens of ``text`` as (tokens // context, context) windows."""
-        if context < 2:
-            raise HiltError(f"context must be at least 2 tokens, got {context}")
+    def windows(self, text: str, tokens: int, context: int, what: str = "text") -> list[torch.Tensor]:
+        """The first ``tokens`` tokens of ``text`` in whole windows of ``context`` (:func:`split_windows`, so led by
+        the BOS where the model has one)."""
         ids = self.encode(text)
         if len(ids) < max(tokens, context):
             raise HiltError(f"{what}: only {len(ids)} tokens, {max(tokens, context)} asked for")
-        n = tokens // context * context
-        return torch.tensor(ids[:n], dtype=torch.long).view(-1, context)
+        return [w for w in split_windows(ids[:tokens], context, self.bos) if w.numel() == context]
 
     def linear_layers(self) -> dict[str, nn.Linear]:
         """The Linear layers of the decoder blocks by module path: what a quantizer or a chip takes. Embeddings

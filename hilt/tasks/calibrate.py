@@ -50,18 +50,19 @@ def collect_importance(model: nn.Module, batches) -> dict[str, torch.Tensor]:
 
 def calibrate(model="smollm2", out="importance.safetensors", work="macbeth", tokens=2048, sentences=256,
               overwrite=False) -> dict:
-    """Importance for SmolLM2 ('smollm2' or a GGUF path) or MiniLM ('minilm' or its folder)."""
+    """Importance for any causal LM hilt.models.lm loads (smollm2, gemma3, a GGUF path, a causal-LM folder) or
+    MiniLM ('minilm' or a BERT folder)."""
 
     from hilt.data.text import sentences as real_sentences
     from hilt.data.text import shakespeare_text
+    from hilt.models import lm as causal
 
     out = Path(out)
     if out.exists() and not overwrite:
         raise HiltError(f"{out}: already exists; pass --overwrite to replace it")
     if not out.parent.is_dir():
         raise HiltError(f"{out}: folder {out.parent} does not exist")
-    is_bert = model == "minilm" or (Path(model).exists() and Path(model).suffix != ".gguf")
-    if is_bert:
+    if model == "minilm" or not causal.is_language_model(model):
         from hilt.models import bert
 
         net, tokenizer = bert.load_minilm(None if model == "minilm" else model)
@@ -73,16 +74,15 @@ def calibrate(model="smollm2", out="importance.safetensors", work="macbeth", tok
                 yield (torch.tensor([e.ids for e in enc]), torch.tensor([e.attention_mask for e in enc]))
         seen = f"{len(batch)} sentences of {work}"
     else:
-        from hilt.models import llama
-
-        net, tokenizer = llama.load_llama(None if model == "smollm2" else model)
-        ids = tokenizer.encode(shakespeare_text(work))
-        ids = torch.tensor(ids[len(ids) // 4:][:tokens])  # past the cast list
+        lm = causal.load_lm(model)
+        net = lm.model
+        ids = lm.encode(shakespeare_text(work))
+        ids = ids[len(ids) // 4:][:tokens]  # past the cast list
 
         def batches():
-            for i in range(0, ids.numel(), 512):
-                yield (ids[None, i:i + 512],)
-        seen = f"{ids.numel()} tokens of {work}"
+            for w in causal.split_windows(ids, 512, lm.bos):
+                yield (w[None],)
+        seen = f"{len(ids)} tokens of {work}"
     importance = collect_importance(net, batches())
     save_safetensors({k: v.contiguous() for k, v in importance.items()}, out, metadata={"format": "pt"})
     return {"out": str(out), "layers": len(importance), "calibration": seen}
