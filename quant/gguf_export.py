@@ -10,12 +10,14 @@ llama.cpp's block types hold exactly hilt's integer formats, in blocks of 32 alo
 A hilt block of B = 32 k weights is k GGUF blocks sharing its scale. d (and m) are fp16 in GGUF
 and bf16 in hilt; every bf16 value whose exponent fp16 can hold converts exactly, and a scale that
 does not is refused, so the file's dequantization equals hilt's bit for bit. k-means is refused:
-GGUF has no learned-codebook block type. Dense tensors are written as stored (F32, F16; bf16 as
-F32, which holds it exactly).
+GGUF has no learned-codebook block type. Dense tensors of two or more dimensions are written as stored
+(F32, F16, BF16), as llama.cpp's own converter writes them; 1-D tensors (norms, biases) as F32, which
+holds bf16 and fp16 exactly, because llama.cpp's CPU backend adds and multiplies them into float32
+activations and has no float32-by-bf16 (or fp16) kernel for that.
 
 Metadata, tokenizer and tensor names come from the GGUF file the checkpoint was quantized from
 (hilt's names for a GGUF source are its tensor names), or, for a checkpoint quantized from a Hugging
-Face Llama folder, from its config.json and tokenizer files (hilt.quant.gguf_hf).
+Face Llama or Gemma 3 folder, from its config.json and tokenizer files (hilt.quant.gguf_hf).
 """
 
 from __future__ import annotations
@@ -99,14 +101,26 @@ def copy_gguf_metadata(reader, writer, keep=None) -> None:
         writer.add_key_value(field.name, field.contents(), vtype, sub)
 
 
+def gguf_dense(value: torch.Tensor):
+    """A dense tensor as GGUF data and its type (None: numpy's dtype says it): 1-D as F32 (llama.cpp has no
+    float32-by-bf16 or -fp16 elementwise kernel on the CPU), others as stored."""
+    import gguf
+
+    if value.dim() <= 1 and value.dtype != torch.float32:
+        value = value.float()  # exact from bf16 and fp16
+    if value.dtype == torch.bfloat16:  # numpy has no bfloat16: its bytes, typed BF16
+        return value.contiguous().view(torch.uint8).numpy(), gguf.GGMLQuantizationType.BF16
+    return value.contiguous().numpy(), None
+
+
 def export_gguf(dst, out, overwrite: bool = False, dense: bool = False) -> dict:
     """Write the hilt checkpoint ``dst`` as the GGUF file ``out``: quantized from a GGUF file (its metadata,
-    vocabulary and names copied), or from a Hugging Face Llama folder (built by hilt.quant.gguf_hf).
+    vocabulary and names copied), or from a Hugging Face Llama or Gemma 3 folder (built by hilt.quant.gguf_hf).
     ``dense``: every tensor as F32, the quantized ones dequantized (the same weights, which llama.cpp
     then multiplies in float32 rather than with its 8-bit rounded activations)."""
     import gguf
 
-    from hilt.quant.gguf_hf import TensorLayout, write_hf_metadata
+    from hilt.quant.gguf_hf import TensorLayout, gguf_architecture, write_hf_metadata
     from hilt.quant.hf_folder import is_hf_folder
 
     out, dst = Path(out), Path(dst)
@@ -119,6 +133,8 @@ def export_gguf(dst, out, overwrite: bool = False, dense: bool = False) -> dict:
                         "folder's config and tokenizer")
     if from_gguf and not source.is_file():
         raise HiltError(f"{dst}: its source {source} is gone; the GGUF export needs its metadata and tokenizer")
+    if not from_gguf:
+        arch, _ = gguf_architecture(dst)  # another model type is refused here, before any weight is read
     if out.is_dir():
         raise HiltError(f"{out}: is a folder; give the GGUF file's name")
     if out.exists() and not overwrite:
@@ -135,25 +151,26 @@ def export_gguf(dst, out, overwrite: bool = False, dense: bool = False) -> dict:
     if from_gguf:
         reader = read_gguf(source)
         arch = reader.fields["general.architecture"].contents()
-    else:
-        arch = "llama"
-    tensors = load_checkpoint(dst)
     counts: dict[str, int] = {}
+    written = 0
     with replacing(out, ".partial") as tmp:
         writer = gguf.GGUFWriter(str(tmp), arch)
         if from_gguf:
             copy_gguf_metadata(reader, writer)
-        else:
-            layout = TensorLayout(write_hf_metadata(dst, writer, dst.name))
+        else:  # config and vocabulary first: their refusals come before the weights are read
+            layout = TensorLayout(write_hf_metadata(dst, writer, dst.name), arch)
+        tensors = load_checkpoint(dst)
         for name, value in tensors.items():
+            if layout is not None and layout.skip(name):
+                continue
             if dense:
                 value = (value.dequantize() if isinstance(value, QuantizedWeight) else value).float()
+            if layout is not None:
+                value = layout.dense(name, value)
             if isinstance(value, QuantizedWeight):
                 data, kind = gguf_blocks(value, name)
-            elif value.dtype == torch.bfloat16:  # numpy has no bfloat16: its bytes, typed BF16
-                data, kind = value.contiguous().view(torch.uint8).numpy(), gguf.GGMLQuantizationType.BF16
             else:
-                data, kind = value.contiguous().numpy(), None
+                data, kind = gguf_dense(value)
             if layout is not None:
                 order = layout.rows(name, data.shape[0])
                 name = layout.name(name)
@@ -163,12 +180,17 @@ def export_gguf(dst, out, overwrite: bool = False, dense: bool = False) -> dict:
             label = kind.name if kind is not None else {np.dtype(np.float32): "F32", np.dtype(np.float16): "F16"}.get(
                 data.dtype, str(data.dtype))
             counts[label] = counts.get(label, 0) + 1
+            written += 1
         writer.write_header_to_file()
         writer.write_kv_data_to_file()
         writer.write_tensors_to_file()
         writer.close()
-    return {"out": str(out), "source": str(source) if from_gguf else f"{dst / 'config.json'} and its tokenizer files",
-            "tensors": len(tensors), "types": counts, "bytes": out.stat().st_size}
+    result = {"out": str(out), "architecture": arch,
+              "source": str(source) if from_gguf else f"{dst / 'config.json'} and its tokenizer files",
+              "tensors": written, "types": counts, "bytes": out.stat().st_size}
+    if written < len(tensors):
+        result["left_out"] = len(tensors) - written  # a multimodal Gemma 3's vision tower
+    return result
 
 
 class _Meta:
