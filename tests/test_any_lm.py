@@ -219,3 +219,13 @@ def test_calibrate_then_quantize_by_importance(folders, family, tmp_path, capsys
     code, _, err = hilt(capsys, "quantize", folders[family], tmp_path / "q", "--bits", 3, "--block-size", 32,
                         "--importance", imp)
     assert code == 0, err
+
+
+def test_bench_decode_refuses_a_model_no_path_serves_before_any_work(tmp_path, capsys):
+    encoder = tmp_path / "enc"
+    encoder.mkdir()
+    (encoder / "config.json").write_text('{"model_type": "bert", "architectures": ["BertModel"]}')
+    (encoder / "model.safetensors").write_bytes(b"")
+    code, _, err = hilt(capsys, "bench", "decode", "--model", encoder, "--work", tmp_path / "w")
+    assert code == 1 and "is an encoder, not a causal LM" in err and len(err.strip().splitlines()) == 1
+    assert not (tmp_path / "w").exists()

@@ -277,8 +277,9 @@ def llama_cpp_tool(name: str) -> Path | None:
     return tool if tool.is_file() and os.access(tool, os.X_OK) else None
 
 
-def _llama_cpp_rows(tmp: Path, threads: int, new_tokens: int, repeats: int) -> list[dict]:
-    """llama-bench's token generation on hilt's Q4_0 and Q8_0 GGUF exports of SmolLM2."""
+def _llama_cpp_rows(tmp: Path, threads: int, new_tokens: int, repeats: int, source: Path | None = None) -> list[dict]:
+    """llama-bench's token generation on hilt's Q4_0 and Q8_0 GGUF exports of ``source`` (a Hugging Face folder;
+    default SmolLM2's GGUF)."""
     from hilt.models.llama import smollm2_path
     from hilt.quant.gguf_export import export_gguf
 
@@ -290,8 +291,8 @@ def _llama_cpp_rows(tmp: Path, threads: int, new_tokens: int, repeats: int) -> l
     for kind, config in LLAMA_CPP_FORMATS.items():
         label = f"llama.cpp llama-bench, hilt's {kind} export"
         try:
-            folder, gguf_file = tmp / f"llama-{kind}", tmp / f"smollm2-{kind}.gguf"
-            quantize_checkpoint(smollm2_path(), folder, config)
+            folder, gguf_file = tmp / f"llama-{kind}", tmp / f"model-{kind}.gguf"
+            quantize_checkpoint(source or smollm2_path(), folder, config)
             export_gguf(folder, gguf_file)
             r = subprocess.run([str(bench), "-m", str(gguf_file), "-p", "0", "-n", str(new_tokens), "-t", str(threads),
                                 "-r", str(repeats), "-o", "json"], capture_output=True, text=True, timeout=600)
@@ -305,6 +306,20 @@ def _llama_cpp_rows(tmp: Path, threads: int, new_tokens: int, repeats: int) -> l
     return rows
 
 
+def _bfloat16_folder(folder: Path, out: Path, transformers) -> Path:
+    """``folder`` where it is stored in bfloat16, else a bfloat16 copy at ``out`` (the dense row's weights, and
+    what the quantized rows are made from, as `hilt convert` makes them)."""
+    from hilt.models.hf import save_causal_lm
+    from hilt.quant.hf_folder import read_config
+
+    config = read_config(folder)
+    if (config.get("dtype") or config.get("torch_dtype")) == "bfloat16":
+        return folder
+    LOG.info(f"{folder}: a bfloat16 copy to time and quantize")
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.bfloat16)
+    return save_causal_lm(model, folder, out)
+
+
 def _tiny_llama(folder: Path, transformers) -> Path:
     """A random 2-layer Llama as a Hugging Face folder (bfloat16): the quick mode's model."""
     config = transformers.LlamaConfig(vocab_size=512, hidden_size=128, intermediate_size=384, num_hidden_layers=2,
@@ -315,11 +330,16 @@ def _tiny_llama(folder: Path, transformers) -> Path:
 
 
 def run(quick: bool = False, work=None, threads: int = 2, gemv: bool = True, new_tokens: int | None = None,
-        repeats: int | None = None) -> dict:
-    """``quick``: a tiny random Llama, dense and k-means 4-bit, 4 tokens; SmolLM2's layer alone in the GEMV table."""
+        repeats: int | None = None, model: str = "smollm2") -> dict:
+    """``model``: any causal LM hilt.models.lm names (smollm2 adds hilt's own Llama runner and transformers' own
+    GGUF loading); ``quick``: a tiny random Llama, dense and k-means 4-bit, 4 tokens; SmolLM2's layer alone in the
+    GEMV table."""
+    from hilt.models.lm import OWN, lm_source
     from hilt.models.llama import GGUF_FILE, smollm2_path
 
     transformers = require_transformers()
+    source = None if quick else lm_source(model)  # a model no path serves is refused before the minutes below
+    smollm2 = not quick and model == "smollm2"
     if work is not None:  # made now, not after the GEMV table's minutes
         if Path(work).exists() and not Path(work).is_dir():
             raise HiltError(f"{work}: --work is a file, expected a folder")
@@ -343,10 +363,16 @@ def run(quick: bool = False, work=None, threads: int = 2, gemv: bool = True, new
             ids = torch.arange(1, 9).unsqueeze(0)
             decode_text = lambda tokens: " ".join(map(str, tokens))  # noqa: E731 (no tokenizer: the ids)
         else:
-            LOG.info("converting SmolLM2's GGUF to a Hugging Face folder (bfloat16)")
-            dense = gguf_to_hf(smollm2_path(), tmp / "smollm2-hf")
+            if source.runner == OWN:
+                LOG.info(f"converting {model}'s GGUF to a Hugging Face folder (bfloat16)")
+                dense = gguf_to_hf(source.path, tmp / "dense-hf")
+            elif source.path.is_dir():
+                dense = _bfloat16_folder(source.path, tmp / "dense-hf", transformers)
+            else:
+                raise HiltError(f"{source.path}: bench decode times Hugging Face folders; `hilt convert` it first")
             tokenizer = transformers.AutoTokenizer.from_pretrained(str(dense))
-            ids = tokenizer(PROMPT, return_tensors="pt", add_special_tokens=False)["input_ids"]
+            # the prompt as the model reads text: Gemma's tokenizer leads with its BOS, SmolLM2's adds none
+            ids = tokenizer(PROMPT, return_tensors="pt", add_special_tokens=not smollm2)["input_ids"]
             decode_text = tokenizer.decode
         folders = {"dense bf16": dense}
         for i, (label, (config, extra)) in enumerate(formats.items()):
@@ -362,14 +388,16 @@ def run(quick: bool = False, work=None, threads: int = 2, gemv: bool = True, new
                 del folders[label]
         gguf_kwargs = {"gguf_file": GGUF_FILE}
         cases = [(label, folder, {}) for label, folder in folders.items()]
-        if not quick:
+        if smollm2:
             cases.append(("transformers GGUF (Q4_1 file)", smollm2_path().parent, gguf_kwargs))
         LOG.info(f"loading {len(cases)} models")
         models = {label: transformers.AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.bfloat16,
                                                                           **kwargs).eval()
                   for label, folder, kwargs in cases}
-        LOG.info("hilt's own Llama, dense and k-means 4-bit")
-        own = _hilt_llamas(quick)
+        own = {}
+        if quick or smollm2:
+            LOG.info("hilt's own Llama, dense and k-means 4-bit")
+            own = _hilt_llamas(quick)
         models.update(own)
         prefill_ids = torch.randint(0, models["dense bf16"].config.vocab_size, (1, prefill),
                                     generator=torch.Generator().manual_seed(0))
@@ -405,7 +433,7 @@ def run(quick: bool = False, work=None, threads: int = 2, gemv: bool = True, new
             rows.append({"model": "llama.cpp llama-bench (Q4_0, Q8_0 exports)", "tokens_per_second": None,
                          "note": "not run in --quick" if llama_cpp_tool("llama-bench") else "not built"})
         else:
-            rows += _llama_cpp_rows(tmp, threads, new_tokens, repeats)
+            rows += _llama_cpp_rows(tmp, threads, new_tokens, repeats, None if smollm2 else dense)
     base_prefill = rows[0]["prefill_tokens_per_second"]
     for r in rows:
         if r.get("tokens_per_second") is None:
@@ -422,7 +450,7 @@ def run(quick: bool = False, work=None, threads: int = 2, gemv: bool = True, new
             r["first_forward_code_mb"] = round((r["rss_decoding_code"] - r["rss_loaded_code"]) / 1e6, 1)
     return {"threads": threads, "new_tokens": new_tokens, "repeats": repeats, "prefill_tokens": prefill,
             "prompt": None if quick else PROMPT,
-            "model": "tiny random Llama (quick)" if quick else "SmolLM2-135M-Instruct",
+            "model": "tiny random Llama (quick)" if quick else "SmolLM2-135M-Instruct" if smollm2 else model,
             "device": "cpu", "torch": torch.__version__, "transformers": transformers.__version__,
             "cpu_flags": _cpu_flags(), "copy_gb_per_s": round(bandwidth, 2), "rows": rows, "gemv": gemv_rows,
             "table": table(rows) + ("\n\n" + gemv_markdown(gemv_rows, bandwidth) if gemv_rows else "")}

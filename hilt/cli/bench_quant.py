@@ -65,7 +65,7 @@ def cmd_bench_decode(args) -> int:
     from hilt.bench.perf import decode_speed
 
     r = decode_speed.run(quick=args.quick, work=args.work, threads=args.threads, new_tokens=args.tokens,
-                         repeats=args.repeats)
+                         repeats=args.repeats, model=args.model)
     print(r["table"])
     if args.out:
         from hilt.atomic import write_json as write_json_file
@@ -175,12 +175,15 @@ def register(bsub) -> None:
                       help="cim: the CNN on a PCM chip a year after programming, layer by layer, and which "
                            "layers to keep digital (default: all; --quick: minilm cnn cim)")
     bsen.set_defaults(func=cmd_bench_sensitivity)
-    bdec = command(bsub, "decode", "CPU decode of SmolLM2 through transformers' from_pretrained: hilt's int4, "
+    bdec = command(bsub, "decode", "CPU decode of a language model (SmolLM2, Gemma 3, yours) through transformers' "
+                   "from_pretrained: hilt's int4, "
                    "k-means 2/3/4-bit, binary and compensated folders against the dense bf16 model, transformers' own "
                    "GGUF loading and llama.cpp where built; tokens/s, load memory, one-layer GEMV GB/s against copy "
                    "bandwidth (needs hilt[hf])", "hilt bench decode --out bench/results", [OUTPUT])
     bdec.add_argument("--quick", action="store_true", help="a tiny random Llama, dense and k-means 4-bit, 4 tokens, "
                       "one GEMV row: checks the pipeline in seconds, not the speeds")
+    bdec.add_argument("--model", default="smollm2", help="smollm2 (default; adds hilt's own Llama runner), gemma3 "
+                      "or a Hugging Face causal-LM folder")
     bdec.add_argument("--threads", type=POSITIVE, default=2, help="torch threads (default 2)")
     bdec.add_argument("--tokens", type=POSITIVE, help="new tokens per timed generate (default 64; --quick 4)")
     bdec.add_argument("--repeats", type=POSITIVE, help="timed generates per model, the median kept (default 3)")
