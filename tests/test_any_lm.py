@@ -229,3 +229,17 @@ def test_bench_decode_refuses_a_model_no_path_serves_before_any_work(tmp_path, c
     code, _, err = hilt(capsys, "bench", "decode", "--model", encoder, "--work", tmp_path / "w")
     assert code == 1 and "is an encoder, not a causal LM" in err and len(err.strip().splitlines()) == 1
     assert not (tmp_path / "w").exists()
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_compressed_tensors_export_reads_as_hilts_folder(folders, family, tmp_path, capsys):
+    pytest.importorskip("compressed_tensors")
+    q, ct = tmp_path / "q", tmp_path / "ct"
+    assert hilt(capsys, "quantize", folders[family], q, "--method", "int", "--bits", 4, "--block-size", 32)[0] == 0
+    code, _, err = hilt(capsys, "export", "compressed-tensors", q, ct)
+    assert code == 0, err
+    ids = torch.tensor([load_lm(folders[family]).encode(TEXT)[:24]])
+    with torch.no_grad():
+        ours = load_lm(q).logits(ids)
+        theirs = transformers.AutoModelForCausalLM.from_pretrained(str(ct), dtype=torch.float32)(ids).logits
+    assert torch.allclose(ours, theirs, atol=1e-4, rtol=1e-4)
