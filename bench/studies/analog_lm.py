@@ -135,9 +135,12 @@ def tuned_copy(model: str, method: str, work: Path, steps: int, batch: int | Non
     from hilt.atomic import write_json
     from hilt.tasks import hwa
 
-    causal = model == "smollm2" or model.endswith(".gguf")
-    stem = Path(model).stem if model not in ("smollm2", "minilm") else model
-    out = work / (f"{stem}-{method}.gguf" if causal else f"{stem}-{method}")
+    from hilt.models import lm as causal_lm
+
+    causal = model != "minilm" and causal_lm.is_language_model(model)
+    as_gguf = causal and causal_lm.lm_source(model).runner == causal_lm.OWN  # hwa writes what it read
+    stem = model if model in ("minilm", *causal_lm.BUILTIN) else Path(model).stem
+    out = work / (f"{stem}-{method}.gguf" if as_gguf else f"{stem}-{method}")
     record_path = work / f"{stem}-{method}.json"
     settings = {"model": model, "method": method, "preset": TUNE_PRESET, "overrides": {"weight_mapping": "column"},
                 "steps": steps, "batch": batch or (4 if causal else 8), "context": context, "lr": LR}

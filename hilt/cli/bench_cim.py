@@ -129,7 +129,8 @@ def register(bsub) -> None:
                  [OUTPUT, PLOT], plot="the metric over time per model and preset, one line per variant")
     bl.add_argument("--quick", action="store_true",
                     help="pcm only, 2 chips, 1 s and 1 y, 64 tokens, tuning of 1-2 steps (a few minutes)")
-    bl.add_argument("--models", help="comma-separated: smollm2, minilm or a Llama GGUF file (default smollm2,minilm)")
+    bl.add_argument("--models", help="comma-separated: smollm2, gemma3, minilm, a GGUF file or a model folder "
+                    "(default smollm2,minilm)")
     bl.add_argument("--presets", help="comma-separated chip presets (default pcm,rram; --quick: pcm)")
     bl.add_argument("--chips", type=integer(1), help="chips per configuration (default 8; --quick: 2)")
     bl.add_argument("--set", action="append", metavar="FIELD=VALUE",
