@@ -4,7 +4,9 @@ its presets, and how a layer's weights are cut into crossbar arrays (:func:`arra
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import math
+import typing
+from dataclasses import dataclass, fields
 
 import torch
 
@@ -68,6 +70,28 @@ class AnalogConfig:
     # weight shrinks as 1/sqrt(n); the array holds n times the devices and draws n times the current.
     devices_per_weight: int = 1
 
+    def __post_init__(self):
+        self.check()
+
+    def check(self) -> None:
+        """Every field against its type and its range (FIELD_RANGES): one place for the Python API, `--set` and
+        sweep grids. A bad value is a one-line error naming the field, before any layer is built."""
+        for f in fields(self):
+            value, hint = getattr(self, f.name), _FIELD_TYPES[f.name]
+            if value is None and f.name in _OPTIONAL:
+                continue
+            if hint is float and isinstance(value, int) and not isinstance(value, bool):
+                value = float(value)
+            if isinstance(value, bool) != (hint is bool) or not isinstance(value, hint) or (
+                    hint is float and not math.isfinite(value)):
+                raise HiltError(f"AnalogConfig.{f.name}: expected {'a finite ' if hint is float else ''}"
+                                f"{hint.__name__}{' or None' if f.name in _OPTIONAL else ''}, got {value!r}")
+            if f.name in FIELD_RANGES:
+                lo, hi, open_low = FIELD_RANGES[f.name]
+                if (value <= lo if open_low else value < lo) or (hi is not None and value > hi):
+                    raise HiltError(f"AnalogConfig.{f.name}: {describe_range(f.name)}; got {value!r}")
+        self.device_model()
+
     def converter_steps(self) -> tuple[float, float]:
         """(DAC step, ADC step) in normalised units (1 where a converter is off)."""
         return (2 * self.inp_bound / (2**self.dac_bits - 2) if self.dac_bits is not None else 1.0,
@@ -92,14 +116,30 @@ class AnalogConfig:
                             f"{self.clip_std}, {self.clip_percentile}, {self.input_percentile}")
         if self.clip_std and self.clip_percentile:
             raise HiltError("clip_std and clip_percentile exclude each other: set one of them")
-        n = self.devices_per_weight
-        if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= 64:
-            raise HiltError(f"devices_per_weight is the devices per side of a weight, 1 to 64; got {n!r}")
-        if not 0 <= self.stuck_at_rate <= 1:
-            raise HiltError(f"stuck_at_rate is a fraction of the devices, 0 to 1; got {self.stuck_at_rate}")
         kw = dict(prog_noise_scale=self.prog_noise_scale, read_noise_scale=self.read_noise_scale,
                   drift_scale=self.drift_scale)
         return {"ideal": None, "pcm": PCM(**kw), "rram": RRAM(**kw)}[self.device]
+
+
+# Each numeric field's range: (lowest, highest or None, whether the lowest itself is excluded). A converter
+# needs 2 bits (a 1-bit DAC or ADC has no step: its levels are -bound and +bound only); 24 is beyond any
+# converter built. Read by AnalogConfig.check, `--set` and sweep grids alike.
+FIELD_RANGES = {
+    "tile_size": (1, None, False), "dac_bits": (2, 24, False), "adc_bits": (2, 24, False),
+    "inp_bound": (0.0, None, True), "out_bound": (0.0, None, True), "out_noise": (0.0, None, False),
+    "w_noise": (0.0, None, False), "ir_drop": (0.0, None, False), "stuck_at_rate": (0.0, 1.0, False),
+    "prog_noise_scale": (0.0, None, False), "read_noise_scale": (0.0, None, False), "drift_scale": (0.0, None, False),
+    "clip_std": (0.0, None, False), "clip_percentile": (0.0, 100.0, False), "input_percentile": (0.0, 100.0, True),
+    "smoothing": (0.0, 1.0, False), "devices_per_weight": (1, 64, False),
+}
+_FIELD_TYPES = {name: (typing.get_args(hint) or (hint,))[0] for name, hint in typing.get_type_hints(AnalogConfig).items()}
+_OPTIONAL = ("dac_bits", "adc_bits")
+
+
+def describe_range(name: str) -> str:
+    """``name``'s range in words, e.g. 'at least 2 and at most 24'."""
+    lo, hi, open_low = FIELD_RANGES[name]
+    return f"{'above' if open_low else 'at least'} {lo:g}" + (f" and at most {hi:g}" if hi is not None else "")
 
 
 # Presets. "pcm" is aihwkit's default inference configuration (PCM noise model, DAC 7 bit,

@@ -218,9 +218,10 @@ def test_drift_and_eval_read_a_tuned_model(tiny_gguf, tmp_path):
 def test_bad_input_is_one_line_and_writes_nothing(tiny_gguf, tmp_path):
     from test_hf import tiny_llama
 
-    folder = tiny_llama(tmp_path / "hf")
-    _one_line_failure(run_hilt("hwa", folder, tmp_path / "a.gguf"), "runs through transformers",
-                      absent=[tmp_path / "a.gguf"])
+    folder = tiny_llama(tmp_path / "hf")  # no tokenizer: refused before its weights load
+    _one_line_failure(run_hilt("hwa", folder, tmp_path / "a"), "no usable tokenizer", absent=[tmp_path / "a"])
+    _one_line_failure(run_hilt("hwa", tiny_gguf, tmp_path / "b.gguf", "--set", "tile_size=0"), "--set tile_size=0",
+                      "at least 1", absent=[tmp_path / "b.gguf"])
     (tmp_path / "dir.gguf").mkdir()
     _one_line_failure(run_hilt("hwa", tiny_gguf, tmp_path / "dir.gguf", "--overwrite"), "is a folder")
     _one_line_failure(run_hilt("hwa", tiny_gguf, tmp_path / "b.gguf", "--set", "colour=red"), "colour",

@@ -104,9 +104,17 @@ def sensitivity_no_config(tmp, mp):
 
 
 def sensitivity_other_model_type(tmp, mp):
-    _folder(tmp / "m", LLAMA)
+    _folder(tmp / "m", {"model_type": "t5", "architectures": ["T5Model"]})
     _reach(mp, "hilt.models.llama:load_llama")
-    return Probe(["sensitivity", tmp / "m"], 1, ["config.json", "model_type 'llama'", "'bert'"])
+    return Probe(["sensitivity", tmp / "m"], 1, ["config.json", "model_type 't5'", "'bert'"])
+
+
+def sensitivity_weights_not_the_configs(tmp, mp):
+    """A causal-LM config over weights of something else: refused before transformers builds the model (a
+    default-sized Llama, 28 GB)."""
+    _folder(tmp / "m", LLAMA)
+    return Probe(["sensitivity", tmp / "m"], 1, [str(tmp / "m"),
+                                                 "LlamaForCausalLM", "model.embed_tokens.weight"])
 
 
 def sensitivity_bert_folder_clean(tmp, mp):
@@ -412,7 +420,8 @@ def quantize_budget_within_reach_clean(tmp, mp):
     return Probe(["quantize", src, tmp / "q", "--budget", 3], 1, [SENTINEL], dest=tmp / "q")
 
 
-PROBES = [sensitivity_not_json, sensitivity_no_config, sensitivity_other_model_type, sensitivity_bert_folder_clean,
+PROBES = [sensitivity_not_json, sensitivity_no_config, sensitivity_other_model_type, sensitivity_weights_not_the_configs,
+          sensitivity_bert_folder_clean,
           embed_quantized_as_model, embed_quantized_flag_clean, ppl_quantized_as_model, ppl_encoder,
           ppl_encoder_quantized_by_hilt, ppl_encoder_without_architectures, ppl_missing_shard, ppl_no_weights,
           ppl_causal_lm_clean, convert_read_only_destination, convert_missing_parent, convert_write_fails,

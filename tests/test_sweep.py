@@ -210,7 +210,7 @@ def test_rows_do_not_depend_on_order_or_on_the_other_cells(reference, tmp_path):
     ('[axes]\nmodel = "mlp"\ntime = ["1s"]\npreset = ["pcmx"]', "axes.preset: unknown preset 'pcmx'"),
     ('[axes]\nmodel = "mlp"\ntime = []', "axes.time is empty"),
     ('[axes]\nmodel = "mlp"', "axes.time is missing"),
-    ('[axes]\nmodel = "mlp"\ntime = ["1s"]\nadc_bits = [1]', "axes.adc_bits: expected integers >= 2 or 'off', got 1"),
+    ('[axes]\nmodel = "mlp"\ntime = ["1s"]\nadc_bits = [1]', "axes.adc_bits: expected integers >= 2 and <= 24 or 'off', got 1"),
     ('[axes]\nmodel = "mlp"\ntime = ["1s"]\nout_noise = ["high"]', "axes.out_noise: expected numbers >= 0"),
     ('[axes]\nmodel = "mlp"\ntime = ["1s"]\ngdc = ["half"]', "axes.gdc: unknown drift compensation 'half'"),
     ('[axes]\nmodel = "mlp"\ntime = ["1d", "86400"]', "axes.time: '1d' and '86400' are the same time"),

@@ -185,6 +185,7 @@ def _load(folder, auto_class: str, dtype=torch.float32):
     transformers = require_transformers()
     import hilt  # noqa: F401  (registers hilt's quantizer with transformers)
 
+    _check_weights(folder, config, auto_class)
     try:
         model = getattr(transformers, auto_class).from_pretrained(str(folder), dtype=dtype)
     except HiltError:
@@ -196,16 +197,45 @@ def _load(folder, auto_class: str, dtype=torch.float32):
     return model.eval()
 
 
+def _check_weights(folder: Path, config: dict, auto_class: str) -> None:
+    """The weight files read by hilt before transformers reads them: every shard whole (a truncated one named), and
+    the tensors the config's model needs all there. transformers would build a model its weights do not fill at the
+    config's size, randomly initialised, and run it: a folder of a default-sized Llama whose weights are something
+    else takes 28 GB before anything fails."""
+    from hilt.quant.sources import open_source
+
+    if config.get("quantization_config"):
+        return  # packed weights under other names: hilt's quantizer checks them as it loads them
+    with open_source(folder) as source:
+        if source.format != "safetensors":
+            return
+        stored = set(source.names())
+    transformers = require_transformers()
+    try:
+        with torch.device("meta"):
+            expected = getattr(transformers, auto_class).from_config(transformers.AutoConfig.from_pretrained(str(folder)))
+    except Exception:  # noqa: BLE001 (a config transformers cannot build: its own load says why, in _load)
+        return
+    names = list(expected.state_dict())
+    # a tied head is not stored; transformers' checkpoints may carry a 'model.' prefix or not
+    found = {n for n in names if n in stored or n.split(".", 1)[-1] in stored or f"model.{n}" in stored}
+    missing = [n for n in names if n not in found and not n.endswith("lm_head.weight")]
+    if missing:
+        raise HiltError(f"{folder}: its weights lack {len(missing)} of the {len(names)} tensors "
+                        f"{type(expected).__name__} needs for this config.json (first: {missing[0]}); "
+                        "copy the folder again, or fix config.json")
+
+
 def load_causal_lm(folder, dtype=torch.float32):
-    """(model, tokenizer) of a causal-LM folder, quantized by hilt or not."""
-    model = _load(folder, "AutoModelForCausalLM", dtype)
-    return model, _tokenizer(folder)
+    """(model, tokenizer) of a causal-LM folder, quantized by hilt or not; the tokenizer first, before any weight."""
+    tokenizer = _tokenizer(folder)
+    return _load(folder, "AutoModelForCausalLM", dtype), tokenizer
 
 
 def load_encoder(folder, dtype=torch.float32):
-    """(model, tokenizer) of an encoder folder (last hidden states), quantized by hilt or not."""
-    model = _load(folder, "AutoModel", dtype)
-    return model, _tokenizer(folder)
+    """(model, tokenizer) of an encoder folder (last hidden states), quantized by hilt or not; the tokenizer first."""
+    tokenizer = _tokenizer(folder)
+    return _load(folder, "AutoModel", dtype), tokenizer
 
 
 def _tokenizer(folder):

@@ -192,7 +192,11 @@ def chip_config(preset_name: str, overrides: dict | None = None):
         if unknown:
             raise HiltError(f"--set {', '.join(sorted(unknown))}: not a field of AnalogConfig")
         hints = typing.get_type_hints(AnalogConfig)
-        config = dataclasses.replace(config, **{k: _field_value(k, v, hints[k]) for k, v in overrides.items()})
+        values = {k: _field_value(k, v, hints[k]) for k, v in overrides.items()}
+        try:
+            config = dataclasses.replace(config, **values)
+        except HiltError as e:  # a value out of its field's range: name the flag the user wrote
+            raise HiltError(f"--set {', '.join(f'{k}={v}' for k, v in overrides.items())}: {e}") from None
     return config
 
 

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from hilt.cim_sim import AnalogConfig, parse_time, preset
+from hilt.cim_sim.config import FIELD_RANGES
 from hilt.cim_sim.model import GDC_MODES
 from hilt.errors import HiltError
 from hilt.tasks.drift_lm import LANGUAGE_MODELS
@@ -26,9 +27,6 @@ AXES = ("model", "preset", *CONFIG_FIELDS, "chips", "gdc", "time")  # grid order
 GROUP_AXES = AXES[: AXES.index("gdc")]  # what a group's cells share
 DEFAULTS = {"preset": ["pcm"], "gdc": ["global"]}
 DEFAULT_CHIPS = 5
-# lower bounds of AnalogConfig fields (exclusive when the bound is a float marked by _ABOVE)
-_AT_LEAST = {"tile_size": 1, "dac_bits": 2, "adc_bits": 2}
-_ABOVE = ("inp_bound", "out_bound")
 _OFF = "off"
 
 
@@ -278,10 +276,10 @@ def _check_axis(where: str, axis: str, values: list, models: dict) -> list:
                   else isinstance(v, int) and not isinstance(v, bool) if kind is int
                   else isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v))
             expected = {bool: "true or false", str: "strings", int: "integers", float: "numbers"}[kind]
-            if kind in (int, float):
-                lo = _AT_LEAST.get(axis, 0)
-                ok = ok and (v > lo if axis in _ABOVE else v >= lo)
-                expected += f" {'>' if axis in _ABOVE else '>='} {lo}"
+            if kind in (int, float):  # the field's own range (cim_sim.config.FIELD_RANGES)
+                lo, hi, open_low = FIELD_RANGES[axis]
+                ok = ok and (v > lo if open_low else v >= lo) and (hi is None or v <= hi)
+                expected += f" {'>' if open_low else '>='} {lo:g}" + (f" and <= {hi:g}" if hi is not None else "")
             if not ok:
                 bad(expected + (f" or {_OFF!r}" if optional else ""), v)
             out.append(float(v) if kind is float else v)
