@@ -291,12 +291,17 @@ def _rope(config: dict, layer_type: str | None = None) -> dict:
 
 
 def _llama_parameters(config: dict, writer, where: Path) -> None:
-    import gguf
-
     n_head, hidden = int(config["num_attention_heads"]), int(config["hidden_size"])
     rope = _rope(config)
     writer.add_rope_freq_base(float(rope.get("rope_theta", config.get("rope_theta", 10000.0))))
     writer.add_rope_dimension_count(int(config.get("head_dim") or hidden // n_head))
+    _rope_scaling(rope, writer, where)
+
+
+def _rope_scaling(rope: dict, writer, where: Path) -> None:
+    """A linear RoPE scaling written as llama.cpp reads it; any other kind refused."""
+    import gguf
+
     kind = rope.get("rope_type", rope.get("type"))
     if kind not in (None, "default"):
         if kind != "linear":
@@ -306,8 +311,6 @@ def _llama_parameters(config: dict, writer, where: Path) -> None:
 
 
 def _gemma3_parameters(config: dict, writer, where: Path) -> None:
-    import gguf
-
     n_layer, n_head, hidden = int(config["num_hidden_layers"]), int(config["num_attention_heads"]), \
         int(config["hidden_size"])
     head_dim = int(config.get("head_dim") or 256)
@@ -332,12 +335,7 @@ def _gemma3_parameters(config: dict, writer, where: Path) -> None:
     if local.get("rope_type", "default") != "default":
         raise HiltError(f"{where}: rope scaling {local.get('rope_type')!r} on the sliding layers; llama.cpp's "
                         "gemma3 scales the global layers only")
-    kind = full.get("rope_type", full.get("type"))
-    if kind not in (None, "default"):
-        if kind != "linear":
-            raise HiltError(f"{where}: rope scaling {kind!r} is not written to GGUF here (linear only)")
-        writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
-        writer.add_rope_scaling_factor(float(full["factor"]))
+    _rope_scaling(full, writer, where)
     types = config.get("layer_types")
     if types is None:
         every = int(config.get("sliding_window_pattern") or config.get("_sliding_window_pattern") or 6)
