@@ -310,6 +310,17 @@ def _rope_scaling(rope: dict, writer, where: Path) -> None:
         writer.add_rope_scaling_factor(float(rope["factor"]))
 
 
+def gemma3_query_scalar(hidden: int, n_head: int, n_layer: int, head_dim: int) -> float:
+    """What llama.cpp divides gemma3 queries by the square root of: it does not read the scale from the file but
+    takes it from the shapes (hidden / heads for the 27B model's 62 layers, else the head dimension)."""
+    return hidden / n_head if n_layer == 62 else float(head_dim)
+
+
+def gemma3_default_sliding(n_layer: int) -> list[bool]:
+    """llama.cpp's gemma3 layers when the file gives no pattern: five sliding-window layers, then a global one."""
+    return [i % 6 < 5 for i in range(n_layer)]
+
+
 def _gemma3_parameters(config: dict, writer, where: Path) -> None:
     n_layer, n_head, hidden = int(config["num_hidden_layers"]), int(config["num_attention_heads"]), \
         int(config["hidden_size"])
@@ -321,8 +332,7 @@ def _gemma3_parameters(config: dict, writer, where: Path) -> None:
     if act != "gelu_pytorch_tanh":
         raise HiltError(f"{where}: hidden_activation {act!r}; llama.cpp's gemma3 computes tanh-approximated GELU "
                         "(gelu_pytorch_tanh)")
-    # llama.cpp does not read the query scale from the file: it takes it from the shapes
-    llama_cpp_scalar = hidden / n_head if n_layer == 62 else head_dim
+    llama_cpp_scalar = gemma3_query_scalar(hidden, n_head, n_layer, head_dim)
     scalar = float(config.get("query_pre_attn_scalar") or head_dim)
     if not math.isclose(scalar, llama_cpp_scalar, rel_tol=1e-6):
         raise HiltError(f"{where}: query_pre_attn_scalar {scalar:g}; llama.cpp scales gemma3 queries by "
@@ -346,8 +356,7 @@ def _gemma3_parameters(config: dict, writer, where: Path) -> None:
     sliding = [t == "sliding_attention" for t in types]
     if any(sliding):
         writer.add_sliding_window(int(config["sliding_window"]))
-        default = [i % 6 < 5 for i in range(n_layer)]  # llama.cpp's pattern when the file gives none
-        if sliding != default:
+        if sliding != gemma3_default_sliding(n_layer):
             writer.add_sliding_window_pattern(sliding)
     if config.get("final_logit_softcapping"):
         writer.add_final_logit_softcapping(float(config["final_logit_softcapping"]))

@@ -253,3 +253,19 @@ def test_a_multimodal_gemma3_config_exports_its_text_model(tmp_path):
     assert layout.skip("model.vision_tower.vision_model.embeddings.patch_embedding.weight")
     assert not layout.skip("model.language_model.norm.weight")
     assert math.isclose(float(layout.dense("model.language_model.norm.weight", torch.zeros(2))[0]), 1.0)
+
+
+def test_convert_reads_a_sentencepiece_gemma3_gguf_back(gemma3_export, tmp_path):
+    """`hilt convert` on a GGUF whose tokenizer is SentencePiece ('llama'): the folder it writes tokenizes and
+    scores as the quantized folder the GGUF was exported from."""
+    from hilt.models.hf import gguf_to_hf
+    from hilt.models.lm import load_lm
+
+    work, _, text, _ = gemma3_export
+    back = gguf_to_hf(work / "q.gguf", tmp_path / "back", dtype=torch.float32)
+    ours, theirs = load_lm(back), dequantized_gemma3(work / "q")
+    ids = load_lm(work / "q").encode(text)[:48]
+    assert ours.encode(text)[:48] == ids
+    with torch.no_grad():
+        got, want = ours.logits(torch.tensor([ids])), theirs(torch.tensor([ids])).logits
+    assert torch.allclose(got, want, atol=2e-3, rtol=1e-3), float((got - want).abs().max())

@@ -65,6 +65,8 @@ def gguf_to_hf(src, dst, dtype: torch.dtype = torch.bfloat16, overwrite: bool = 
         model = transformers.AutoModelForCausalLM.from_pretrained(
             str(src.parent), gguf_file=src.name, dtype=dtype,
             quantization_config=transformers.GgufConfig(dequantize=True))
+        if arch == "gemma3":
+            _gemma3_as_llama_cpp_reads(model.config, reader)
         model.save_pretrained(partial)
         del model
         tokenizer = transformers.AutoTokenizer.from_pretrained(str(src.parent), gguf_file=src.name)
@@ -84,6 +86,19 @@ def gguf_to_hf(src, dst, dtype: torch.dtype = torch.bfloat16, overwrite: bool = 
         raise HiltError(f"{src}: transformers could not convert it ({one_line(e)})") from None
     move_into_place(partial, dst)  # an old DST (--overwrite) is removed only once the new one is in place
     return dst
+
+
+def _gemma3_as_llama_cpp_reads(config, reader) -> None:
+    """What transformers' GGUF reader leaves at its defaults, set as llama.cpp reads the file: the query scale (from
+    the shapes) and which layers attend through the sliding window (the file's pattern, else llama.cpp's)."""
+    from hilt.quant.gguf_hf import gemma3_default_sliding, gemma3_query_scalar
+
+    n_layer = config.num_hidden_layers
+    scalar = gemma3_query_scalar(config.hidden_size, config.num_attention_heads, n_layer, config.head_dim)
+    config.query_pre_attn_scalar = int(scalar) if scalar.is_integer() else scalar  # the config's field is an int
+    field = reader.fields.get("gemma3.attention.sliding_window_pattern")
+    sliding = [bool(v) for v in field.contents()] if field is not None else gemma3_default_sliding(n_layer)
+    config.layer_types = ["sliding_attention" if s else "full_attention" for s in sliding]
 
 
 def gguf_tokenizer_kind(src, reader, arch: str) -> str:
