@@ -57,16 +57,17 @@ class Format:
         return self.scale_rule(blocks, bits)
 
     def validate(self, bits: int, codebook: str = "layer") -> None:
-        """Refuse, naming the flag, a bit width or codebook scope this format cannot have."""
+        """Refuse, naming the argument (the same names as the command's flags), a bit width or codebook scope this
+        format cannot have."""
         if self.fixed_bits is not None and bits != self.fixed_bits:
-            raise HiltError(f"--method {self.name} is {self.fixed_bits} bit, got --bits {bits}")
+            raise HiltError(f"method {self.name} is {self.fixed_bits} bit, got bits {bits}")
         if bits < self.min_bits:
-            instead = f"; use --method {self.below_min} for {bits} bit" if self.below_min else ""
-            raise HiltError(f"--method {self.name} needs at least {self.min_bits} bits{instead}")
+            instead = f"; use method {self.below_min} for {bits} bit" if self.below_min else ""
+            raise HiltError(f"method {self.name} needs at least {self.min_bits} bits{instead}")
         if bits > self.max_bits:
-            raise HiltError(f"--method {self.name} takes at most {self.max_bits} bits, got --bits {bits}")
+            raise HiltError(f"method {self.name} takes at most {self.max_bits} bits, got bits {bits}")
         if codebook == "block" and not self.fitted:
-            raise HiltError(f"--codebook block applies to --method {fitted_methods()} only")
+            raise HiltError(f"codebook 'block' applies to method {fitted_methods()} only")
 
     def overhead_bits(self, blocks: int, bits: int, codebook: str = "layer") -> int:
         """Bits stored beside the codes of a tensor of ``blocks`` blocks: scales, offsets, codebook(s)."""

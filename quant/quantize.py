@@ -37,11 +37,11 @@ class QuantConfig:
         """A QuantConfig that exists is valid: a bad setting raises HiltError naming it."""
         fmt = get_format(self.method)
         if not MIN_BITS <= self.bits <= MAX_BITS:
-            raise HiltError(f"--bits must be between {MIN_BITS} and {MAX_BITS}, got {self.bits}")
+            raise HiltError(f"bits must be between {MIN_BITS} and {MAX_BITS}, got {self.bits!r}")
         if self.block_size < 1:
-            raise HiltError(f"--block-size must be positive, got {self.block_size}")
+            raise HiltError(f"block_size must be positive, got {self.block_size!r}")
         if self.codebook not in ("layer", "block"):
-            raise HiltError(f"--codebook must be layer or block, got {self.codebook!r}")
+            raise HiltError(f"codebook must be 'layer' or 'block', got {self.codebook!r}")
         fmt.validate(self.bits, self.codebook)
         if self.solver not in ("optimal", "lloyd"):
             raise HiltError(f"unknown k-means solver {self.solver!r}; choose optimal or lloyd")

@@ -129,8 +129,8 @@ def test_restores_dtype():
     ({"method": "int", "bits": 1}, "at least 2 bits"),
     ({"method": "binary", "bits": 2}, "binary is 1 bit"),
     ({"method": "lloyd"}, "unknown method 'lloyd'"),
-    ({"block_size": 0}, "block-size must be positive"),
-    ({"method": "int", "codebook": "block"}, "block applies to --method kmeans only"),
+    ({"block_size": 0}, "block_size must be positive"),
+    ({"method": "int", "codebook": "block"}, "codebook .block. applies to method kmeans only"),
     ({"solver": "fast"}, "unknown k-means solver"),
 ])
 def test_a_bad_config_cannot_be_made(settings, match):

@@ -25,6 +25,12 @@ class Parser(argparse.ArgumentParser):
     """argparse with one-line errors (`hilt quantize: error: --bits: expected an integer 1..8,
     got 'abc'`, exit 2) instead of the usage block."""
 
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        # a value such as -1e-5 or -.5 is a (bad) number, not an unknown flag: the flag's own type then refuses
+        # it by name; argparse's own pattern knows neither exponents nor a leading point
+        self._negative_number_matcher = re.compile(r"^-(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?$")
+
     def error(self, message):
         message = re.sub(r"^argument (?:\S+/)?([^\s/]+): ", r"\1: ", message)  # -q/--quiet: the long name
         self.exit(EXIT_USAGE, f"{self.prog}: error: {message}\n")

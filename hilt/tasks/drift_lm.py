@@ -259,6 +259,8 @@ def lm_drift_study(model="smollm2", preset_name="pcm", times="1s,1h,1d,1mo,1y", 
     if per_pass is not None and per_pass < 1:
         raise HiltError(f"chips per pass must be at least 1, got {per_pass}")
     config = chip_config(preset_name, overrides)
+    if tokens < 2 or context < 2:  # one token predicts nothing: a perplexity of no window is nan
+        raise HiltError(f"--tokens and --context must be at least 2, got {tokens} and {context}")
     _read_text(text)  # an unreadable or empty text before the model loads
     lm = lm or load_language_model(model)
     available = available_bytes()  # before the chips' copy of the model

@@ -179,7 +179,7 @@ def tune(model: str, out, method: str = "noise", preset_name: str = "pcm", overr
     from hilt.models import bert, hf, llama
     from hilt.models.lm import OWN, lm_source
     from hilt.tasks.drift_lm import calibration_run, chip_config, load_language_model
-    from hilt.tasks.training_state import load_state, save_state, state_meta
+    from hilt.tasks.training_state import claim_state, load_state, save_state, state_meta
 
     out = Path(out)
     if method not in ("noise", "dwp"):
@@ -198,8 +198,7 @@ def tune(model: str, out, method: str = "noise", preset_name: str = "pcm", overr
                         weighting=weighting).validate()
     _check_out(out, None, overwrite)
     state_dir = out.with_name(out.name + ".hwa-state")
-    if overwrite and not resume:
-        shutil.rmtree(state_dir, ignore_errors=True)
+    claim_state(state_dir, resume, overwrite)
     settings = {"model": model, "preset": preset_name, "config": dataclasses.asdict(config),
                 "training": dataclasses.asdict(cfg), "times": read_times, "steps": steps, "lr": lr, "batch": batch,
                 "context": context, "seed": seed, "teacher": teacher, "periphery": periphery}

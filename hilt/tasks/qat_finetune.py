@@ -28,7 +28,7 @@ from hilt.quant.qat import (
     start_quantizing_,
 )
 from hilt.data.text import training_tokens
-from hilt.tasks.training_state import load_state, save_state, state_meta
+from hilt.tasks.training_state import claim_state, load_state, save_state, state_meta
 
 def finetune(dst, method: str = "kmeans", bits: int = 2, block_size: int = 64, steps: int = 60, lr: float = 1e-4,
              batch: int = 4, context: int = 256, refit_every: int = 0, save_every: int = 10, seed: int = 0,
@@ -42,8 +42,7 @@ def finetune(dst, method: str = "kmeans", bits: int = 2, block_size: int = 64, s
     state_dir = dst.with_name(dst.name + ".qat-state")
     if dst.exists() and not overwrite:
         raise HiltError(f"{dst} exists; pass --overwrite to replace it")
-    if overwrite and not resume:
-        shutil.rmtree(state_dir, ignore_errors=True)
+    claim_state(state_dir, resume, overwrite)
     if steps < 1 or batch < 1 or context < 2 or save_every < 1:
         raise HiltError("QAT needs steps, batch and save-every >= 1 and a context >= 2")
     config = QuantConfig(method=method, bits=bits, block_size=block_size)

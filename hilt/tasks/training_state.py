@@ -5,6 +5,7 @@ previous state intact. `hilt qat` and `hilt hwa` keep theirs beside their output
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import torch
@@ -25,6 +26,16 @@ def save_state(path: Path, model, opt, step: int, settings: dict) -> None:
         tmp.mkdir()
         save_safetensors(tensors, tmp / "state.safetensors")
         write_json(tmp / "state.json", {"step": step, "settings": settings, "param_groups": opt_state["param_groups"]})
+
+
+def claim_state(path: Path, resume: bool, overwrite: bool) -> None:
+    """A run that saves its state at ``path`` neither continues nor overwrites an interrupted run's state unasked:
+    ``overwrite`` (without ``resume``) removes it, ``resume`` keeps it, and neither refuses, naming both."""
+    if overwrite and not resume:
+        shutil.rmtree(path, ignore_errors=True)
+    elif not resume and (path / "state.json").is_file():
+        raise HiltError(f"{path}: an interrupted run's state is here; pass --resume to continue it or --overwrite "
+                        "to start again")
 
 
 def state_meta(path: Path, settings: dict) -> dict:
