@@ -226,7 +226,7 @@ def test_only_analog_models_are_programmed(nets):
     for call in (lambda m: program(m, seeds=[1, 2]), lambda m: drift_to(m, 1.0)):
         with pytest.raises(HiltError, match="no analog layer; convert it with convert_to_analog first"):
             call(nets[1].conv_mlp())
-    with pytest.raises(HiltError, match="stuck_at_rate is a fraction"):
+    with pytest.raises(HiltError, match="stuck_at_rate: at least 0 and at most 1"):
         convert_to_analog(nets[1].conv_mlp(), dataclasses.replace(preset("pcm"), stuck_at_rate=1.5))
     with pytest.raises(HiltError, match=r"analog layer conv takes \(batch, channels, length\) inputs"):
         convert_to_analog(nets[1].conv_mlp(), "pcm").conv(torch.randn(2, 32))

@@ -194,7 +194,7 @@ def test_smoothing_leaves_the_product_exact_and_shrinks_the_dac_error():
             program(analog, seed=0)
             errors[alpha] = float((analog(x) - y).norm() / y.norm())
     assert errors[0.5] < 0.5 * errors[0.0], errors
-    with pytest.raises(HiltError, match="smoothing is SmoothQuant's alpha"):
+    with pytest.raises(HiltError, match="smoothing: at least 0 and at most 1"):
         convert_to_analog(lin, dataclasses.replace(preset("pcm"), smoothing=1.5))
     with pytest.raises(HiltError, match="Linear layers only"):
         convert_to_analog(torch.nn.Sequential(torch.nn.Conv2d(2, 3, 3)), dataclasses.replace(preset("pcm"), smoothing=0.5))

@@ -137,7 +137,7 @@ def test_fp8_scales_on_minilm(minilm_dir):
     assert all(0 < row["max_observed_over_bound"] <= 1 and len(row["scale"]) == 12 for row in rows)
     assert all(row["max_observed_over_rank_aware"] <= 1 and row["agnostic_over_aware"] > 3 for row in rows)
     bad = run_hilt("fp8", "scales", "gpt5")
-    assert bad.returncode == 1 and "minilm or smollm2" in bad.stderr
+    assert bad.returncode == 1 and "not minilm, smollm2 or gemma3" in bad.stderr
 
 
 def test_fp8_scales_names_a_checkpoint_without_attention_weights(tmp_path):

@@ -194,13 +194,15 @@ def _write_error(e: BaseException | None, partial: Path) -> OSError | None:
 
 
 def _load(folder, auto_class: str, dtype=torch.float32):
-    """A model folder through transformers' ``auto_class``, in eval mode; errors in one line."""
+    """(model in eval mode, tokenizer) of a model folder through transformers' ``auto_class``; errors in one line.
+    What reads no weight comes first: the folder, its shards' headers against the config, the tokenizer."""
     folder = Path(folder)
     config = check_folder(folder)
     transformers = require_transformers()
     import hilt  # noqa: F401  (registers hilt's quantizer with transformers)
 
     _check_weights(folder, config, auto_class)
+    tokenizer = _tokenizer(folder)
     try:
         model = getattr(transformers, auto_class).from_pretrained(str(folder), dtype=dtype)
     except HiltError:
@@ -209,17 +211,27 @@ def _load(folder, auto_class: str, dtype=torch.float32):
         kind = config.get("model_type", "unknown")
         raise HiltError(f"{folder}: transformers cannot load it as {auto_class} (model_type {kind!r}: "
                         f"{one_line(e)})") from None
-    return model.eval()
+    return model.eval(), tokenizer
 
 
 def _check_weights(folder: Path, config: dict, auto_class: str) -> None:
     """The weight files read by hilt before transformers reads them: every shard whole (a truncated one named), and
     the tensors the config's model needs all there. transformers would build a model its weights do not fill at the
     config's size, randomly initialised, and run it: a folder of a default-sized Llama whose weights are something
-    else takes 28 GB before anything fails."""
+    else takes 28 GB before anything fails. A folder hilt quantized has its header checked instead."""
+    from hilt.quant import read_header
     from hilt.quant.sources import open_source
 
     if config.get("quantization_config"):
+        qc = config["quantization_config"] or {}
+        if qc.get("quant_method") == "hilt":  # a newer format or a damaged header, named before anything loads
+            from hilt.quant.hf_quantizer import HiltQuantizationConfig
+
+            try:
+                HiltQuantizationConfig(**{k: v for k, v in qc.items() if k != "quant_method"})
+            except (HiltError, TypeError) as e:
+                raise HiltError(f"{folder / CONFIG}: {one_line(e)}") from None
+            read_header(folder)
         return  # packed weights under other names: hilt's quantizer checks them as it loads them
     with open_source(folder) as source:
         if source.format != "safetensors":
@@ -242,15 +254,13 @@ def _check_weights(folder: Path, config: dict, auto_class: str) -> None:
 
 
 def load_causal_lm(folder, dtype=torch.float32):
-    """(model, tokenizer) of a causal-LM folder, quantized by hilt or not; the tokenizer first, before any weight."""
-    tokenizer = _tokenizer(folder)
-    return _load(folder, "AutoModelForCausalLM", dtype), tokenizer
+    """(model, tokenizer) of a causal-LM folder, quantized by hilt or not."""
+    return _load(folder, "AutoModelForCausalLM", dtype)
 
 
 def load_encoder(folder, dtype=torch.float32):
-    """(model, tokenizer) of an encoder folder (last hidden states), quantized by hilt or not; the tokenizer first."""
-    tokenizer = _tokenizer(folder)
-    return _load(folder, "AutoModel", dtype), tokenizer
+    """(model, tokenizer) of an encoder folder (last hidden states), quantized by hilt or not."""
+    return _load(folder, "AutoModel", dtype)
 
 
 def _tokenizer(folder):

@@ -210,9 +210,8 @@ def parse_grid(path) -> Grid:
             raise HiltError(f"{where}: models.{name}: a language model's weights are its file or folder "
                             "(spec); it takes no checkpoint")
     for values in _combinations(grid, GROUP_AXES):  # every configuration must be one the simulator takes
-        config = grid.config(values)
         try:
-            config.device_model()
+            grid.config(values)  # AnalogConfig checks itself whole on construction
         except HiltError as e:
             raise HiltError(f"{where}: axes.device: {e}") from None
     return grid
