@@ -243,3 +243,22 @@ def test_compressed_tensors_export_reads_as_hilts_folder(folders, family, tmp_pa
         ours = load_lm(q).logits(ids)
         theirs = transformers.AutoModelForCausalLM.from_pretrained(str(ct), dtype=torch.float32)(ids).logits
     assert torch.allclose(ours, theirs, atol=1e-4, rtol=1e-4)
+
+
+def test_calibration_windows_lead_with_the_models_bos(tmp_path):
+    from hilt.tasks.compensate import CONTEXT, llama_batches
+
+    class Tokenizer:
+        bos = 2
+
+        def encode(self, text):
+            return [ord(c) for c in text]
+
+    text = tmp_path / "t.txt"
+    text.write_text("abcdefgh" * 300)
+    batches, seen = llama_batches(Tokenizer(), text, 2 * CONTEXT)
+    windows = torch.cat([b[0] for b in batches])
+    assert windows.shape == (2, CONTEXT) and (windows[:, 0] == 2).all() and "BOS" in seen
+    assert windows[:, 1:].flatten().tolist() == [ord(c) for c in ("abcdefgh" * 300)[:2 * (CONTEXT - 1)]]
+    Tokenizer.bos = None
+    assert torch.cat([b[0] for b in llama_batches(Tokenizer(), text, 2 * CONTEXT)[0]])[0, 0] == ord("a")

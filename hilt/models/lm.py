@@ -172,11 +172,7 @@ class CausalLM:
     def bos(self) -> int | None:
         """The token the tokenizer puts in front of a text (Gemma's <bos>), which every scored window then starts
         with; None where it puts none, and for hilt's own Llama (SmolLM2 adds none)."""
-        if self.own:
-            return None
-        bos = getattr(self.tokenizer, "bos_token_id", None)
-        ids = self.tokenizer("a")["input_ids"]
-        return bos if bos is not None and ids and ids[0] == bos else None
+        return None if self.own else leading_bos(self.tokenizer)
 
     def perplexity(self, ids, context: int = 512, progress: bool = False, model: nn.Module | None = None) -> float:
         """exp(mean next-token NLL) over non-overlapping windows of ``context`` tokens (:func:`split_windows`)."""
@@ -230,6 +226,13 @@ def load_lm(spec, source: LMSource | None = None) -> CausalLM:
 
         raise HiltError(f"{source.path}: transformers cannot load it ({one_line(e)})") from None
     return CausalLM(source, model.eval(), tokenizer)
+
+
+def leading_bos(tokenizer) -> int | None:
+    """The BOS id a transformers tokenizer puts in front of a text, or None where it puts none."""
+    bos = getattr(tokenizer, "bos_token_id", None)
+    ids = tokenizer("a")["input_ids"]
+    return bos if bos is not None and ids and ids[0] == bos else None
 
 
 def split_windows(token_ids, context: int, bos: int | None = None) -> list[torch.Tensor]:

@@ -61,6 +61,8 @@ def _read_text(path) -> str:
 
 
 def llama_batches(tokenizer, calibration=None, tokens: int = 4096) -> tuple[list[tuple], str]:
+    """Calibration windows of CONTEXT tokens, 8 a batch. A tokenizer with a ``bos`` (hilt.models.lm.leading_bos)
+    leads every window with it, as the model reads text (Gemma 3 without its BOS is another model)."""
     from hilt.data.text import shakespeare_text
 
     if calibration in (None, "default"):
@@ -73,8 +75,13 @@ def llama_batches(tokenizer, calibration=None, tokens: int = 4096) -> tuple[list
                         "(--calibration-tokens)")
     if tokens < CONTEXT:
         raise HiltError(f"--calibration-tokens must be at least {CONTEXT} (one window), got {tokens}")
-    ids = torch.tensor(ids[:tokens // CONTEXT * CONTEXT]).view(-1, CONTEXT)
-    return [(ids[i:i + 8],) for i in range(0, ids.shape[0], 8)], f"{ids.numel()} tokens of {name}"
+    bos = getattr(tokenizer, "bos", None)
+    width = CONTEXT - (bos is not None)
+    ids = torch.tensor(ids[:tokens // width * width]).view(-1, width)
+    seen = f"{ids.numel()} tokens of {name}" + (" (a BOS ahead of each window)" if bos is not None else "")
+    if bos is not None:
+        ids = torch.cat([torch.full((ids.shape[0], 1), bos), ids], 1)
+    return [(ids[i:i + 8],) for i in range(0, ids.shape[0], 8)], seen
 
 
 def bert_batches(tokenizer, calibration=None, sentences: int = 256) -> tuple[list[tuple], str]:
@@ -177,10 +184,13 @@ def _hf_model(folder, source):
 
 class _Encoder:
     """A transformers tokenizer as llama_batches reads one: ``encode(text)`` -> ids, no special tokens (the
-    text is cut into windows, so a BOS would land only in the first)."""
+    text is cut into windows), and the ``bos`` each window then starts with, if the tokenizer leads text with one."""
 
     def __init__(self, tokenizer):
+        from hilt.models.lm import leading_bos
+
         self.tokenizer = tokenizer
+        self.bos = leading_bos(tokenizer)
 
     def encode(self, text: str) -> list[int]:
         return self.tokenizer(text, add_special_tokens=False)["input_ids"]
