@@ -49,6 +49,18 @@ def check_parent(path) -> None:
         raise HiltError(f"{path}: folder {parent} is not writable")
 
 
+def check_out_folder(path) -> None:
+    """Refuse, before any work, a folder to write results into that is a file, or cannot be made or written."""
+    path = Path(path)
+    if path.exists():
+        if not path.is_dir():
+            raise HiltError(f"{path}: is a file; a folder to write results into is needed")
+        if not os.access(path, os.W_OK | os.X_OK):
+            raise HiltError(f"{path}: folder is not writable")
+        return
+    check_parent(path)
+
+
 def move_into_place(tmp, path) -> None:
     """Rename a finished ``tmp`` over ``path``; a folder already at ``path`` is moved aside first
     and removed only once the new one is in place."""

@@ -98,3 +98,13 @@ def test_python_errors_name_the_argument_not_a_flag():
     with pytest.raises(HiltError, match="^block_size must be positive"):
         QuantConfig("int", 4, 0)
     assert preset("pcm").tile_size == 512
+
+
+@pytest.mark.parametrize("command", [["bench", "decode", "--quick"], ["bench", "exports", "--quick"]])
+def test_a_results_folder_that_cannot_be_written_is_refused_before_the_benchmark(command, capsys, tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    code, err = hilt(capsys, *command, "--out", blocker / "results")
+    assert code == 1 and "is a file" in err and len(err.strip().splitlines()) == 1
+    code, err = hilt(capsys, *command, "--out", blocker)
+    assert code == 1 and "a folder to write results into is needed" in err

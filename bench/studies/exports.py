@@ -119,6 +119,10 @@ def run(out="bench/results", quick=False, work=None) -> dict:
     from hilt.quant.gguf_export import export_gguf
     from hilt.tasks.llama_cpp import check_gguf, llama_bench, missing_tools
 
+    if out:
+        from hilt.atomic import check_out_folder
+
+        check_out_folder(out)  # before the benchmark's minutes, not after
     missing = missing_tools()
     if missing:
         raise SystemExit(f"llama.cpp tools missing ({', '.join(missing)}): run scripts/build_llama_cpp.sh")

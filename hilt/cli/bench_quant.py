@@ -64,6 +64,10 @@ def cmd_bench_mixed(args) -> int:
 def cmd_bench_decode(args) -> int:
     from hilt.bench.perf import decode_speed
 
+    if args.out:
+        from hilt.atomic import check_out_folder
+
+        check_out_folder(args.out)  # before minutes of benchmark, not after
     r = decode_speed.run(quick=args.quick, work=args.work, threads=args.threads, new_tokens=args.tokens,
                          repeats=args.repeats, model=args.model)
     print(r["table"])
