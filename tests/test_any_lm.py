@@ -262,3 +262,19 @@ def test_calibration_windows_lead_with_the_models_bos(tmp_path):
     assert windows[:, 1:].flatten().tolist() == [ord(c) for c in ("abcdefgh" * 300)[:2 * (CONTEXT - 1)]]
     Tokenizer.bos = None
     assert torch.cat([b[0] for b in llama_batches(Tokenizer(), text, 2 * CONTEXT)[0]])[0, 0] == ord("a")
+
+
+@pytest.mark.parametrize("family, tokens", [("gemma3", 16), ("qwen2", 96)])  # the tiny Gemma's window is 16
+def test_fp8_attention_perplexity_of_a_transformers_model(folders, family, tokens, tmp_path, capsys, monkeypatch):
+    import json
+
+    from hilt.data import text as text_module
+
+    monkeypatch.setattr(text_module, "shakespeare_text", lambda work: TEXT * 4)
+    code, _, err = hilt(capsys, "fp8", "attention", "--model", folders[family], "--tokens", tokens, "--json",
+                        tmp_path / "a.json")
+    assert code == 0, err
+    r = json.loads((tmp_path / "a.json").read_text())
+    assert len(r["rows"]) == 5 and all(math.isfinite(row["perplexity"]) for row in r["rows"])
+    assert all(abs(row["perplexity_change_pct"]) < 10 for row in r["rows"])
+    assert load_lm(folders[family]).model.config._attn_implementation != "hilt_fp8"

@@ -13,6 +13,7 @@ import time
 
 import torch
 
+from hilt.errors import HiltError
 from hilt.fp8.attention import use_fp8_attention
 from hilt.progress import LOG
 
@@ -23,6 +24,37 @@ VARIANTS = {  # name: (scales, v_fp8, rotate, split_qk)
     "fp8, V 16-bit": ("current", False, True, False),
     "fp8, split Q K": ("current", True, True, True),
 }
+
+
+def causal_lm(model: str, tokens: int = 4096, context: int = 512, variants=tuple(VARIANTS)) -> dict:
+    """Any causal LM transformers runs (hilt.models.lm: gemma3, a GGUF, a folder): perplexity on Hamlet with every
+    attention layer in FP8 (fp8.attention.use_fp8_attention_hf, each layer's own logit scaling) against float32."""
+    from hilt.data.text import shakespeare_text
+    from hilt.fp8.attention import use_fp8_attention_hf
+    from hilt.models.lm import load_lm
+
+    lm = load_lm(model)
+    if lm.own:
+        raise HiltError(f"{model}: runs on hilt's own Llama; `hilt fp8 attention` without --model measures it")
+    ids = lm.encode(shakespeare_text("hamlet"))[:tokens]
+    was = lm.model.config._attn_implementation
+    base = lm.perplexity(ids, context)
+    LOG.info(f"{model}, {len(ids)} tokens of Hamlet in windows of {context}: float32 perplexity {base:.3f}")
+    probe = torch.tensor(ids[:context])
+    rows = []
+    try:
+        for name in variants:
+            scales, v_fp8, rotate, split_qk = VARIANTS[name]
+            use_fp8_attention_hf(lm.model, scales, v_fp8, rotate, split_qk, input_ids=probe)
+            ppl = lm.perplexity(ids, context)
+            lm.model.set_attn_implementation(was)
+            rows.append({"variant": name, "scales": scales, "v_fp8": v_fp8, "rotate": rotate, "split_qk": split_qk,
+                         "perplexity": ppl, "perplexity_change_pct": 100 * (ppl / base - 1)})
+            LOG.info(f"  {name:<20} perplexity {ppl:.3f} ({rows[-1]['perplexity_change_pct']:+.2f}%)")
+    finally:
+        lm.model.set_attn_implementation(was)
+    return {"model": model, "tokens": len(ids), "context": context, "float32_perplexity": base, "rows": rows,
+            "target_pct": 1.0}
 
 
 def run(tokens: int = 4096, context: int = 512, sentences: int = 256, variants=tuple(VARIANTS)) -> dict:

@@ -22,7 +22,10 @@ def cmd_fp8_transient(args) -> int:
 def cmd_fp8_attention(args) -> int:
     from hilt.bench.studies import fp8_accuracy
 
-    write_json_option(args, fp8_accuracy.run(tokens=args.tokens))
+    if args.model == "smollm2":
+        write_json_option(args, fp8_accuracy.run(tokens=args.tokens))
+    else:
+        write_json_option(args, fp8_accuracy.causal_lm(args.model, tokens=args.tokens))
     return 0
 
 
@@ -44,6 +47,8 @@ def register(sub) -> None:
     ft.add_argument("--quick", action="store_true", help="shorter pretraining and fine-tuning (a few minutes)")
     ft.set_defaults(func=cmd_fp8_transient)
     fa = command(f8sub, "attention", "accuracy of FP8 attention on real models: SmolLM2 perplexity and MiniLM "
-                 "embeddings against float32", "hilt fp8 attention --json fp8_attention.json", [OUTPUT])
+                 "embeddings against float32", "hilt fp8 attention --json fp8_attention.json\n  hilt fp8 attention --model gemma3 --tokens 1024", [OUTPUT])
+    fa.add_argument("--model", default="smollm2", help="smollm2 (default, with MiniLM beside it), or any causal LM "
+                    "transformers runs: gemma3, a GGUF file, a folder")
     fa.add_argument("--tokens", type=POSITIVE, default=4096, help="tokens of Hamlet for the perplexity (default 4096)")
     fa.set_defaults(func=cmd_fp8_attention)
