@@ -278,3 +278,23 @@ def test_fp8_attention_perplexity_of_a_transformers_model(folders, family, token
     assert len(r["rows"]) == 5 and all(math.isfinite(row["perplexity"]) for row in r["rows"])
     assert all(abs(row["perplexity_change_pct"]) < 10 for row in r["rows"])
     assert load_lm(folders[family]).model.config._attn_implementation != "hilt_fp8"
+
+
+def test_a_quantized_folder_scores_the_same_in_a_fresh_process(folders, tmp_path, capsys):
+    """A new interpreter imports transformers' quantizer registry through hilt's own checks: hilt's quantizer must
+    still be registered, or transformers would load the folder's Linears randomly initialised."""
+    import json
+    import subprocess
+    import sys
+
+    q = tmp_path / "q"
+    assert hilt(capsys, "quantize", folders["llama"], q, "--method", "int", "--bits", 4, "--block-size", 32)[0] == 0
+    text = tmp_path / "t.txt"
+    text.write_text(TEXT * 4)
+    args = ["eval", "ppl", q, "--text", text, "--tokens", 128, "--context", 64]
+    assert hilt(capsys, *args, "--json", tmp_path / "here.json")[0] == 0
+    r = subprocess.run([sys.executable, "-m", "hilt", *map(str, args), "--json", str(tmp_path / "fresh.json")],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and "could not register" not in r.stderr, r.stderr
+    here, fresh = (json.loads((tmp_path / f"{n}.json").read_text())["perplexity"] for n in ("here", "fresh"))
+    assert fresh == pytest.approx(here, rel=1e-6)

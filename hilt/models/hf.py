@@ -225,6 +225,9 @@ def _check_weights(folder: Path, config: dict, auto_class: str) -> None:
     if config.get("quantization_config"):
         qc = config["quantization_config"] or {}
         if qc.get("quant_method") == "hilt":  # a newer format or a damaged header, named before anything loads
+            # transformers' quantizer registry first: importing it registers hilt's quantizer (hilt/__init__.py),
+            # which must not happen while hf_quantizer itself is half imported
+            import transformers.quantizers.auto  # noqa: F401
             from hilt.quant.hf_quantizer import HiltQuantizationConfig
 
             try:
