@@ -269,3 +269,20 @@ def test_convert_reads_a_sentencepiece_gemma3_gguf_back(gemma3_export, tmp_path)
     with torch.no_grad():
         got, want = ours.logits(torch.tensor([ids])), theirs(torch.tensor([ids])).logits
     assert torch.allclose(got, want, atol=2e-3, rtol=1e-3), float((got - want).abs().max())
+
+
+@pytest.mark.skipif(bool(llama_cpp.missing_tools()),
+                    reason="llama.cpp tools not built (bash scripts/build_llama_cpp.sh)")
+def test_llama_cpp_scores_an_export_from_a_float32_gemma3_folder(tmp_path):
+    """The same check from a float32 folder (the bfloat16 one is the fixture's): every dense tensor's type as
+    llama.cpp reads it."""
+    text = _text()
+    tk = gemma3_folder(tmp_path / "src", text, dtype=torch.float32)
+    quantize_checkpoint(tmp_path / "src", tmp_path / "q", QuantConfig("int", 4, 32))
+    export_gguf(tmp_path / "q", tmp_path / "q.gguf")
+    ids = tk.encode(text).ids
+    (tmp_path / "text.txt").write_text(text, encoding="utf-8")
+    ppl_cpp = llama_cpp.llama_perplexity(tmp_path / "q.gguf", tmp_path / "text.txt", CONTEXT, CHUNKS)
+    model = dequantized_gemma3(tmp_path / "q")
+    ppl_hf = llama_cpp.perplexity_as_llama_cpp(lambda x: model(x).logits, ids, CONTEXT, CHUNKS, bos=2)
+    assert abs(ppl_cpp / ppl_hf - 1) < 0.01, (ppl_cpp, ppl_hf)
