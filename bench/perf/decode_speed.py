@@ -402,8 +402,8 @@ def run(quick: bool = False, work=None, threads: int = 2, gemv: bool = True, new
         prefill_ids = torch.randint(0, models["dense bf16"].config.vocab_size, (1, prefill),
                                     generator=torch.Generator().manual_seed(0))
         with torch.inference_mode():
-            for model in models.values():
-                _generate(model, ids, 4)  # warm up: the kernels build and ready each layer
+            for m in models.values():
+                _generate(m, ids, 4)  # warm up: the kernels build and ready each layer
             LOG.info(f"decoding: {new_tokens} tokens, {repeats} rounds")
             decode = _interleaved(models, lambda m: _generate(m, ids, new_tokens), repeats)
             LOG.info(f"prefill: {prefill} tokens, {repeats} rounds")
