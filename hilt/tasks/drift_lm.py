@@ -159,10 +159,12 @@ def calibration_run(lm: LanguageModel, tokens: int = 256, context: int = 128) ->
     from hilt.data.text import sentences as play_sentences, shakespeare_text
 
     if lm.kind == "causal":
-        ids = torch.tensor(lm.encode(shakespeare_text("macbeth"))[:tokens], dtype=torch.long)
+        from hilt.models.lm import split_windows
+
+        windows = split_windows(lm.encode(shakespeare_text("macbeth"))[:tokens], context, lm.bos)
 
         def run(m):
-            for w in ids.split(context):
+            for w in windows:  # led by the model's BOS where it has one, as the evaluation's windows are
                 lm.logits(m, w.view(1, -1))
         return run
     batch = play_sentences(64, work="macbeth")
