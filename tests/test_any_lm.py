@@ -298,3 +298,16 @@ def test_a_quantized_folder_scores_the_same_in_a_fresh_process(folders, tmp_path
     assert r.returncode == 0 and "could not register" not in r.stderr, r.stderr
     here, fresh = (json.loads((tmp_path / f"{n}.json").read_text())["perplexity"] for n in ("here", "fresh"))
     assert fresh == pytest.approx(here, rel=1e-6)
+
+
+def test_compensation_of_a_gguf_transformers_runs_asks_for_a_folder(tmp_path, capsys):
+    import gguf
+
+    path = tmp_path / "g.gguf"
+    w = gguf.GGUFWriter(str(path), "gemma3")
+    w.add_tokenizer_model("llama")
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.close()
+    code, _, err = hilt(capsys, "quantize", path, tmp_path / "q", "--bits", 4, "--compensate")
+    assert code == 1 and "`hilt convert" in err and "'gemma3' GGUF" in err and not (tmp_path / "q").exists()

@@ -249,7 +249,7 @@ def test_cli_compensate_bad_input(tmp_path, minilm):
 
     save_file({"layer.weight": torch.randn(8, 64)}, str(other))
     r = run_hilt("quantize", other, dst, "--compensate")
-    assert_clean_failure(r, "plain.safetensors", "Llama GGUF", dst=dst)
+    assert_clean_failure(r, "plain.safetensors", "causal language models (a GGUF file, a Hugging Face folder)", dst=dst)
     r = run_hilt("quantize", minilm, dst, "--compensate", "--codebook", "block")
     assert_clean_failure(r, "--codebook layer", dst=dst)
     r = run_hilt("quantize", minilm, dst, "--compensate", "--importance", short)

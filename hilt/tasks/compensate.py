@@ -28,29 +28,29 @@ CONTEXT = 512  # tokens per calibration window (Llama)
 
 
 def model_kind(src) -> str:
-    """'llama' for a GGUF file, 'bert' for a BERT folder (or its safetensors file), 'hf' for a Hugging Face
-    folder of a causal language model transformers runs."""
+    """'llama' for a model on hilt's own Llama (a llama GGUF), 'bert' for a BERT folder (or its safetensors file),
+    'hf' for a Hugging Face folder of a causal language model transformers runs (hilt.models.lm decides which)."""
+    from hilt.models import lm
+
     path = Path(src)
-    if path.suffix == ".gguf" and path.is_file():
-        return "llama"
     folder = path if path.is_dir() else path.parent
     try:
         model_type = json.loads((folder / "config.json").read_text()).get("model_type")
-    except (OSError, ValueError):
+    except (OSError, ValueError, AttributeError):
         model_type = None
     if model_type == "bert":
         return "bert"
-    if model_type and path.is_dir():
-        from hilt.models.hf import require_transformers
-
-        require_transformers()
-        from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
-
-        if model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+    if lm.is_language_model(path):
+        source = lm.lm_source(path)
+        if source.runner == lm.OWN:
+            return "llama"
+        if source.runner == lm.HF_FOLDER:
             return "hf"
-    raise HiltError(f"{src}: --compensate runs the model on calibration text; hilt runs Llama GGUF files (SmolLM2), "
-                    "BERT folders (MiniLM) and Hugging Face folders of causal language models "
-                    f"(config.json's model_type {model_type!r} is none of these)")
+        raise HiltError(f"{src}: a {source.family!r} GGUF runs through transformers, whose tensor names are not the "
+                        f"file's; `hilt convert {src} FOLDER`, then quantize the folder with --compensate")
+    raise HiltError(f"{src}: --compensate runs the model on calibration text; hilt runs causal language models (a "
+                    "GGUF file, a Hugging Face folder) and BERT folders (MiniLM); "
+                    f"config.json's model_type {model_type!r} is none of these")
 
 
 def _read_text(path) -> str:
