@@ -71,7 +71,7 @@ def _text_model_kind(src: Path) -> str:
     from hilt.models.lm import is_language_model
     from hilt.quant.hf_folder import CONFIG, read_config
 
-    if (src.is_file() and src.suffix == ".gguf") or is_language_model(src):
+    if is_language_model(src):
         return "causal"
     folder = src if src.is_dir() else src.parent
     runs = "hilt sensitivity runs mlp, cnn, a causal language model (a GGUF file or folder) or a BERT folder"
