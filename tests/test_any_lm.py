@@ -311,3 +311,9 @@ def test_compensation_of_a_gguf_transformers_runs_asks_for_a_folder(tmp_path, ca
     w.close()
     code, _, err = hilt(capsys, "quantize", path, tmp_path / "q", "--bits", 4, "--compensate")
     assert code == 1 and "`hilt convert" in err and "'gemma3' GGUF" in err and not (tmp_path / "q").exists()
+
+
+def test_quantize_takes_a_builtin_model_by_name(smollm2_gguf, tmp_path, capsys):
+    code, _, err = hilt(capsys, "quantize", "smollm2", tmp_path / "q", "--bits", 4, "--dry-run")
+    assert code == 0, err
+    assert not (tmp_path / "q").exists()

@@ -14,6 +14,10 @@ def cmd_quantize(args) -> int:
 
     from hilt.quant import QuantConfig, plan_checkpoint, quantize_checkpoint
 
+    if args.src in ("smollm2", "gemma3"):  # the built-in models by name (hilt.models.lm.BUILTIN), as elsewhere
+        from hilt.models.lm import lm_source
+
+        args.src = str(lm_source(args.src).path)
     if args.asymmetric and args.method not in ("int", "int-asym"):
         raise UsageError(f"--asymmetric applies to --method int only, not --method {args.method}")
     if args.solver is not None and args.method != "kmeans":
@@ -135,7 +139,7 @@ def _compensation(args, config):
 def register(sub) -> None:
     q = command(sub, "quantize", "quantize a checkpoint (safetensors file or folder, GGUF)",
                 "hilt quantize model.safetensors out-2bit --method kmeans --bits 2", [OUTPUT, SEED])
-    q.add_argument("src", help="safetensors file, Hugging Face-style folder, or GGUF file")
+    q.add_argument("src", help="safetensors file, Hugging Face-style folder, GGUF file, or smollm2 / gemma3 by name")
     q.add_argument("dst", help="output folder: safetensors shards + hilt.json; from a Hugging Face folder also its "
                                "config (with a quantization_config transformers loads) and tokenizer")
     q.add_argument("--method", choices=QUANT_METHODS, default="kmeans",
