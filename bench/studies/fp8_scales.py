@@ -217,14 +217,18 @@ def run(model: str, tokens: int = 1024, context: int = 256) -> dict:
     in windows of ``context``."""
     from hilt.models import lm as causal
 
+    source = None
+    if model == "gemma3" or (model not in ("minilm", "smollm2") and Path(model).exists()
+                             and causal.is_language_model(model)):
+        source = causal.lm_source(model)
     if model in ("minilm", "smollm2"):
         rows = minilm() if model == "minilm" else smollm2()
-    elif model in causal.BUILTIN or (Path(model).exists() and causal.is_language_model(model)
-                                     and causal.lm_source(model).runner != causal.OWN):
+    elif source is not None and source.runner != causal.OWN:
         from hilt.data.text import shakespeare_text
 
-        lm = causal.load_lm(model)
+        lm = causal.load_lm(model, source)
         rows = causal_lm(lm.model, lm.windows(shakespeare_text("hamlet"), tokens, context, "Hamlet"), model)
+        model = str(model)
     elif Path(model).exists():
         family = checkpoint_family(model)
         rows = minilm(path=model) if family == "bert" else smollm2(path=model)

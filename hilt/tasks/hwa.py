@@ -177,7 +177,6 @@ def tune(model: str, out, method: str = "noise", preset_name: str = "pcm", overr
     )
     from hilt.cim_sim.model import parse_time
     from hilt.models import bert, hf, llama
-    from hilt.models.lm import OWN, lm_source
     from hilt.tasks.drift_lm import calibration_run, chip_config, load_language_model
     from hilt.tasks.training_state import claim_state, load_state, save_state, state_meta
 
@@ -205,7 +204,7 @@ def tune(model: str, out, method: str = "noise", preset_name: str = "pcm", overr
     source = _source(model)
     meta = state_meta(state_dir, settings) if resume else None
     lm = load_language_model(model)
-    as_gguf = lm.kind == "causal" and source.suffix == ".gguf" and lm_source(model).runner == OWN
+    as_gguf = isinstance(lm.model, llama.Llama)  # hilt's own Llama is written back as the GGUF it was read from
     _check_out(out, as_gguf, overwrite)
     student = copy.deepcopy(lm.model).train().requires_grad_(True)
     teacher = lm if teacher is None else _teacher(lm, teacher, model)
