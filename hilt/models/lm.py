@@ -21,13 +21,14 @@ from __future__ import annotations
 import math
 import os
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hilt.errors import HiltError
+from hilt.errors import HiltError, one_line
 from hilt.progress import LOG, Progress
 
 BUILTIN = ("smollm2", "gemma3")
@@ -168,7 +169,7 @@ class CausalLM:
         model = self.model if model is None else model
         return model(ids) if self.own else model(input_ids=ids, use_cache=False).logits
 
-    @property
+    @cached_property
     def bos(self) -> int | None:
         """The token the tokenizer puts in front of a text (Gemma's <bos>), which every scored window then starts
         with; None where it puts none, and for hilt's own Llama (SmolLM2 adds none)."""
@@ -222,8 +223,6 @@ def load_lm(spec, source: LMSource | None = None) -> CausalLM:
             folder, gguf_file=name, dtype=torch.float32, quantization_config=transformers.GgufConfig(dequantize=True))
         tokenizer = transformers.AutoTokenizer.from_pretrained(folder, gguf_file=name)
     except (ValueError, KeyError, OSError, RuntimeError) as e:
-        from hilt.errors import one_line
-
         raise HiltError(f"{source.path}: transformers cannot load it ({one_line(e)})") from None
     return CausalLM(source, model.eval(), tokenizer)
 
