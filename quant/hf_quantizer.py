@@ -14,6 +14,8 @@ is imported (see hilt/__init__.py); :func:`register` does it directly.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from transformers.quantizers.auto import (AUTO_QUANTIZATION_CONFIG_MAPPING, AUTO_QUANTIZER_MAPPING,
                                           register_quantization_config, register_quantizer)
 from transformers.quantizers.base import HfQuantizer  # not transformers.quantizers: still importing when register() runs
@@ -52,11 +54,16 @@ class HiltHfQuantizer(HfQuantizer):
     requires_calibration = True  # pre-quantized folders only
     quantization_config: HiltQuantizationConfig
 
-    def _process_model_before_weight_loading(self, model, **kwargs):
+    def _process_model_before_weight_loading(self, model, checkpoint_files=None, **kwargs):
         from torch import nn
 
         from hilt.quant.nn import QuantEmbedding, QuantLinear, TiedHead, replace_module
         from hilt.quant.qweight import QuantizedWeight
+        from hilt.quant.sources import read_safetensors_header
+
+        for f in checkpoint_files or ():  # a truncated shard named here, not by the reader deep in transformers
+            if str(f).endswith(".safetensors"):
+                read_safetensors_header(Path(f))
 
         prefix = getattr(model, "base_model_prefix", "")
         replaced = {}

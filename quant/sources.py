@@ -103,7 +103,7 @@ class SafetensorsSource(Source):
         self.path = path
         self._where: dict[str, tuple[Path, dict, int]] = {}
         for f in files:
-            data_start, header = _read_safetensors_header(f)
+            data_start, header = read_safetensors_header(f)
             try:
                 with safe_open(str(f), framework="pt"):  # full validation of the header
                     pass
@@ -154,7 +154,7 @@ class SafetensorsSource(Source):
         return torch.frombuffer(buf, dtype=dtype).reshape(info["shape"])
 
 
-def _read_safetensors_header(f: Path) -> tuple[int, dict]:
+def read_safetensors_header(f: Path) -> tuple[int, dict]:
     """(offset of the data, header). Refuses a truncated file up front: the offsets must fit the size."""
     size = f.stat().st_size
     try:

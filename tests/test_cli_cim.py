@@ -76,7 +76,7 @@ def test_drift_bad_input(mlp_checkpoint, args, needle):
 
 
 @pytest.mark.parametrize("args,needle", [
-    (["--method", "dwp", "--eta-range", "0.5,0.1"], "eta_min <= eta_max"),
+    (["--method", "dwp", "--eta-range", "0.5,0.1"], "0 <= MIN <= MAX"),
     (["--method", "dwp", "--eta-range", "half"], "MIN,MAX"),
     (["--method", "dwp", "--copies", "1"], "at least 2"),
 ])

@@ -21,6 +21,7 @@ from hilt.quant.nn import QuantEmbedding, TiedHead  # noqa: E402
 from hilt.quant.quantize import quantize_tensor  # noqa: E402
 
 from hilt.cli import main  # noqa: E402
+from hilt.errors import HiltError  # noqa: E402
 
 
 def hilt(capsys, *args):
@@ -405,3 +406,17 @@ def test_minilm_folder_through_automodel(minilm_dir, tmp_path, config):
         theirs, ours = model(**batch).last_hidden_state, own(**batch).last_hidden_state
     assert torch.isfinite(theirs).all()
     assert float((theirs - ours).abs().max() / ours.abs().max()) <= 1e-3
+
+
+def test_from_pretrained_names_a_truncated_shard_of_a_hilt_folder(tmp_path):
+    """transformers' own reader would fail deep inside with a SafetensorError naming no file; hilt's quantizer reads
+    the shards' headers before the weights load and names the one cut short."""
+    src = tiny_llama(tmp_path / "src")
+    dst = tmp_path / "q"
+    quantize_checkpoint(src, dst, QuantConfig("kmeans", 4, 32))
+    shard = next(dst.glob("*.safetensors"))
+    with open(shard, "r+b") as f:
+        f.truncate(shard.stat().st_size - 100)
+    with pytest.raises(HiltError, match=f"{shard}: truncated safetensors file") as e:
+        load_hf(dst)
+    assert len(str(e.value).splitlines()) == 1

@@ -66,8 +66,11 @@ def test_one_token_is_refused_before_the_model_loads(capsys, monkeypatch):
     from hilt.tasks import drift_lm
 
     monkeypatch.setattr(drift_lm, "load_language_model", lambda *a: pytest.fail("the model was loaded"))
-    code, err = hilt(capsys, "drift", "--model", "smollm2", "--tokens", 1)
-    assert code == 1 and "--tokens and --context must be at least 2" in err
+    with pytest.raises(SystemExit) as exit_:  # read with the command line: a window of one token predicts nothing
+        hilt(capsys, "drift", "--model", "smollm2", "--tokens", 1)
+    assert exit_.value.code == 2 and "--tokens: expected an integer >= 2, got '1'" in capsys.readouterr().err
+    with pytest.raises(HiltError, match="--tokens and --context must be at least 2"):  # and by the task itself
+        drift_lm.lm_drift_study("smollm2", tokens=1)
 
 
 @pytest.mark.parametrize("value", ["-1e-5", "-.5", "-2"])

@@ -1,7 +1,7 @@
 from __future__ import annotations
 
 from hilt.cli import bench_cim, bench_exports, bench_quant, bench_scale
-from hilt.cli.common import OUTPUT, command, group
+from hilt.cli.common import OUTPUT, POSITIVE, command, group
 from hilt.cli.output import write_json_option
 from hilt.errors import HiltError
 
@@ -32,7 +32,7 @@ def register(sub) -> None:
     ba.set_defaults(func=cmd_bench_attention)
     bs = command(bsub, "startup", "how long `hilt --help` and `hilt quantize --help` take against `python -c pass` (fresh processes)",
                  "hilt bench startup --json startup.json", [OUTPUT])
-    bs.add_argument("--repeats", type=int, default=7, help="timed runs of each (default 7), after one warm-up")
+    bs.add_argument("--repeats", type=POSITIVE, default=7, help="timed runs of each (default 7), after one warm-up")
     bs.set_defaults(func=cmd_bench_startup)
     bench_quant.register(bsub)
     bench_scale.register(bsub)

@@ -4,7 +4,7 @@ import argparse
 from pathlib import Path
 
 from hilt.atomic import write_text
-from hilt.cli.common import ANY_INT, OUTPUT, PLOT, POSITIVE, POSITIVE_NUMBER, UsageError, command, integer
+from hilt.cli.common import NON_NEGATIVE, OUTPUT, PLOT, POSITIVE, POSITIVE_NUMBER, UsageError, command, integer
 from hilt.cli.output import write_json_option, write_outputs
 from hilt.errors import HiltError
 
@@ -155,7 +155,7 @@ def register(bsub) -> None:
                    "hilt bench qat --quick --json qat_scaling.json --plot qat_scaling.png", [OUTPUT, PLOT],
                    plot="validation loss against weight memory")
     bqat.add_argument("--quick", action="store_true", help="two widths, shorter training (under 10 minutes on 2 cores)")
-    bqat.add_argument("--seeds", type=ANY_INT, nargs="+", help="default: 0 1 2 (--quick: 0)")
+    bqat.add_argument("--seeds", type=NON_NEGATIVE, nargs="+", help="default: 0 1 2 (--quick: 0)")
     bqat.add_argument("--learn-codebook", action=argparse.BooleanOptionalAction, default=True,
                       help="k-means codebooks trained by the loss after their fit (default), or refitted by k-means")
     bqat.add_argument("--lr", type=POSITIVE_NUMBER, default=None, help="peak learning rate for every width (default: "

@@ -71,28 +71,32 @@ def integer(lo: int | None = None, hi: int | None = None):
     return parse
 
 
-def number(positive: bool = False):
-    what = "a positive number" if positive else "a number"
+def number(positive: bool = False, non_negative: bool = False):
+    what = "a positive number" if positive else "a number >= 0" if non_negative else "a number"
 
     def parse(text: str) -> float:
         try:
             value = float(text)
         except ValueError:
             value = math.nan
-        if not math.isfinite(value) or (positive and value <= 0):
+        if not math.isfinite(value) or (positive and value <= 0) or (non_negative and value < 0):
             raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}")
         return value
     return parse
 
 
 POSITIVE, NON_NEGATIVE, ANY_INT, POSITIVE_NUMBER = integer(1), integer(0), integer(), number(positive=True)
+NOISE_LEVEL = number(non_negative=True)
 
 
 def float_pair(text: str) -> tuple[float, float]:
+    """MIN,MAX of noise levels: finite, 0 <= MIN <= MAX."""
     try:
         lo, hi = (float(v) for v in text.split(","))
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected MIN,MAX such as 0.1,0.6, got {text!r}") from None
+        lo = hi = math.nan
+    if not (math.isfinite(lo) and math.isfinite(hi) and 0 <= lo <= hi):
+        raise argparse.ArgumentTypeError(f"expected MIN,MAX with 0 <= MIN <= MAX, such as 0.1,0.6, got {text!r}")
     return lo, hi
 
 
@@ -179,7 +183,7 @@ OUTPUT.add_argument("--json", metavar="FILE", help="write the results as JSON (w
 PLOT = argparse.ArgumentParser(add_help=False)
 PLOT.add_argument("--plot", metavar="FILE", help="draw the results as a PNG image")
 SEED = argparse.ArgumentParser(add_help=False)
-SEED.add_argument("--seed", type=ANY_INT, default=0, help="seed of the random draws (default 0)")
+SEED.add_argument("--seed", type=NON_NEGATIVE, default=0, help="seed of the random draws (default 0)")
 
 
 def command(sub, name: str, help_text: str, example: str | None = None, parents=(), plot: str = ""):

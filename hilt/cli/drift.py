@@ -4,7 +4,8 @@ import argparse
 from pathlib import Path
 
 from hilt.cli.common import (
-    CIM_PRESETS, DRIFT_COMPENSATION, OUTPUT, PLOT, POSITIVE, UsageError, command, config_overrides, model_spec,
+    CIM_PRESETS, DRIFT_COMPENSATION, OUTPUT, PLOT, POSITIVE, UsageError, command, config_overrides, integer,
+    model_spec,
 )
 from hilt.cli.output import write_outputs
 
@@ -13,6 +14,8 @@ LANGUAGE_MODELS = ("smollm2", "gemma3", "minilm")  # as hilt.tasks.drift_lm (not
 
 def drift_model(text: str) -> str:
     """A workload, a factory, or a language model: smollm2, gemma3, minilm, a .gguf file or a model folder."""
+    if not text.strip():  # Path("") is the current folder
+        raise argparse.ArgumentTypeError("expected a workload or a language model, got ''")
     if text in LANGUAGE_MODELS or text.endswith(".gguf") or Path(text).is_dir():
         return text
     try:
@@ -72,7 +75,7 @@ def register(sub) -> None:
                    help="drift compensation compared with none (default global)")
     d.add_argument("--test-images", type=POSITIVE, help="test examples per evaluation (default 10000)")
     d.add_argument("--text", metavar="FILE", help="language model: the evaluation text (default Hamlet)")
-    d.add_argument("--tokens", type=POSITIVE, default=256, help="causal LM: tokens evaluated (default 256)")
-    d.add_argument("--context", type=POSITIVE, default=128, help="causal LM: tokens per window (default 128)")
+    d.add_argument("--tokens", type=integer(2), default=256, help="causal LM: tokens evaluated (default 256)")
+    d.add_argument("--context", type=integer(2), default=128, help="causal LM: tokens per window (default 128)")
     d.add_argument("--sentences", type=POSITIVE, default=64, help="encoder: sentences embedded (default 64)")
     d.set_defaults(func=cmd_drift)

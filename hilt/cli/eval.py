@@ -37,7 +37,7 @@ def register(sub) -> None:
     pp.add_argument("--quantized", metavar="DST", help="hilt checkpoint made from MODEL by `hilt quantize`")
     pp.add_argument("--text", metavar="FILE", help="UTF-8 text file (default: Shakespeare's Hamlet)")
     pp.add_argument("--tokens", type=integer(2), default=2048, help="tokens to score (default 2048)")
-    pp.add_argument("--context", type=POSITIVE, default=512, help="window length (default 512)")
+    pp.add_argument("--context", type=integer(2), default=512, help="window length (default 512)")
     pp.set_defaults(func=cmd_eval_ppl)
     em = command(esub, "embed", "cosine similarity of sentence embeddings (masked mean, normalised) of a quantized "
                  "encoder against its fp32 model: MiniLM (default) or any Hugging Face encoder folder",

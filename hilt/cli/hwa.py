@@ -1,8 +1,8 @@
 from __future__ import annotations
 
 from hilt.cli.common import (
-    CIM_PRESETS, OUTPUT, POSITIVE, POSITIVE_NUMBER, SEED, WEIGHTINGS, command, config_overrides, float_pair, integer,
-    number,
+    CIM_PRESETS, NOISE_LEVEL, OUTPUT, POSITIVE, POSITIVE_NUMBER, SEED, WEIGHTINGS, command, config_overrides,
+    float_pair, integer,
 )
 from hilt.cli.output import write_json_option
 
@@ -43,7 +43,7 @@ def register(sub) -> None:
     h.add_argument("--periphery", action="store_true",
                    help="the reads also pass the chip's DAC, output noise and ADC, array by array (with the "
                         "configuration's tile_size, smoothing and input ranges)")
-    h.add_argument("--eta", type=number(), default=1.0, help="noise: the device noise level (1 = the published device)")
+    h.add_argument("--eta", type=NOISE_LEVEL, default=1.0, help="noise: the device noise level (1 = the published device)")
     h.add_argument("--eta-range", type=float_pair, default=(0.5, 1.5), metavar="MIN,MAX",
                    help="dwp: the reads' noise levels (default 0.5,1.5)")
     h.add_argument("--copies", type=integer(2), default=2, help="dwp: device reads per step (default 2)")

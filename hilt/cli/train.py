@@ -1,8 +1,7 @@
 from __future__ import annotations
 
 from hilt.cli.common import (
-    NOISE_MODELS, OUTPUT, POSITIVE, SEED, TRAINING_METHODS, WEIGHTINGS, WORKLOADS, command, float_pair,
-    number,
+    NOISE_LEVEL, NOISE_MODELS, OUTPUT, POSITIVE, SEED, TRAINING_METHODS, WEIGHTINGS, WORKLOADS, command, float_pair,
 )
 from hilt.cli.output import write_json_option
 
@@ -34,7 +33,7 @@ def register(sub) -> None:
                    help="standard, noise (noise injection at --eta) or dwp (--copies noisy copies over --eta-range, "
                         "samples weighted by their disagreement)")
     t.add_argument("--noise-model", default="mismatch", choices=NOISE_MODELS, help="the noise trained under")
-    t.add_argument("--eta", type=number(), help="noise: the mismatch level (default 0.3)")
+    t.add_argument("--eta", type=NOISE_LEVEL, help="noise: the mismatch level (default 0.3)")
     t.add_argument("--eta-range", type=float_pair, metavar="MIN,MAX", help="dwp: the copies' levels (default 0.1,0.6)")
     t.add_argument("--copies", type=POSITIVE, help="dwp: noisy copies per step (default 4)")
     t.add_argument("--weighting", default="js", choices=WEIGHTINGS, help="dwp: disagreement measure (default js)")
