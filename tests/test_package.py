@@ -267,3 +267,17 @@ def test_startup_target_is_over_the_bare_interpreter():
     assert not summarize({**fast, "hilt quantize --help": 0.33}, 1)["met"]  # one command over: missed
     assert not summarize({**fast, "hilt --help": 0.5}, 1)["met"]  # from the interpreter: against torch it would pass
 
+
+
+def test_the_checkout_root_stays_importable_for_other_packages(tmp_path):
+    """Python started in the checkout root finds hilt's top-level folders (kernels/, quant/, ...) by their bare names;
+    transformers probes for a `kernels` package of its own. A model still loads and runs there after `import hilt`."""
+    pytest.importorskip("transformers")
+    code = (f"import transformers, hilt, torch\n"
+            f"c = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1, "
+            f"num_attention_heads=2, num_key_value_heads=1)\n"
+            f"transformers.LlamaForCausalLM(c).save_pretrained({str(tmp_path / 'tiny')!r})\n"
+            f"m = transformers.AutoModelForCausalLM.from_pretrained({str(tmp_path / 'tiny')!r})\n"
+            f"print(tuple(m(torch.tensor([[1, 2]])).logits.shape))\n")
+    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and r.stdout.strip().endswith("(1, 2, 64)"), r.stderr[-2000:]
