@@ -37,7 +37,7 @@ def _section(name: str, out: Path, sections: list, fn, progress: Progress):
     try:
         body = fn()
         sections.append({"name": name, "ok": True, "seconds": time.perf_counter() - start, "markdown": body})
-    except (HiltError, OSError, RuntimeError, ValueError) as e:
+    except Exception as e:  # noqa: BLE001 (a section's failure, whatever its kind, is reported; the others still run)
         with (out / "errors.log").open("a") as log_file:
             log_file.write(f"{name}\n{traceback.format_exc()}\n")
         sections.append({"name": name, "ok": False, "seconds": time.perf_counter() - start,
@@ -46,16 +46,18 @@ def _section(name: str, out: Path, sections: list, fn, progress: Progress):
     progress.done(name, "ok" if sections[-1]["ok"] else "FAILED")
 
 
-def kernel_section(out: Path) -> str:
-    """The LUT kernels' section: check and SmolLM2 decode (and quick timings on a GPU), saved
-    to OUT/lut_kernels.json; raises when the kernel disagrees with its reference."""
+def kernel_section(out: Path, quick: bool = True) -> str:
+    """The LUT kernels' section: check (``quick``: its quick case list on the CPU, where the Triton interpreter
+    is slow; tests/test_lut_matmul.py runs every fixed case) and SmolLM2 decode (and quick timings on a GPU), saved to
+    OUT/lut_kernels.json; raises when the kernel disagrees with its reference."""
     import torch
 
     from hilt.bench.perf import lut_kernels
     from hilt.atomic import write_json
 
     gpu = torch.cuda.is_available()
-    result = {"check": lut_kernels.check("cuda" if gpu else "cpu"), "decode": lut_kernels.decode()}
+    result = {"check": lut_kernels.check("cuda" if gpu else "cpu", quick=quick and not gpu),
+              "decode": lut_kernels.decode()}
     chk, dec = result["check"], result["decode"]
     lines = [(f"The Triton kernel against its PyTorch reference (`hilt bench kernels --check`; "
              f"{'natively on the GPU' if gpu else 'on the CPU through Triton’s interpreter'}): {chk['cases']} cases "
@@ -84,11 +86,75 @@ def kernel_section(out: Path) -> str:
     return "\n".join(lines) + "\n"
 
 
+def decode_section(out: Path, quick: bool) -> str:
+    """SmolLM2 decode through from_pretrained and hilt's own Llama (quick: dense, int4 and k-means 4-bit, 16
+    tokens, one GEMV format at SmolLM2's and an 8B model's shape), saved to OUT/decode.json. A result from a
+    random model is refused: its timings describe neither SmolLM2 nor the machine."""
+    from hilt.bench.perf import decode_speed
+    from hilt.atomic import write_json
+
+    if quick:
+        result = decode_speed.run(model="smollm2", work=out, formats=decode_speed.REPORT_FORMATS,
+                                  gemv_formats=decode_speed.GEMV_FORMATS[:1], new_tokens=16, repeats=3,
+                                  everything=False)
+    else:
+        result = decode_speed.run(model="smollm2", work=out)
+    if result["model"] != "SmolLM2-135M-Instruct":
+        raise HiltError(f"the decode timings are of {result['model']!r}, not SmolLM2: not a result")
+    write_json(out / "decode.json", result)
+    return (f"SmolLM2-135M-Instruct made a Hugging Face folder by `hilt convert`, quantized by `hilt quantize` and "
+            f"loaded by transformers' `from_pretrained` in bf16, and the same weights in hilt's own Llama; greedy "
+            f"decode on the CPU ({result['threads']} threads, {result['new_tokens']} new tokens after a "
+            f"{len(result['prompt'].split())}-word prompt, median of {result['repeats']} rounds in which the models "
+            f"take turns; `hilt bench decode` has every format, load memory and llama.cpp):\n\n" + result["table"] + "\n")
+
+
+def peers_markdown(result: dict) -> str:
+    """The MLP on `pcm` beside aihwkit: accuracy over time and the time against digital forwards."""
+    w = result["workloads"][0]
+    lines = [f"The MLP on `pcm` against aihwkit {result['aihwkit']}'s `InferenceRPUConfig()`, {result['chips']} "
+             f"chips, {result['test_images']} images (mean over chips):", "",
+             "| time | hilt global | hilt gdc=aihwkit | aihwkit default | hilt none | aihwkit none |",
+             "|---|---|---|---|---|---|"]
+    for row in w["rows"]:
+        cells = [row[k]["mean"] if k in row else float("nan")
+                 for k in ("hilt_batched", "hilt_aihwkit", "aihwkit", "hilt_none", "aihwkit_none")]
+        lines.append(f"| {row['time']} | " + " | ".join(f"{c:.4f}" for c in cells) + " |")
+    r = w["timing"]["ratios"]
+    lines += ["", f"Time against the digital forwards of the same images: hilt batched "
+              f"{r['batched_over_digital']:.2f}x, one chip at a time {r['serial_over_digital']:.2f}x, aihwkit "
+              f"{r['aihwkit_over_digital']:.2f}x."]
+    return "\n".join(lines) + "\n"
+
+
+COMMITTED_PEERS = Path(__file__).parent / "results" / "cim_sweep.json"
+
+
+def peers_committed() -> str:
+    """Without aihwkit: what the section compares, and the committed run's numbers, marked as not from this run."""
+    import subprocess
+
+    head = ("aihwkit is not installed here (its CPU build: `pip install --no-deps aihwkit-1.2.0-*.whl`, "
+            "docs/aihwkit.md), so this run compares nothing with it; the section would time hilt's chips against "
+            "aihwkit's on the same MLP and weights, and compare their accuracies over a year.")
+    if not COMMITTED_PEERS.is_file():
+        return head + "\n"
+    try:
+        when = subprocess.run(["git", "log", "-1", "--format=%ad, commit %h", "--date=short", "--",
+                               COMMITTED_PEERS.name], cwd=COMMITTED_PEERS.parent, capture_output=True, text=True,
+                              timeout=10).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        when = ""
+    return (head + f"\n\n**Not from this run**: the last committed run (`bench/results/{COMMITTED_PEERS.name}`"
+            f"{', ' + when if when else ''}):\n\n" + peers_markdown(json.loads(COMMITTED_PEERS.read_text())))
+
+
 def run(out="report", quick: bool = True, progress: bool = False) -> dict:
     """Every section into OUT (report.md, JSON and PNG per section); ``quick=False`` is `--full`.
     ``progress``: a line per finished section (see hilt.progress)."""
     import torch
 
+    from hilt.bench import claims
     from hilt.bench.studies import quant_table, robustness
     from hilt.tasks import drift, energy, export
     from hilt.kernels.backends import triton_kernels
@@ -99,6 +165,8 @@ def run(out="report", quick: bool = True, progress: bool = False) -> dict:
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "errors.log").unlink(missing_ok=True)
+    for name in claims.INPUTS:  # the headline reads only what this run wrote
+        (out / f"{name}.json").unlink(missing_ok=True)
     plan = QUICK if quick else FULL
     sections: list[dict] = []
     started = time.perf_counter()
@@ -121,7 +189,8 @@ def run(out="report", quick: bool = True, progress: bool = False) -> dict:
         return "\n".join(lines) + "\n\n![drift](drift.png)\n"
 
     def robust():
-        result = robustness.study(quick=quick)
+        # quick: DWP's default and its copies knob changed both ways, of the ablation's eight variants
+        result = robustness.study(quick=quick, **({"ablation": ("dwp (default)", "K=2", "K=8")} if quick else {}))
         write_json(out / "robustness.json", result)
         robustness.plot(result, out / "robustness.png")
         return (f"Mismatch w(1 + eta N(0,1)), {result['plan']['draws']} draws per level on "
@@ -138,7 +207,7 @@ def run(out="report", quick: bool = True, progress: bool = False) -> dict:
             energy.plot(result, out / f"energy-{method}.png")
             kept = result["precision"]["adc_bits"]
             lines.append(f"- CNN trained with **{method}**: lowest ADC resolution within 1 point of the 9-bit "
-                         f"accuracy: {kept} bits; energy per inference {result['cim_joules'] * 1e9:.1f} nJ on "
+                         f"accuracy on {plan['energy_images']} test images: {kept} bits; energy per inference {result['cim_joules'] * 1e9:.1f} nJ on "
                          f"{result['chip']['name']} vs {result['gpu_joules'] * 1e9:.1f} nJ on the "
                          f"{result['gpu']['name']} at batch {result['gpu']['batch']} "
                          f"(**{100 * (1 - result['cim_over_gpu']):.0f}% lower**). ![energy](energy-{method}.png)")
@@ -150,7 +219,8 @@ def run(out="report", quick: bool = True, progress: bool = False) -> dict:
         from hilt.bench.studies import fp8_transient
 
         lines = [("Bounds on |attention logit| from the weights alone against the largest seen on real text "
-                 "(`hilt fp8 scales`); per model, over layers and heads:"), "",
+                 "(`hilt fp8 scales`: SmolLM2 on 1024 Hamlet tokens in windows of 256, MiniLM on 128 Hamlet "
+                 "sentences); per model, over layers and heads:"), "",
                  ("| model | observed / worst-case bound | observed / rank-aware prediction | "
                  "rank-agnostic / rank-aware | exceeded |"), "|---|---|---|---|---|"]
         for model in ("minilm", "smollm2"):
@@ -204,7 +274,8 @@ def run(out="report", quick: bool = True, progress: bool = False) -> dict:
         quantize_checkpoint(minilm_path(), ckpt, QuantConfig(method="kmeans", bits=4, block_size=64), overwrite=True)
         q = export.export_quantized(ckpt, out / "minilm-kmeans4.onnx", overwrite=True)
         shutil.rmtree(ckpt)
-        c = export.export_cim("cnn", None, out / "cnn-pcm-1y.onnx", "pcm", "1y", overwrite=True)
+        c = export.export_cim("cnn", None, out / "cnn-pcm-1y.onnx", "pcm", "1y", overwrite=True,
+                              test_images=plan["drift_images"])
         write_json(out / "onnx.json", {"quantized": q, "cim": c})
         return (f"- all-MiniLM-L6-v2, 4-bit k-means: `minilm-kmeans4.onnx`, {q['onnx_bytes'] / 1e6:.1f} MB "
                 f"({q['size_ratio']:.3f}x the quantized safetensors); ONNX Runtime vs PyTorch on {q['sentences']} "
@@ -216,47 +287,35 @@ def run(out="report", quick: bool = True, progress: bool = False) -> dict:
         from hilt.bench.studies import cim_peers as peers
 
         if peers.aihwkit_version() is None:
-            return ("aihwkit is not installed, so there is no side-by-side here (its CPU build installs with "
-                    "`pip install --no-deps aihwkit-1.2.0-*.whl`; see docs/aihwkit.md).\n")
+            return peers_committed()
         result = peers.sweep(quick=quick, workloads=("mlp",))
         write_json(out / "cim_sweep.json", result)
         peers.plot(result, out / "cim_sweep.png")
-        w = result["workloads"][0]
-        lines = [f"The MLP on `pcm` against aihwkit {result['aihwkit']}'s `InferenceRPUConfig()`, {result['chips']} "
-                 f"chips, {result['test_images']} images (mean over chips):", "",
-                 "| time | hilt global | hilt gdc=aihwkit | aihwkit default | hilt none | aihwkit none |",
-                 "|---|---|---|---|---|---|"]
-        for row in w["rows"]:
-            cells = [row[k]["mean"] if k in row else float("nan")
-                     for k in ("hilt_batched", "hilt_aihwkit", "aihwkit", "hilt_none", "aihwkit_none")]
-            lines.append(f"| {row['time']} | " + " | ".join(f"{c:.4f}" for c in cells) + " |")
-        r = w["timing"]["ratios"]
-        lines += ["", f"Time against the digital forwards of the same images: hilt batched "
-                  f"{r['batched_over_digital']:.2f}x, one chip at a time {r['serial_over_digital']:.2f}x, aihwkit "
-                  f"{r['aihwkit_over_digital']:.2f}x.", "", "![hilt and aihwkit](cim_sweep.png)"]
-        return "\n".join(lines) + "\n"
+        return peers_markdown(result) + "\n![hilt and aihwkit](cim_sweep.png)\n"
 
     def hugging_face():
         import importlib.util
 
-        from hilt.bench.perf import decode_speed
-
         if importlib.util.find_spec("transformers") is None:
             return "transformers is not installed, so this section is left out (`pip install hilt[hf]`).\n"
-        result = decode_speed.run(quick=quick, work=out)
-        write_json(out / "decode.json", result)
-        return ("SmolLM2-135M made a Hugging Face folder by `hilt convert`, quantized by `hilt quantize`, loaded by "
-                f"transformers' `from_pretrained` in bf16; greedy decode on the CPU ({result['threads']} threads, "
-                f"{result['new_tokens']} new tokens, median of {result['repeats']} rounds in which the models take turns; "
-                f"`hilt bench decode`):\n\n"
-                + result["table"] + "\n")
+        return decode_section(out, quick)
+
+    def lm_on_chip():
+        from hilt.bench.studies import analog_lm
+
+        result = analog_lm.snapshot() if quick else analog_lm.snapshot(chips=4, times=("1s", "1d", "1y"), tokens=256)
+        write_json(out / "cim_lm.json", result)
+        analog_lm.plot(result, out / "cim_lm.png")
+        return (analog_lm.snapshot_markdown(result) + "\nThe whole study, tuned models and the hardware that reaches "
+                "the goal: `hilt bench analog-lm` and docs/results/cim_lm.md.\n\n![SmolLM2 on PCM](cim_lm.png)\n")
 
     plan_sections = [
         ("Quantization: SmolLM2-135M and all-MiniLM-L6-v2", quantization),
-        ("Hugging Face folders: from_pretrained and CPU decode", hugging_face),
-        ("LUT matmul kernels: correctness and decode", lambda: kernel_section(out)),
+        ("Decode on the CPU: SmolLM2 through from_pretrained and hilt's own Llama", hugging_face),
+        ("LUT matmul kernels: correctness and decode", lambda: kernel_section(out, quick)),
         ("FP8 attention: scales from the weights, transients, accuracy", fp8_section),
         ("Compute-in-memory: a year on PCM", cim_drift),
+        ("Compute-in-memory: SmolLM2 on PCM over a year", lm_on_chip),
         ("Compute-in-memory: side by side with aihwkit", cim_peers),
         ("Training for noisy hardware: standard, noise injection, DWP", robust),
         ("Energy per inference: CIM against a GPU", energies),
@@ -268,12 +327,14 @@ def run(out="report", quick: bool = True, progress: bool = False) -> dict:
             _section(name, out, sections, fn, bar)
 
     total = time.perf_counter() - started
+    verdicts = claims.headline(claims.load(out))
     md = [f"# hilt report{' (quick)' if quick else ''}", "",
-          f"Generated by `hilt report{'' if quick else ' --full'}` in {total / 60:.1f} minutes.", ""]
+          f"Generated by `hilt report{'' if quick else ' --full'}` in {total / 60:.1f} minutes; each section's "
+          "time is beside its title.", "", claims.markdown(verdicts), ""]
     for s in sections:
-        md += [f"## {s['name']}", "", s["markdown"], ""]
+        md += [f"## {s['name']} ({s['seconds']:.0f} s{'' if s['ok'] else ', FAILED'})", "", s["markdown"], ""]
     write_text(out / "report.md", "\n".join(md))
-    summary = {"quick": quick, "seconds": total,
+    summary = {"quick": quick, "seconds": total, "claims": [vars(v) for v in verdicts],
                "sections": [{k: s[k] for k in ("name", "ok", "seconds")} for s in sections]}
     write_json(out / "report.json", summary)
     LOG.info(f"wrote {out / 'report.md'} ({total / 60:.1f} min)")

@@ -63,4 +63,13 @@ def test_verdicts_and_markdown_report_losses_too():
     assert v == [{"bits": 3, "kmeans": "kmeans", "baseline": "int", "perplexity": False, "embedding": True}]
     md = markdown({"rows": rows, "kmeans_beats_int": v, "tokens": 8, "text": "t", "context": 4, "sentences": 2,
                    "block_size": 64, "note": "n"})
-    assert "does NOT beat int" in md and "| kmeans | 3 | 3.250 | 30.00 |" in md
+    assert "3 bit, kmeans better than int? SmolLM2 perplexity: no; MiniLM cosine: yes" in md
+    assert "| kmeans | 3 | 3.250 | 30.00 |" in md and "uniform guess" not in md
+    # both above a uniform guess: no verdict on perplexity, and the capped rows named
+    for r in rows[1:]:
+        r["smollm2_perplexity"] *= 1e4
+    v = _verdicts(rows, uniform=49152)
+    assert v[0]["perplexity"] is None
+    md = markdown({"rows": rows, "kmeans_beats_int": v, "tokens": 8, "text": "t", "context": 4, "sentences": 2,
+                   "block_size": 64, "note": "n", "uniform_perplexity": 49152})
+    assert "SmolLM2 perplexity: both above a uniform guess" in md and "kmeans 3, int 3, mean" in md

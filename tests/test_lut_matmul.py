@@ -312,7 +312,7 @@ def test_report_section_shows_the_check_and_decode_and_fails_on_a_mismatch(tmp_p
     text = {"kernel": " Paris | Lyon\nx", "dequantized": " Paris | Lyon\nx", "kernel_seconds": 9.0,
             "dequantized_seconds": 3.0, "same": True}
     decode = {"device": "cpu", "through": "PyTorch reference", "4bit": text, "1bit": dict(text)}
-    monkeypatch.setattr(lut_kernels, "check", lambda device: check)
+    monkeypatch.setattr(lut_kernels, "check", lambda device, quick: check)
     monkeypatch.setattr(lut_kernels, "decode", lambda: decode)
     md = report.kernel_section(tmp_path)
     assert "332 cases (52 tuning configurations), 0 failures, worst error 0.171" in md

@@ -58,6 +58,7 @@ FORMATS = {"hilt int4 (block 64)": (QuantConfig("int", 4, 64), None),
            "hilt binary (block 64)": (QuantConfig("binary", 1, 64), None),
            "hilt k-means 4 compensated": (QuantConfig("kmeans", 4, 64), "compensate")}
 QUICK_FORMATS = ("hilt k-means 4 (block 64)",)
+REPORT_FORMATS = ("hilt int4 (block 64)", "hilt k-means 4 (block 64)")  # `hilt report`'s rows, with 16 tokens
 # the llama.cpp rows: hilt's GGUF exports (llama.cpp's blocks are 32 weights)
 LLAMA_CPP_FORMATS = {"Q4_0": QuantConfig("int", 4, 32), "Q8_0": QuantConfig("int", 8, 32)}
 # (in_features, out_features): SmolLM2's up projection, and an 8B model's
@@ -330,10 +331,13 @@ def _tiny_llama(folder: Path, transformers) -> Path:
 
 
 def run(quick: bool = False, work=None, threads: int = 2, gemv: bool = True, new_tokens: int | None = None,
-        repeats: int | None = None, model: str = "smollm2") -> dict:
+        repeats: int | None = None, model: str = "smollm2", formats=None, gemv_formats=None,
+        everything: bool = True) -> dict:
     """``model``: any causal LM hilt.models.lm names (smollm2 adds hilt's own Llama runner and transformers' own
     GGUF loading); ``quick``: a tiny random Llama, dense and k-means 4-bit, 4 tokens; SmolLM2's layer alone in the
-    GEMV table."""
+    GEMV table. ``formats``: the FORMATS labels to time (default all); ``gemv_formats``: the GEMV table's
+    (default GEMV_FORMATS); ``everything=False`` leaves out the load-memory probes, transformers' GGUF loading and
+    llama.cpp (the report's budget)."""
     from hilt.models.lm import OWN, lm_source
     from hilt.models.llama import GGUF_FILE, smollm2_path
 
@@ -347,15 +351,19 @@ def run(quick: bool = False, work=None, threads: int = 2, gemv: bool = True, new
     torch.set_num_threads(threads)
     new_tokens, repeats = new_tokens or (4 if quick else 64), repeats or (1 if quick else 5)
     prefill = 32 if quick else PREFILL
-    bandwidth = copy_bandwidth(16 if quick else 256)
+    bandwidth = copy_bandwidth(16 if quick else max(256, 4 * last_level_cache() >> 20))  # past the caches
     LOG.info(f"copy bandwidth: {bandwidth:.1f} GB/s")
     gemv_rows = []
     if gemv:
         gemv_rows = (gemv_table(GEMV_SHAPES[:1], 2, GEMV_FORMATS[:1], past_bytes=4 << 20) if quick
-                     else gemv_table(None, 10))
+                     else gemv_table(None, 10, gemv_formats))
     for r in gemv_rows:
         r["of_copy_bandwidth"] = round(r["gb_per_s"] / bandwidth, 3)
-    formats = {k: v for k, v in FORMATS.items() if not quick or k in QUICK_FORMATS}
+    chosen = QUICK_FORMATS if quick else formats or tuple(FORMATS)
+    unknown = set(chosen) - set(FORMATS)
+    if unknown:
+        raise HiltError(f"no decode format {sorted(unknown)}; the formats: {', '.join(FORMATS)}")
+    formats = {k: v for k, v in FORMATS.items() if k in chosen}
     with tempfile.TemporaryDirectory(dir=work) as tmp:
         tmp = Path(tmp)
         if quick:
@@ -388,7 +396,7 @@ def run(quick: bool = False, work=None, threads: int = 2, gemv: bool = True, new
                 del folders[label]
         gguf_kwargs = {"gguf_file": GGUF_FILE}
         cases = [(label, folder, {}) for label, folder in folders.items()]
-        if smollm2:
+        if smollm2 and everything:
             cases.append(("transformers GGUF (Q4_1 file)", smollm2_path().parent, gguf_kwargs))
         LOG.info(f"loading {len(cases)} models")
         models = {label: transformers.AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.bfloat16,
@@ -415,7 +423,7 @@ def run(quick: bool = False, work=None, threads: int = 2, gemv: bool = True, new
         rows = []
         for label, folder, kwargs in cases:
             weights = smollm2_path().stat().st_size if kwargs else _weight_bytes(folder)
-            memory = {} if quick else _load_memory(folder, kwargs)  # the probe's fresh process: seconds
+            memory = _load_memory(folder, kwargs) if everything and not quick else {}  # the probe's fresh process: seconds
             per_token = decode[label] / new_tokens
             rows.append({"model": label, "tokens_per_second": round(1 / per_token, 2),
                          "prefill_tokens_per_second": round(prefill / prefills[label], 1), "weight_bytes": weights,
@@ -429,9 +437,10 @@ def run(quick: bool = False, work=None, threads: int = 2, gemv: bool = True, new
                          "prefill_tokens_per_second": round(prefill / prefills[label], 1), "weight_bytes": weights,
                          "ms_per_token": round(per_token * 1e3, 2), "text": texts[label]})
         base = rows[0]["tokens_per_second"]
-        if quick:
+        if quick or not everything:
             rows.append({"model": "llama.cpp llama-bench (Q4_0, Q8_0 exports)", "tokens_per_second": None,
-                         "note": "not run in --quick" if llama_cpp_tool("llama-bench") else "not built"})
+                         "note": ("not run in --quick" if quick else "not run in this budget (`hilt bench decode`)")
+                         if llama_cpp_tool("llama-bench") else "not built"})
         else:
             rows += _llama_cpp_rows(tmp, threads, new_tokens, repeats, None if smollm2 else dense)
     base_prefill = rows[0]["prefill_tokens_per_second"]
@@ -474,23 +483,27 @@ def gemv_markdown(rows: list[dict], bandwidth: float) -> str:
 
 
 def table(rows: list[dict]) -> str:
-    lines = ["| model (from_pretrained, bf16) | tokens/s | vs dense bf16 | ms/token: linear layers / rest | "
-             "prefill tokens/s (vs dense) | weights MB | resident over weights: loaded / decoding (without library code) | "
-             "first forward adds MB (library code) |",
-             "|---|---|---|---|---|---|---|---|"]
+    """The decode rows as Markdown; the memory columns only where the load probes ran."""
+    probed = any("rss_baseline" in r or "rss_error" in r for r in rows)
+    head = ["model (from_pretrained, bf16)", "tokens/s", "vs dense bf16", "ms/token: linear layers / rest",
+            "prefill tokens/s (vs dense)", "weights MB"]
+    if probed:
+        head += ["resident over weights: loaded / decoding (without library code)", "first forward adds MB (library code)"]
+    lines = ["| " + " | ".join(head) + " |", "|---" * len(head) + "|"]
     for r in rows:
         if r.get("tokens_per_second") is None:
-            lines.append(f"| {r['model']} | {r.get('note', 'n/a')} | | | | | | |")
+            lines.append(f"| {r['model']} | {r.get('note', 'n/a')} |" + " |" * (len(head) - 2))
             continue
-        memory = (f"{r['loaded_over_weights']:.2f}x / {r['decoding_over_weights']:.2f}x "
-                  f"({r['decoding_over_weights_without_code']:.2f}x)" if "loaded_over_weights" in r
-                  else r.get("rss_error", "n/a"))
-        first = (f"{r['first_forward_mb']} ({r['first_forward_code_mb']})" if "first_forward_mb" in r else "n/a")
         vs = f"{r['vs_dense_bf16']:.2f}x" if "vs_dense_bf16" in r else "n/a"
         split = (f"{r['layers_ms_per_token']:.1f} / {r['ms_per_token'] - r['layers_ms_per_token']:.1f}"
                  if "layers_ms_per_token" in r else "n/a")
         prefill = (f"{r['prefill_tokens_per_second']:.0f} ({r['prefill_vs_dense_bf16']:.2f}x)"
                    if "prefill_vs_dense_bf16" in r else "n/a")
-        lines.append(f"| {r['model']} | {r['tokens_per_second']:.2f} | {vs} | {split} | {prefill} | "
-                     f"{r['weight_bytes'] / 1e6:.1f} | {memory} | {first} |")
+        cells = [r["model"], f"{r['tokens_per_second']:.2f}", vs, split, prefill, f"{r['weight_bytes'] / 1e6:.1f}"]
+        if probed:
+            cells.append(f"{r['loaded_over_weights']:.2f}x / {r['decoding_over_weights']:.2f}x "
+                         f"({r['decoding_over_weights_without_code']:.2f}x)" if "loaded_over_weights" in r
+                         else r.get("rss_error", "n/a"))
+            cells.append(f"{r['first_forward_mb']} ({r['first_forward_code_mb']})" if "first_forward_mb" in r else "n/a")
+        lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)

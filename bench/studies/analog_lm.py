@@ -462,3 +462,58 @@ def plot(result: dict, path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+# -- the report's snapshot --------------------------------------------------------------------------
+
+REPORT = dict(times=("1s", "1y"), chips=2, tokens=128, context=128)
+TUNED_WORK = Path("analog-lm-work")  # where `hilt bench analog-lm` keeps its tuned copies by default
+
+
+def snapshot(model: str = "smollm2", work=TUNED_WORK, times=REPORT["times"], chips: int = REPORT["chips"],
+             tokens: int = REPORT["tokens"], context: int = REPORT["context"]) -> dict:
+    """The report's section: ``model`` on ``pcm`` with the deployment the diagnosis found best (DEPLOY), as
+    trained and as tuned where `hilt bench analog-lm` left a tuned copy in ``work``, each beside its float, W4
+    and W4A8 on the same tokens; shaped as :func:`study`'s result (one model, one preset), so :func:`plot`
+    draws it."""
+    from hilt.tasks.drift_lm import calibration_run, eval_data, load_language_model
+
+    start = time.perf_counter()
+    base = load_language_model(model)
+    data, data_name = eval_data(base, None, tokens, context)
+    variants = {"as trained": base}
+    for method in VARIANTS[1:]:
+        path = Path(work) / f"{model}-{method}.gguf"
+        if path.is_file():
+            variants[method] = load_language_model(str(path))
+    budget = {"times": list(times), "presets": [TUNE_PRESET], "chips": chips, "tokens": tokens, "context": context,
+              "sentences": 0}
+    entry = {"kind": base.kind, "metric": "perplexity", "data": data_name, "variants": {},
+             "tuned_missing": [m for m in VARIANTS[1:] if m not in variants]}
+    for variant, lm in variants.items():
+        row = {"digital": digital_rows(lm, data, None, calibration_run(lm)),
+               "chips": {TUNE_PRESET: on_chips(lm, TUNE_PRESET, DEPLOY, times, chips, chips, budget)}}
+        LOG.info(f"{model} {variant} on {TUNE_PRESET}: " + ", ".join(
+            f"{t} {s['mean']:.4g}" for t, s in row["chips"][TUNE_PRESET]["times"].items()))
+        entry["variants"][variant] = row
+    return {"budget": budget, "deploy": DEPLOY, "models": {model: entry},
+            "seconds": round(time.perf_counter() - start, 1)}
+
+
+def snapshot_markdown(result: dict) -> str:
+    times, chips = result["budget"]["times"], result["budget"]["chips"]
+    deploy = ", ".join(f"`{k}={v}`" for k, v in result["deploy"].items())
+    lines = []
+    for model, entry in result["models"].items():
+        lines += [f"{model} on `{TUNE_PRESET}` (one device per side of a weight, 512-row arrays, its DAC and ADC) with "
+                  f"{deploy} and global drift compensation; perplexity on {entry['data']}, {chips} chips, mean ± std "
+                  "over chips (worst chip), beside the same model digital on the same tokens:", "",
+                  "| model | float | W4 | W4A8 | " + " | ".join(times) + " |", "|---" * (4 + len(times)) + "|"]
+        for variant, row in entry["variants"].items():
+            d = row["digital"]
+            lines.append(f"| {variant} | {d['float']:.2f} | {d['w4']:.2f} | {d['w4a8']:.2f} | "
+                         + " | ".join(_cell(row["chips"][TUNE_PRESET]["times"][t]) for t in times) + " |")
+        if entry["tuned_missing"]:
+            lines += ["", f"No tuned copy on disk ({', '.join(entry['tuned_missing'])}): `hilt bench analog-lm` trains "
+                      f"them into `{TUNED_WORK}/` (about 20 minutes), and this section then reads them."]
+    return "\n".join(lines) + "\n"

