@@ -1,16 +1,18 @@
 """`hilt report`: the whole toolkit on the embedded defaults, written to one folder.
 
-Sections, each from a real run: the quantization table (SmolLM2-135M, MiniLM), the LUT
-matmul kernels (checked against their reference; SmolLM2 decoding through them; timed
-against cuBLAS when there is a GPU), FP8 attention (weight-only logit bounds, the transient
-study, accuracy in real models), the CNN on PCM over a year, standard vs noise-injection vs
-DWP training under mismatch and drift, energy per inference against a GPU, weight-perturbation
-certificates against quantization and drift, and the two ONNX exports checked in ONNX Runtime.
-A section that fails is reported as failed (with its error) and the command exits non-zero at
+At the top, hilt's claims, each with the numbers this run measured and a verdict computed from the
+sections' JSON (bench/claims.py). Sections, each from a real run: the quantization table (SmolLM2-135M,
+MiniLM; plain and compensated k-means and int), SmolLM2 decoding on the CPU through transformers'
+`from_pretrained` and hilt's own Llama, the LUT matmul kernels (checked against their reference; SmolLM2
+decoding through them; timed against cuBLAS when there is a GPU), FP8 attention (weight-only logit bounds,
+the transient study, accuracy in real models), the CNN and SmolLM2 on PCM over a year, hilt beside aihwkit,
+standard vs noise-injection vs DWP training under mismatch and drift, energy per inference against a GPU,
+weight-perturbation certificates against quantization and drift, and the two ONNX exports checked in ONNX
+Runtime. A section that fails is reported as failed (with its error) and the command exits non-zero at
 the end; the other sections still run.
 
-`hilt report` runs the quick budgets (QUICK: about 10 minutes on 2 CPU cores); `hilt report
---full` the full ones (FULL: about 45 minutes on 2 cores).
+`hilt report` runs the quick budgets (QUICK and each study's quick plan: smaller samples of the same real
+models, about 14 minutes on 2 CPU cores); `hilt report --full` the full ones (about 45 minutes).
 """
 
 from __future__ import annotations
@@ -207,7 +209,8 @@ def run(out="report", quick: bool = True, progress: bool = False) -> dict:
             energy.plot(result, out / f"energy-{method}.png")
             kept = result["precision"]["adc_bits"]
             lines.append(f"- CNN trained with **{method}**: lowest ADC resolution within 1 point of the 9-bit "
-                         f"accuracy on {plan['energy_images']} test images: {kept} bits; energy per inference {result['cim_joules'] * 1e9:.1f} nJ on "
+                         f"accuracy on {plan['energy_images']} test images: {kept} bits; energy per inference "
+                         f"{result['cim_joules'] * 1e9:.1f} nJ on "
                          f"{result['chip']['name']} vs {result['gpu_joules'] * 1e9:.1f} nJ on the "
                          f"{result['gpu']['name']} at batch {result['gpu']['batch']} "
                          f"(**{100 * (1 - result['cim_over_gpu']):.0f}% lower**). ![energy](energy-{method}.png)")
@@ -293,7 +296,7 @@ def run(out="report", quick: bool = True, progress: bool = False) -> dict:
         peers.plot(result, out / "cim_sweep.png")
         return peers_markdown(result) + "\n![hilt and aihwkit](cim_sweep.png)\n"
 
-    def hugging_face():
+    def decode():
         import importlib.util
 
         if importlib.util.find_spec("transformers") is None:
@@ -311,7 +314,7 @@ def run(out="report", quick: bool = True, progress: bool = False) -> dict:
 
     plan_sections = [
         ("Quantization: SmolLM2-135M and all-MiniLM-L6-v2", quantization),
-        ("Decode on the CPU: SmolLM2 through from_pretrained and hilt's own Llama", hugging_face),
+        ("Decode on the CPU: SmolLM2 through from_pretrained and hilt's own Llama", decode),
         ("LUT matmul kernels: correctness and decode", lambda: kernel_section(out, quick)),
         ("FP8 attention: scales from the weights, transients, accuracy", fp8_section),
         ("Compute-in-memory: a year on PCM", cim_drift),

@@ -140,3 +140,31 @@ def test_bad_deployment_field_is_one_line(tmp_path, flag):
     r = run_hilt("bench", "analog-lm", "--set", flag, "--work", tmp_path / "w", "--json", tmp_path / "r.json")
     assert r.returncode == 1 and flag.split("=")[0] in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
     assert not (tmp_path / "w").exists() and not (tmp_path / "r.json").exists()
+
+
+def test_the_reports_snapshot_reads_tuned_copies_on_disk_and_feeds_the_claim(tiny_gguf, tmp_path):
+    """The report's SmolLM2-on-PCM section, on a tiny Llama: the model as trained, a tuned copy where one lies in
+    the work folder (here the model itself under the tuned name), each beside float, W4 and W4A8; the plot draws
+    it, and the headline's chip claim reads it."""
+    import shutil
+
+    from hilt.bench import claims
+
+    kwargs = dict(model=str(tiny_gguf), times=("1s", "1y"), chips=2, tokens=32, context=16)
+    alone = analog_lm.snapshot(work=tmp_path, **kwargs)
+    entry = alone["models"][str(tiny_gguf)]
+    assert list(entry["variants"]) == ["as trained"] and entry["tuned_missing"] == ["noise", "dwp"]
+    assert "No tuned copy on disk (noise, dwp)" in analog_lm.snapshot_markdown(alone)
+
+    shutil.copy(tiny_gguf, analog_lm.tuned_path(str(tiny_gguf), "noise", tmp_path))
+    result = analog_lm.snapshot(work=tmp_path, **kwargs)
+    entry = result["models"][str(tiny_gguf)]
+    assert list(entry["variants"]) == ["as trained", "noise"] and entry["tuned_missing"] == ["dwp"]
+    for row in entry["variants"].values():
+        assert set(row["digital"]) == {"float", "w4", "w4a8"} and all(v > 1 for v in row["digital"].values())
+        assert [len(row["chips"]["pcm"]["times"][t]["all"]) for t in ("1s", "1y")] == [2, 2]
+    analog_lm.plot(result, tmp_path / "cim_lm.png")
+    assert (tmp_path / "cim_lm.png").stat().st_size > 10_000
+    result["models"] = {"smollm2": entry}  # the claim is SmolLM2's: read under that name
+    verdict = next(v for v in claims.headline({"cim_lm": result}) if v.claim.startswith("SmolLM2 on the `pcm` chip"))
+    assert verdict.measured is not None and "2 chips" in verdict.measured

@@ -49,6 +49,7 @@ QUICK = dict(models=("smollm2", "minilm"), presets=("pcm",), times=("1s", "1y"),
              speed_most=2)  # 8 SmolLM2 chips in one pass alone take 3 min
 LR = 5e-5  # the tuning rate measured in docs/results/cim_lm.md
 GOALS = {"ppl_mean_over_w4": 1.15, "ppl_worst_over_w4": 1.3}
+TUNED_WORK = Path("analog-lm-work")  # where the study keeps its tuned copies by default (the report reads them)
 
 
 def _stats(values: list[float], worst) -> dict:
@@ -129,6 +130,22 @@ def on_chips(lm, preset_name: str, overrides: dict, times, chips: int, group: in
 
 # -- the tuned copies -------------------------------------------------------------------------------
 
+def _stem(model: str) -> str:
+    from hilt.models import lm as causal_lm
+
+    return model if model in ("minilm", *causal_lm.BUILTIN) else Path(model).stem
+
+
+def tuned_path(model: str, method: str, work) -> Path:
+    """Where ``model`` tuned by ``method`` is kept in ``work``: a GGUF for a model hilt's own Llama runs (hwa
+    writes what it read), else a folder."""
+    from hilt.models import lm as causal_lm
+
+    as_gguf = (model != "minilm" and causal_lm.is_language_model(model)
+               and causal_lm.lm_source(model).runner == causal_lm.OWN)
+    return Path(work) / (f"{_stem(model)}-{method}.gguf" if as_gguf else f"{_stem(model)}-{method}")
+
+
 def tuned_copy(model: str, method: str, work: Path, steps: int, batch: int | None, context: int) -> tuple[str, dict]:
     """The path of ``model`` tuned by ``method`` in ``work``, trained now or read back when a
     previous run trained it with the same settings. -> (path, training record)."""
@@ -138,10 +155,8 @@ def tuned_copy(model: str, method: str, work: Path, steps: int, batch: int | Non
     from hilt.models import lm as causal_lm
 
     causal = model != "minilm" and causal_lm.is_language_model(model)
-    as_gguf = causal and causal_lm.lm_source(model).runner == causal_lm.OWN  # hwa writes what it read
-    stem = model if model in ("minilm", *causal_lm.BUILTIN) else Path(model).stem
-    out = work / (f"{stem}-{method}.gguf" if as_gguf else f"{stem}-{method}")
-    record_path = work / f"{stem}-{method}.json"
+    out = tuned_path(model, method, work)
+    record_path = work / f"{_stem(model)}-{method}.json"
     settings = {"model": model, "method": method, "preset": TUNE_PRESET, "overrides": {"weight_mapping": "column"},
                 "steps": steps, "batch": batch or (4 if causal else 8), "context": context, "lr": LR}
     if out.exists():
@@ -278,7 +293,7 @@ def study(quick: bool = False, models=None, presets=None, chips: int | None = No
         if chips < 1:
             raise HiltError(f"--chips must be at least 1, got {chips}")
         budget["chips"] = chips
-    work = Path(work) if work is not None else Path("analog-lm-work")
+    work = Path(work) if work is not None else TUNED_WORK
     deploy = {**DEPLOY, **(overrides or {})}
     for preset_name in budget["presets"]:
         chip_config(preset_name, deploy)  # a field or value that does not fit fails here, before any work
@@ -467,7 +482,6 @@ def plot(result: dict, path) -> None:
 # -- the report's snapshot --------------------------------------------------------------------------
 
 REPORT = dict(times=("1s", "1y"), chips=2, tokens=128, context=128)
-TUNED_WORK = Path("analog-lm-work")  # where `hilt bench analog-lm` keeps its tuned copies by default
 
 
 def snapshot(model: str = "smollm2", work=TUNED_WORK, times=REPORT["times"], chips: int = REPORT["chips"],
@@ -483,8 +497,8 @@ def snapshot(model: str = "smollm2", work=TUNED_WORK, times=REPORT["times"], chi
     data, data_name = eval_data(base, None, tokens, context)
     variants = {"as trained": base}
     for method in VARIANTS[1:]:
-        path = Path(work) / f"{model}-{method}.gguf"
-        if path.is_file():
+        path = tuned_path(model, method, work)
+        if path.exists():
             variants[method] = load_language_model(str(path))
     budget = {"times": list(times), "presets": [TUNE_PRESET], "chips": chips, "tokens": tokens, "context": context,
               "sentences": 0}

@@ -82,7 +82,7 @@ def hqq_weights(src, bits: int, group: int = GROUP, only: str | None = None) -> 
     return out, bits + 32 / group
 
 
-def child_quantize(src, dst, method: str, bits: int, extra: list[str]) -> dict:
+def _child_quantize(src, dst, method: str, bits: int, extra: list[str]) -> dict:
     """`hilt quantize` in a child process: its result JSON, wall seconds and the child's own peak
     resident memory (os.wait4 reports it for that one process)."""
     report = Path(str(dst) + ".json")
@@ -184,7 +184,7 @@ def run(out="report", quick=False, models=None, widths=None) -> dict:
                     fmt = recipe.format
                     if recipe.compensate:
                         extra = ["--compensate", *calib[model], *(["--only", only] if only else [])]
-                        r = child_quantize(src, dst, fmt, bits, extra)
+                        r = _child_quantize(src, dst, fmt, bits, extra)
                         row.update(quantize_seconds=r["wall_seconds"], peak_rss_mb=r["peak_rss_mb"],
                                    seconds_split=r["compensation"]["seconds"],
                                    calibration=r["compensation"]["calibration"])

@@ -1,16 +1,14 @@
 """The quantization table: real checkpoints through `hilt quantize` and `hilt eval`.
 
-For SmolLM2-135M (GGUF) and all-MiniLM-L6-v2 (safetensors): fp32, k-means
-(plain, and weighted by input importance calibrated on Macbeth) and integer
-weights at 4, 3 and 2 bits, and 1 bit (2-level k-means vs sign x absmean),
-blocks of 64. Evaluation text is Hamlet, so calibration and evaluation never
-share text. Each quantized checkpoint is written in the hilt format,
-evaluated from disk, then removed. Writes JSON, a Markdown table and a PNG
-plot.
+For SmolLM2-135M (GGUF) and all-MiniLM-L6-v2 (safetensors): fp32, k-means (plain, weighted by input
+importance calibrated on Macbeth, and with error compensation, `--compensate`) and integer weights (plain
+and compensated) at 4, 3 and 2 bits, and 1 bit (2-level k-means vs sign x absmean), blocks of 64 (quick:
+plain k-means and int at 4, 3 and 2 bits, both compensated at 3). Evaluation text is Hamlet, so
+calibration and evaluation never share text. Each quantized checkpoint is written in the hilt format,
+evaluated from disk, then removed. Writes JSON, a Markdown table and a PNG plot.
 
-SmolLM2 was published at 4 bits (Q4_1, blocks of 32): its dequantized weights
-are the reference here, and 4-bit formats whose blocks align with 32 can look
-better on it than they would on the original bf16 model.
+SmolLM2 was published at 4 bits (Q4_1, blocks of 32): its dequantized weights are the reference here, and
+4-bit formats whose blocks align with 32 can look better on it than they would on the original bf16 model.
 """
 
 from __future__ import annotations
@@ -29,13 +27,12 @@ from hilt.progress import LOG
 FULL = [(label, method, b) for b in (4, 3, 2) for label, method in
         (("kmeans", "kmeans"), ("kmeans-imp", "kmeans"), ("int", "int"), ("gptq-kmeans", "kmeans"), ("gptq-int", "int"))]
 FULL += [("kmeans", "kmeans", 1), ("kmeans-imp", "kmeans", 1), ("binary", "binary", 1)]
-# quick: no importance weighting, and compensation (about a minute a SmolLM2 checkpoint on 2 cores) at 3 bits only,
-# calibrated on 2048 Macbeth tokens / 128 sentences instead of 4096 / 256 (512 tokens are too few: compensated int
-# then does worse than rounding)
+# quick: no importance weighting, and compensation (70-90 s a SmolLM2 checkpoint on 2 cores) at 3 bits only,
+# calibrated on 2048 Macbeth tokens / 128 sentences instead of 4096 / 256 (with 512 or 1024 tokens compensated int
+# does worse than rounding)
 QUICK = [(label, method, b) for b in (4, 3, 2) for label, method in (("kmeans", "kmeans"), ("int", "int"))]
 QUICK[4:4] = [("gptq-kmeans", "kmeans", 3), ("gptq-int", "int", 3)]
-CALIBRATION = {True: {"smollm2": ["--calibration-tokens", "2048"], "minilm": ["--calibration-sentences", "128"]},
-               False: {"smollm2": [], "minilm": []}}
+CALIBRATION = {True: {"smollm2": {"tokens": 2048}, "minilm": {"sentences": 128}}, False: {"smollm2": {}, "minilm": {}}}
 
 
 def run(out="report", quick=False, json_path=None, tokens=None, sentences=None) -> dict:
@@ -51,11 +48,9 @@ def run(out="report", quick=False, json_path=None, tokens=None, sentences=None) 
                  "minilm_bits_per_weight": 32.0, "minilm_cosine": 1.0, "smollm2_rel_error": 0.0,
                  "minilm_rel_error": 0.0})
     LOG.info(f"  fp32           ppl {ppl['perplexity']:8.3f}")
-    from concurrent.futures import ThreadPoolExecutor
-
-    from hilt.bench.studies.ptq import child_quantize
     from hilt.models.bert import minilm_path
     from hilt.tasks.calibrate import calibrate
+    from hilt.tasks.compensate import compensator
     from hilt.models.llama import smollm2_path
 
     sources = {"smollm2": smollm2_path(), "minilm": minilm_path()}
@@ -64,41 +59,31 @@ def run(out="report", quick=False, json_path=None, tokens=None, sentences=None) 
         for m, path in importance.items():
             LOG.info(f"calibrating {m} on Macbeth -> {path}")
             calibrate(m, path, work="macbeth", overwrite=True)
-    def measure(label: str, bits: int, model: str, dst: Path, totals: dict, seconds: float, row: dict) -> None:
-        row[f"{model}_quantize_seconds"] = round(seconds, 1)
-        row[f"{model}_bits_per_weight"] = totals["bits_per_weight"]
-        row[f"{model}_rel_error"] = totals["rel_error_mean"]
-        if model == "smollm2":
-            row["smollm2_perplexity"] = evaluate.perplexity_run(quantized=dst, tokens=tokens)["perplexity"]
-        else:
-            r = evaluate.embedding_run(quantized=dst, sentences=sentences)
-            row["minilm_cosine"], row["minilm_cosine_min"] = r["cosine_similarity"], r["cosine_similarity_min"]
-        shutil.rmtree(dst)
-        if all(f"{m}_bits_per_weight" in row for m in sources):  # the row is whole
-            LOG.info(f"  {label:>11} {bits} bit  {row['smollm2_bits_per_weight']:.3f} b/w  ppl "
-                     f"{row['smollm2_perplexity']:10.3f}   MiniLM cos {row['minilm_cosine']:.5f}")
 
-    by_config = {(label, bits): {"method": label, "bits": bits} for label, _, bits in configs}
-    compensated = [(label, method, bits) for label, method, bits in configs if label.startswith("gptq")]
     for label, method, bits in configs:
-        if (label, method, bits) in compensated:
-            continue
+        row = {"method": label, "bits": bits}
+        config = QuantConfig(method=method, bits=bits, block_size=64)
         for model, src in sources.items():
-            dst, start = out / f"ckpt-{model}-{label}{bits}", time.perf_counter()
-            totals = quantize_checkpoint(src, dst, QuantConfig(method=method, bits=bits, block_size=64), overwrite=True,
-                                         importance=importance[model] if label == "kmeans-imp" else None).header["totals"]
-            measure(label, bits, model, dst, totals, time.perf_counter() - start, by_config[label, bits])
-    # the compensated checkpoints are made by `hilt quantize --compensate` in child processes, two at a time: the
-    # compensation's column sweep runs on one thread, so two of them share 2 cores at little cost to each other
-    with ThreadPoolExecutor(max_workers=2) as pool:
-        jobs = [(label, bits, model, out / f"ckpt-{model}-{label}{bits}",
-                 pool.submit(child_quantize, src, out / f"ckpt-{model}-{label}{bits}", method, bits,
-                             ["--compensate", *CALIBRATION[quick][model]]))
-                for label, method, bits in compensated for model, src in sources.items()]
-        for label, bits, model, dst, job in jobs:
-            r = job.result()
-            measure(label, bits, model, dst, r["totals"], r["wall_seconds"], by_config[label, bits])
-    rows += by_config.values()
+            dst = out / f"ckpt-{model}-{label}{bits}"
+            start = time.perf_counter()
+            # one checkpoint at a time: two compensations side by side on 2 cores took 1.6x as long as in turn
+            compensate = (lambda targets, src=src, model=model: compensator(src, config, targets=targets,
+                                                                              **CALIBRATION[quick][model])) \
+                if label.startswith("gptq") else None
+            header = quantize_checkpoint(src, dst, config, overwrite=True, compensate=compensate,
+                                         importance=importance[model] if label == "kmeans-imp" else None).header
+            row[f"{model}_quantize_seconds"] = round(time.perf_counter() - start, 1)
+            row[f"{model}_bits_per_weight"] = header["totals"]["bits_per_weight"]
+            row[f"{model}_rel_error"] = header["totals"]["rel_error_mean"]
+            if model == "smollm2":
+                row["smollm2_perplexity"] = evaluate.perplexity_run(quantized=dst, tokens=tokens)["perplexity"]
+            else:
+                r = evaluate.embedding_run(quantized=dst, sentences=sentences)
+                row["minilm_cosine"], row["minilm_cosine_min"] = r["cosine_similarity"], r["cosine_similarity_min"]
+            shutil.rmtree(dst)
+        rows.append(row)
+        LOG.info(f"  {label:>11} {bits} bit  {row['smollm2_bits_per_weight']:.3f} b/w  ppl "
+                 f"{row['smollm2_perplexity']:10.3f}   MiniLM cos {row['minilm_cosine']:.5f}")
     for path in importance.values():
         path.unlink(missing_ok=True)
     from hilt.models.llama import LlamaConfig
