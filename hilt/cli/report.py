@@ -18,6 +18,6 @@ def register(sub) -> None:
                 "SmolLM2 over a year), DWP robustness, energy, ONNX; writes DIR/report.md",
                 "hilt report --out report/", [OUTPUT])
     r.add_argument("--out", default="report", metavar="DIR", help="output folder (default ./report)")
-    r.add_argument("--full", action="store_true", help="the full budgets, about 45 minutes on 2 cores (without it: "
+    r.add_argument("--full", action="store_true", help="the full budgets, about 50 minutes on 2 cores (without it: "
                    "smaller samples of the same real models, about 12 minutes)")
     r.set_defaults(func=cmd_report)
