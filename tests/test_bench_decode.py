@@ -86,3 +86,20 @@ def test_hilt_llama_runner_decodes_greedily_with_its_cache():
         for _ in range(5):
             want = torch.cat([want, runner(want)[:, -1].argmax(-1, keepdim=True)], 1)
     assert out.shape == (1, 10) and torch.equal(out, want)
+
+
+def test_the_table_shows_memory_columns_only_where_the_probes_ran_and_unknown_formats_are_refused():
+    row = {"model": "dense bf16", "tokens_per_second": 20.0, "vs_dense_bf16": 1.0, "ms_per_token": 50.0,
+           "layers_ms_per_token": 30.0, "prefill_tokens_per_second": 800.0, "prefill_vs_dense_bf16": 1.0,
+           "weight_bytes": 269e6}
+    skipped = {"model": "llama.cpp llama-bench (Q4_0, Q8_0 exports)", "tokens_per_second": None, "note": "not built"}
+    bare = decode_speed.table([row, skipped]).splitlines()
+    assert "resident" not in bare[0] and bare[0].count("|") == 7 and all(line.count("|") == 7 for line in bare)
+    assert "| 20.00 | 1.00x | 30.0 / 20.0 | 800 (1.00x) | 269.0 |" in bare[2] and "| not built |" in bare[3]
+    probed = {**row, "rss_baseline": 1, "loaded_over_weights": 1.05, "decoding_over_weights": 1.1,
+              "decoding_over_weights_without_code": 1.03, "first_forward_mb": 13.5, "first_forward_code_mb": 10.1}
+    full = decode_speed.table([probed, skipped]).splitlines()
+    assert "resident" in full[0] and all(line.count("|") == 9 for line in full)
+    assert "1.05x / 1.10x (1.03x)" in full[2] and "13.5 (10.1)" in full[2]
+    with pytest.raises(decode_speed.HiltError, match="no decode format"):
+        decode_speed.run(formats=("hilt k-means 5",), gemv=False, model="smollm2")

@@ -343,6 +343,11 @@ def run(quick: bool = False, work=None, threads: int = 2, gemv: bool = True, new
 
     transformers = require_transformers()
     source = None if quick else lm_source(model)  # a model no path serves is refused before the minutes below
+    chosen = QUICK_FORMATS if quick else formats or tuple(FORMATS)
+    unknown = set(chosen) - set(FORMATS)
+    if unknown:
+        raise HiltError(f"no decode format {sorted(unknown)}; the formats: {', '.join(FORMATS)}")
+    formats = {k: v for k, v in FORMATS.items() if k in chosen}
     smollm2 = not quick and model == "smollm2"
     if work is not None:  # made now, not after the GEMV table's minutes
         if Path(work).exists() and not Path(work).is_dir():
@@ -359,11 +364,6 @@ def run(quick: bool = False, work=None, threads: int = 2, gemv: bool = True, new
                      else gemv_table(None, 10, gemv_formats))
     for r in gemv_rows:
         r["of_copy_bandwidth"] = round(r["gb_per_s"] / bandwidth, 3)
-    chosen = QUICK_FORMATS if quick else formats or tuple(FORMATS)
-    unknown = set(chosen) - set(FORMATS)
-    if unknown:
-        raise HiltError(f"no decode format {sorted(unknown)}; the formats: {', '.join(FORMATS)}")
-    formats = {k: v for k, v in FORMATS.items() if k in chosen}
     with tempfile.TemporaryDirectory(dir=work) as tmp:
         tmp = Path(tmp)
         if quick:
