@@ -63,7 +63,7 @@ def mismatch_sweep(model, images, labels, draws: int, etas=ETAS, seed: int = 0) 
     return rows
 
 
-def _trained(method: str, cfg: NoisyTraining, plan: dict, quick: bool) -> torch.nn.Module:
+def _trained(method: str, cfg: NoisyTraining, plan: dict, quick: bool) -> tuple[torch.nn.Module, str]:
     """The CNN trained with ``cfg``: the committed checkpoint (hilt/models/trained) when it was trained with the
     same settings as the full plan's (the quick run then evaluates the same, fully trained models, and trains
     only the ablation's), otherwise trained now (and saved there, full runs only, saying so when it replaces a
@@ -75,7 +75,7 @@ def _trained(method: str, cfg: NoisyTraining, plan: dict, quick: bool) -> torch.
         training = dataclasses.asdict(cfg) if cfg.method != "standard" else None
         if all(meta.get(k) == v for k, v in want.items()) and (training is None or meta.get("training") == json.dumps(training)):
             LOG.info(f"{method}: using {path.name}")
-            return model
+            return model, f"{path.name} ({FULL['epochs']} epochs, all training images)"
         LOG.warning(f"{method}: {path} was trained with other settings; training it again"
                     + ("" if quick else " and replacing it"))
     start = time.perf_counter()
@@ -88,7 +88,7 @@ def _trained(method: str, cfg: NoisyTraining, plan: dict, quick: bool) -> torch.
         if cfg.method != "standard":
             meta["training"] = dataclasses.asdict(cfg)
         save_workload(model, path, "cnn", meta)
-    return model
+    return model, f"trained in this run ({plan['epochs']} epochs, {plan['limit'] or 'all'} training images)"
 
 
 def study(quick: bool = False, plan: dict | None = None, ablation=tuple(ABLATION)) -> dict:
@@ -97,13 +97,14 @@ def study(quick: bool = False, plan: dict | None = None, ablation=tuple(ABLATION
     images, labels = load_fashion_mnist("test", limit=plan["test_images"])
     result = {"quick": quick, "plan": plan, "etas": list(ETAS), "methods": {}, "ablation": {}}
     for method, cfg in METHODS.items():
-        model = _trained(method, cfg, plan, quick)
+        model, origin = _trained(method, cfg, plan, quick)
         sweep = mismatch_sweep(model, images, labels, plan["draws"])
         with quiet():  # its per-time table would interleave with this study's lines; the summary below says it
             drift = drift_study("cnn", preset_name="pcm", times=plan["times"], repeats=plan["chips"],
                                 test_images=plan["test_images"], model=model)
         drift_rows = [r for r in drift["rows"] if r["gdc"] == "global"]
-        result["methods"][method] = {"training": dataclasses.asdict(cfg), "mismatch": sweep, "drift": drift_rows}
+        result["methods"][method] = {"training": dataclasses.asdict(cfg), "model": origin, "mismatch": sweep,
+                                     "drift": drift_rows}
         cells = "  ".join(f"{r['eta']:.1f}: {r['mean']:.3f}" for r in sweep)
         year = [r["mean"] for r in drift_rows]
         LOG.info(f"{method:<9} mismatch {cells}   PCM drift (compensated) {min(year):.3f}..{max(year):.3f}")
@@ -165,6 +166,8 @@ def render(result: dict) -> str:
         year = [row["mean"] for row in r["drift"]]
         lines.append(f"| {method} | " + " | ".join(cells) + f" | {year[0]:.3f} .. {year[-1]:.3f} "
                      f"(spread {max(year) - min(year):.3f}) |")
+    if all(r.get("model") for r in result["methods"].values()):  # the committed checkpoints or this run's training
+        lines += ["", "The CNNs: " + "; ".join(f"{m}: {r['model']}" for m, r in result["methods"].items()) + "."]
     lines += ["", "| DWP ablation | eta 0 | eta 0.5 | eta 0.7 |", "|---|---|---|---|"]
     for name, r in result["ablation"].items():
         lines.append(f"| {name} | " + " | ".join(f"{row['mean']:.3f} ± {row['std']:.3f}" for row in r["mismatch"]) + " |")

@@ -85,7 +85,7 @@ def number(positive: bool = False, non_negative: bool = False):
     return parse
 
 
-POSITIVE, NON_NEGATIVE, ANY_INT, POSITIVE_NUMBER = integer(1), integer(0), integer(), number(positive=True)
+POSITIVE, NON_NEGATIVE, POSITIVE_NUMBER = integer(1), integer(0), number(positive=True)
 NOISE_LEVEL = number(non_negative=True)
 
 
