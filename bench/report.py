@@ -154,6 +154,9 @@ def peers_committed() -> str:
 def run(out="report", quick: bool = True, progress: bool = False) -> dict:
     """Every section into OUT (report.md, JSON and PNG per section); ``quick=False`` is `--full`.
     ``progress``: a line per finished section (see hilt.progress)."""
+    from hilt.atomic import check_out_folder
+
+    check_out_folder(out)  # a file, or a folder that cannot be made or written: said before the minutes of work
     import torch
 
     from hilt.bench import claims

@@ -137,3 +137,16 @@ def test_without_aihwkit_the_peer_section_shows_the_committed_run_labelled_as_su
     md = report.peers_committed()
     assert md.startswith("aihwkit is not installed here") and "**Not from this run**" in md
     assert "| 1y |" in md and "aihwkit 1.2.0" in md
+
+
+def test_a_report_folder_that_cannot_be_written_is_one_line_before_any_work(tmp_path, capsys, monkeypatch):
+    from hilt.bench.studies import quant_table
+    from hilt.cli import main
+
+    monkeypatch.setattr(quant_table, "run", lambda **kw: pytest.fail("the report started its work"))
+    (tmp_path / "file").write_text("x")
+    for out, needle in ((tmp_path / "file", "is a file"), (tmp_path / "file" / "sub", "is a file"),
+                        (tmp_path / "gone" / "sub", "does not exist")):
+        assert main(["report", "--out", str(out)]) == 1
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1 and needle in err and str(out) in err, err
