@@ -195,7 +195,8 @@ def run(out="report", quick: bool = True, progress: bool = False) -> dict:
 
     def robust():
         # quick: DWP's default and its copies knob changed both ways, of the ablation's eight variants
-        result = robustness.study(quick=quick, **({"ablation": ("dwp (default)", "K=2", "K=8")} if quick else {}))
+        ablation = ("dwp (default)", "K=2", "K=8") if quick else tuple(robustness.ABLATION)
+        result = robustness.study(quick=quick, ablation=ablation)
         write_json(out / "robustness.json", result)
         robustness.plot(result, out / "robustness.png")
         return (f"Mismatch w(1 + eta N(0,1)), {result['plan']['draws']} draws per level on "

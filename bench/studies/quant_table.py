@@ -32,7 +32,7 @@ FULL += [("kmeans", "kmeans", 1), ("kmeans-imp", "kmeans", 1), ("binary", "binar
 # does worse than rounding)
 QUICK = [(label, method, b) for b in (4, 3, 2) for label, method in (("kmeans", "kmeans"), ("int", "int"))]
 QUICK[4:4] = [("gptq-kmeans", "kmeans", 3), ("gptq-int", "int", 3)]
-CALIBRATION = {True: {"smollm2": {"tokens": 2048}, "minilm": {"sentences": 128}}, False: {"smollm2": {}, "minilm": {}}}
+QUICK_CALIBRATION = {"smollm2": {"tokens": 2048}, "minilm": {"sentences": 128}}  # compensator() keywords
 
 
 def run(out="report", quick=False, json_path=None, tokens=None, sentences=None) -> dict:
@@ -67,8 +67,8 @@ def run(out="report", quick=False, json_path=None, tokens=None, sentences=None) 
             dst = out / f"ckpt-{model}-{label}{bits}"
             start = time.perf_counter()
             # one checkpoint at a time: two compensations side by side on 2 cores took 1.6x as long as in turn
-            compensate = (lambda targets, src=src, model=model: compensator(src, config, targets=targets,
-                                                                              **CALIBRATION[quick][model])) \
+            calibration = QUICK_CALIBRATION[model] if quick else {}
+            compensate = (lambda targets, src=src, kw=calibration: compensator(src, config, targets=targets, **kw)) \
                 if label.startswith("gptq") else None
             header = quantize_checkpoint(src, dst, config, overwrite=True, compensate=compensate,
                                          importance=importance[model] if label == "kmeans-imp" else None).header

@@ -14,10 +14,10 @@ def cmd_quantize(args) -> int:
 
     from hilt.quant import QuantConfig, plan_checkpoint, quantize_checkpoint
 
-    if args.src in ("smollm2", "gemma3"):  # the built-in models by name (hilt.models.lm.BUILTIN), as elsewhere
-        from hilt.models.lm import lm_source
+    from hilt.models import lm
 
-        args.src = str(lm_source(args.src).path)
+    if args.src in lm.BUILTIN:  # the built-in models by name, as elsewhere
+        args.src = str(lm.lm_source(args.src).path)
     if args.asymmetric and args.method not in ("int", "int-asym"):
         raise UsageError(f"--asymmetric applies to --method int only, not --method {args.method}")
     if args.solver is not None and args.method != "kmeans":
