@@ -33,6 +33,7 @@ DOMAINS = {
     "number>=0": ["train --eta", "hwa --eta"],
     "noise range": ["train --eta-range", "hwa --eta-range"],
     "model": ["drift --model", "drift --workload"],
+    "task list": ["eval tasks --tasks"],
 }
 # typed flags whose values are paths the command checks when it runs (tests/test_request_checks.py)
 PATHS = {"bench analog-lm --work"}
@@ -47,6 +48,7 @@ OUTSIDE = {
     "number>=0": ["-0.1", "-1e-3", "nan", "inf", "abc"],
     "noise range": ["0.6,0.1", "-0.1,0.5", "0.5", "a,b", "nan,1", "0.1,inf"],
     "model": ["no-such-model", ""],
+    "task list": ["", "next-line", "cloze,", "cloze,nope", "NEXT_LINE"],
 }
 
 
@@ -102,7 +104,8 @@ def test_a_choice_not_offered_is_refused_naming_the_flag(capsys):
 def test_values_inside_the_domain_parse():
     """The edges of each domain are accepted (a bound one off would refuse them)."""
     inside = {"int>=0": "0", "int>=1": "1", "int>=2": "2", "int 1..8": "8", "int 2..8": "2", "number>0": "1e-6",
-              "number>=0": "0", "noise range": "0,0"}
+              "number>=0": "0", "noise range": "0,0",
+              "task list": "continuation,cloze"}
     for domain, value in inside.items():
         for flag in DOMAINS[domain]:
             *command, name = flag.split()

@@ -4,6 +4,19 @@ from hilt.cli.common import OUTPUT, POSITIVE, command, group, integer
 from hilt.cli.output import write_json_option
 
 
+def task_list(text: str) -> str:
+    """--tasks: names from hilt.tasks.downstream.TASKS, checked while parsing."""
+    import argparse
+
+    from hilt.tasks.downstream import TASKS
+
+    names = [t.strip() for t in text.split(",")]
+    bad = [t for t in names if t not in TASKS]
+    if bad or not text.strip():
+        raise argparse.ArgumentTypeError(f"{bad[0] if bad else text!r} is not a task; the tasks are {', '.join(TASKS)}")
+    return ",".join(names)
+
+
 def cmd_eval_ppl(args) -> int:
     from hilt.tasks import evaluate
 
@@ -27,6 +40,19 @@ def cmd_eval_embed(args) -> int:
     return 0
 
 
+def cmd_eval_tasks(args) -> int:
+    from hilt.tasks import downstream, evaluate
+
+    tasks = args.tasks.split(",") if args.tasks else None
+    result = evaluate.tasks_run(args.model, quantized=args.quantized, tasks=tasks, quick=args.quick,
+                                reference=args.reference, progress=True)
+    label = result["quantized"] or f"{args.model}'s weights as stored"
+    print(f"{label} on {result['items']}:")
+    print(downstream.render(result["tasks"], result["reference"]))
+    write_json_option(args, result)
+    return 0
+
+
 def register(sub) -> None:
     esub = group(sub, "eval", "evaluate a model, quantized or not", "metric")
     pp = command(esub, "ppl", "perplexity of a causal LM on text: SmolLM2-135M (default), a Llama GGUF, or any "
@@ -39,6 +65,20 @@ def register(sub) -> None:
     pp.add_argument("--tokens", type=integer(2), default=2048, help="tokens to score (default 2048)")
     pp.add_argument("--context", type=integer(2), default=512, help="window length (default 512)")
     pp.set_defaults(func=cmd_eval_ppl)
+    ta = command(esub, "tasks", "downstream tasks of a causal LM on a Shakespeare play nothing in hilt tunes on: "
+                 "pick the next line of four, complete a line's last word, continue a passage; each score with its "
+                 "bootstrap interval and chance level", "hilt eval tasks smollm2 --quick\n"
+                 "  hilt eval tasks smollm2 --quantized out-3bit\n  hilt eval tasks gemma3 --tasks next_line,cloze",
+                 [OUTPUT])
+    ta.add_argument("model", nargs="?", default="smollm2",
+                    help="smollm2 or gemma3 (the packaged models), a GGUF path, or a Hugging Face causal-LM folder")
+    ta.add_argument("--quantized", metavar="DST", help="hilt checkpoint made from MODEL by `hilt quantize`")
+    ta.add_argument("--tasks", metavar="LIST", type=task_list,
+                    help="comma-separated, of next_line, cloze, continuation (default: all three)")
+    ta.add_argument("--quick", action="store_true", help="60, 60 and 30 items, spread over the play (under a minute)")
+    ta.add_argument("--reference", metavar="MODEL", help="float model (same tokenizer) whose own continuations the "
+                    "continuation task compares with (default: MODEL itself under --quantized)")
+    ta.set_defaults(func=cmd_eval_tasks)
     em = command(esub, "embed", "cosine similarity of sentence embeddings (masked mean, normalised) of a quantized "
                  "encoder against its fp32 model: MiniLM (default) or any Hugging Face encoder folder",
                  "hilt eval embed minilm --quantized minilm-2bit", [OUTPUT])

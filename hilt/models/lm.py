@@ -163,11 +163,33 @@ class CausalLM:
             return self.tokenizer.encode(text)
         return self.tokenizer(text, add_special_tokens=False)["input_ids"]
 
+    def decode(self, ids) -> str:
+        """The text of token ids (special tokens kept)."""
+        return self.tokenizer.decode(list(ids))
+
+    context = None  # the scored inputs (passages, windows) are far shorter than any model's own limit
+
     def logits(self, ids: torch.Tensor, model: nn.Module | None = None) -> torch.Tensor:
         """Next-token logits (B, T, vocab) of ``ids`` (B, T) by ``model`` (default: this one; or a copy of it
         made analog or quantized)."""
         model = self.model if model is None else model
         return model(ids) if self.own else model(input_ids=ids, use_cache=False).logits
+
+    def extend(self, ids: torch.Tensor, cache=None) -> tuple[torch.Tensor, object]:
+        """(logits of ``ids`` (B, T), a key/value cache that then holds them too), ``ids`` taken as the positions
+        after those ``cache`` holds (from the start without one): a prompt runs once, then a token at a time."""
+        if self.own:
+            cache = self.model.new_cache() if cache is None else cache
+            return self.model(ids, cache), cache
+        out = self.model(input_ids=ids, past_key_values=cache, use_cache=True)
+        return out.logits, out.past_key_values
+
+    def repeat_cache(self, cache, n: int):
+        """A cache of one row as a batch of ``n`` rows (the transformers cache is changed in place)."""
+        if self.own:
+            return [[t.expand(n, *t.shape[1:]) for t in kv] for kv in cache]
+        cache.batch_repeat_interleave(n)
+        return cache
 
     @cached_property
     def bos(self) -> int | None:

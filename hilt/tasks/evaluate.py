@@ -28,7 +28,7 @@ def perplexity_run(model="smollm2", quantized=None, text=None, tokens=2048, cont
     quantized by hilt or not). ``quantized``: a hilt checkpoint of a Llama GGUF, loaded over it, or a hilt
     folder made from a Hugging Face model, run instead of it."""
     from hilt.data.text import shakespeare_text
-    from hilt.models.lm import BUILTIN, HF_FOLDER, OWN, load_lm, lm_source
+    from hilt.models.lm import BUILTIN
 
     if text is None:
         body, text_name = shakespeare_text("hamlet"), "Hamlet (shakespeare package)"
@@ -39,19 +39,7 @@ def perplexity_run(model="smollm2", quantized=None, text=None, tokens=2048, cont
             raise HiltError(f"{text}: cannot read text ({e})") from None
     if tokens < 2:
         raise HiltError(f"--tokens must be at least 2, got {tokens}")
-    path = None if model in BUILTIN else Path(model)
-    if path is not None and path.is_dir():
-        if quantized is None and not is_hf_folder(path):
-            _refuse_quantized_as_model(path, "ppl", "smollm2")
-        if quantized is None and is_hf_folder(path) and read_config(path).get("quantization_config"):
-            quantized = path  # a quantized folder given as the model: say so in the result
-    source = lm_source(model, _embed_hint(path, quantized) if path is not None else None)
-    if source.runner == HF_FOLDER and quantized is not None:
-        source = lm_source(quantized, _embed_hint(source.path, quantized))  # hilt's folder, run through transformers
-    elif quantized is not None and source.runner != OWN:
-        raise HiltError(f"--quantized {quantized}: {model} runs through transformers; quantize a Hugging Face folder "
-                        f"of it (`hilt convert`, then `hilt quantize`) and give that folder as the model")
-    lm = load_lm(model, source)
+    lm, source, path, quantized = _open_lm(model, quantized)
     if quantized is not None and lm.own:
         load_quantized_(lm.model, quantized, strict=False)
     ids = lm.encode(body)[:tokens]
@@ -64,6 +52,74 @@ def perplexity_run(model="smollm2", quantized=None, text=None, tokens=2048, cont
         "quantized": None if quantized is None else str(quantized),
         "bits_per_weight": _bits(quantized), "text": text_name, "tokens": len(ids), "context": context,
         "perplexity": ppl, "seconds": round(time.perf_counter() - start, 2),
+    }
+
+
+def _open_lm(model, quantized):
+    """The language model ``model`` names, loaded float, with where it came from: (lm, source, path, quantized).
+    A hilt folder made from a Hugging Face model runs through transformers as it is (``quantized`` is then that
+    folder); a hilt checkpoint of a model hilt runs itself is left for the caller to load over ``lm.model``."""
+    from hilt.models.lm import BUILTIN, HF_FOLDER, OWN, load_lm, lm_source
+
+    if quantized is not None and not Path(quantized).exists():
+        raise HiltError(f"--quantized {quantized}: no such file or folder")
+    path = None if model in BUILTIN else Path(model)
+    if path is not None and path.is_dir():
+        if quantized is None and not is_hf_folder(path):
+            _refuse_quantized_as_model(path, "ppl", "smollm2")
+        if quantized is None and is_hf_folder(path) and read_config(path).get("quantization_config"):
+            quantized = path  # a quantized folder given as the model: say so in the result
+    source = lm_source(model, _embed_hint(path, quantized) if path is not None else None)
+    if source.runner == HF_FOLDER and quantized is not None:
+        source = lm_source(quantized, _embed_hint(source.path, quantized))  # hilt's folder, run through transformers
+    elif quantized is not None and source.runner != OWN:
+        raise HiltError(f"--quantized {quantized}: {model} runs through transformers; quantize a Hugging Face folder "
+                        f"of it (`hilt convert`, then `hilt quantize`) and give that folder as the model")
+    return load_lm(model, source), source, path, quantized
+
+
+def tasks_run(model="smollm2", quantized=None, tasks=None, quick=False, reference=None, progress=False) -> dict:
+    """Downstream task scores (hilt.tasks.downstream) of a causal LM, named as for :func:`perplexity_run`. The
+    continuation task also compares with a float reference's own continuation: ``reference`` (a language model
+    with the same tokenizer), or, for a hilt checkpoint loaded over ``model``, ``model`` itself before loading."""
+    from hilt.data.lm_tasks import item_path, load_items
+    from hilt.models.lm import BUILTIN, load_lm, lm_source
+    from hilt.tasks import downstream
+
+    tasks = tuple(tasks or downstream.TASKS)
+    unknown = [t for t in tasks if t not in downstream.TASKS]
+    if unknown:
+        raise HiltError(f"unknown task {unknown[0]!r}; the tasks are {', '.join(downstream.TASKS)}")
+    if reference is not None:
+        lm_source(reference)  # a reference that names nothing is refused before any model loads
+    items = load_items()
+    counts = downstream.QUICK_COUNTS if quick else {}
+    chosen = {t: downstream.spread(items[t], counts.get(t)) for t in tasks}
+    lm, source, path, quantized = _open_lm(model, quantized)
+    if reference is None and quantized is not None and not lm.own and path is not None \
+            and path.resolve() != Path(quantized).resolve():
+        reference = str(path)  # a Hugging Face folder and hilt's quantized folder of it: the first is the float model
+    ref_tokens, ref_name = None, None
+    if "continuation" in tasks:
+        if reference is not None:
+            ref = load_lm(reference)
+            probe = chosen["continuation"][0]["answer"]
+            if ref.encode(probe) != lm.encode(probe):
+                raise HiltError(f"--reference {reference}: its tokenizer is not {model}'s; the continuations "
+                                "cannot be compared token by token")
+            ref_tokens, ref_name = downstream.greedy_continuations(ref, chosen["continuation"]), str(reference)
+            del ref
+        elif quantized is not None and lm.own:
+            ref_tokens, ref_name = downstream.greedy_continuations(lm, chosen["continuation"]), f"{model} (float)"
+    if quantized is not None and lm.own:
+        load_quantized_(lm.model, quantized, strict=False)
+    start = time.perf_counter()
+    scores = downstream.score_tasks(lm, chosen, tasks, ref_tokens, progress)
+    return {
+        "model": model if model in BUILTIN else str(path), "family": source.family,
+        "quantized": None if quantized is None else str(quantized), "bits_per_weight": _bits(quantized),
+        "items": f"{items['work']} (hilt/data/lm_tasks/{item_path().name}, seed {items['seed']})",
+        "quick": quick, "reference": ref_name, "tasks": scores, "seconds": round(time.perf_counter() - start, 2),
     }
 
 
