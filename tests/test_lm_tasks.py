@@ -132,12 +132,29 @@ def test_bootstrap_interval_of_a_constant_is_the_constant_and_narrows_with_items
     assert wide[0] < narrow[0] < 0.5 < narrow[1] < wide[1]
 
 
-def test_a_long_passage_keeps_its_end_within_the_context():
-    model = CharModel()
-    model.context = 10
-    assert downstream._prompt(model, list(range(20)), 4) == list(range(14, 20))
-    with pytest.raises(Exception, match="too few"):
-        downstream._prompt(model, list(range(20)), 10)
+def test_a_model_with_a_short_context_reads_long_inputs_in_windows():
+    """Position t's logits depend on the tokens t-3..t here: windows of 8 reproduce a full read exactly."""
+    calls = []
+
+    class Local(CharModel):
+        context = 8
+
+        def logits(self, ids):
+            calls.append(ids.shape[1])
+            out = torch.zeros(*ids.shape, 256)
+            for t in range(ids.shape[1]):
+                for back in range(4):
+                    if t - back >= 0:
+                        out[:, t].scatter_add_(1, ids[:, t - back:t - back + 1], torch.ones(ids.shape[0], 1))
+            return out
+
+    ids = torch.randint(0, 256, (2, 29))
+    unlimited = Local()
+    unlimited.context = None
+    expected = unlimited.logits(ids)
+    calls.clear()
+    assert torch.equal(downstream.read(Local(), ids), expected)
+    assert max(calls) <= 8 and len(calls) == 1 + -(-(29 - 8) // 4)
 
 
 @pytest.mark.parametrize("argv,message", [
@@ -227,3 +244,31 @@ def test_the_cache_changes_no_score(items, which):
         assert cached == pytest.approx(full, rel=1e-4, abs=1e-3)
     for item in downstream.spread(items["continuation"], 2):
         assert downstream.greedy(lm, item["passage"], 6) == downstream.greedy(Uncached(lm), item["passage"], 6)
+
+
+def test_bench_ptq_scores_smollm2_rows_on_the_tasks(monkeypatch):
+    """The study's task path on a few items: float SmolLM2 agrees with itself; a coarsely rounded copy (replaced
+    tensors, as HQQ's rows) is scored through the same adapter; the table ranks methods by each measure."""
+    from hilt.bench.studies import ptq
+    from hilt.models.llama import smollm2_path
+    from hilt.quant import open_source
+
+    monkeypatch.setattr(ptq, "TASK_COUNTS", {"next_line": 3, "cloze": 3, "continuation": 2})
+    items = ptq.task_items()
+    float_lm = ptq._smollm2_lm()
+    reference = downstream.greedy_continuations(float_lm, items["continuation"])
+    same = ptq._tasks(float_lm, items, reference)
+    assert same["agreement"]["score"] == 1.0 and same["next_line"]["chance"] == 0.25
+    source = open_source(smollm2_path())
+    name = "blk.0.ffn_down.weight"
+    tensors = {name: torch.zeros_like(source.get(name).float())}  # one layer's weights gone
+    other = ptq._tasks(ptq._smollm2_lm(tensors=tensors), items, reference)
+    assert set(other) == set(ptq.TASK_MEASURES)
+    rows = [{"model": "smollm2", "method": "fp32", "bits": 32, "bits_per_weight": 32.0, "quality": 17.6, "tasks": same},
+            {"model": "smollm2", "method": "int", "bits": 3, "bits_per_weight": 3.25, "quality": 180.0, "tasks": other},
+            {"model": "smollm2", "method": "kmeans", "bits": 3, "bits_per_weight": 3.25, "quality": 40.0, "tasks": same}]
+    (ranking,) = ptq.rankings(rows)
+    assert ranking["ranking"]["perplexity"] == ["kmeans", "int"] and ranking["same_best"]["agreement"]
+    text = ptq.markdown({"rows": rows, "quality": {"smollm2": "perplexity"}, "verdicts": [], "rankings": [ranking],
+                         "task_items": "test items"})
+    assert "| smollm2 | kmeans | 3 | 3.250 | 40.00 | " in text and "smollm2 3 bit, best first: by perplexity: kmeans > int" in text

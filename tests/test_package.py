@@ -177,7 +177,8 @@ def test_wheel_and_sdist_install_only_hilt(built):
         with zipfile.ZipFile(wheel) as z:
             names = set(z.namelist())
         for module in ("hilt/kernels/lut_matmul_triton.py", "hilt/models/llama.py", "hilt/cli/quantize.py",
-                       "hilt/models/trained/cnn-standard.safetensors", "hilt/bench/perf/gpu_check.sh"):
+                       "hilt/models/trained/cnn-standard.safetensors", "hilt/bench/perf/gpu_check.sh",
+                       "hilt/data/lm_tasks/winters_tale.json"):
             assert module in names, (wheel.name, module)
 
 

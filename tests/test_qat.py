@@ -266,3 +266,38 @@ def test_study_counts_a_trained_codebook_once():
     assert memory[0] == memory[1]
     total, linear, n = memory[0]
     assert linear == pytest.approx(n * (2 + 16 / 32) + 12 * 4 * 16)  # codes, bf16 scales, 12 fp16 codebooks
+
+
+def test_study_ranks_formats_within_each_budget_by_loss_and_by_task():
+    """At a 16-bit model's memory each format's largest fitting width is ranked; a 1-bit model that scores best on a
+    task but not on loss gives "holds" by the task and "does not hold" by loss."""
+    from hilt.bench.studies import qat_scaling
+
+    def run(width, method, bits, memory, loss, correct):
+        per_item = [1] * correct + [0] * (10 - correct)
+        return {"width": width, "method": method, "bits": bits, "seed": 0, "memory_kib": memory, "n_quantizable": 100,
+                "bits_per_weight": float(bits), "lr": 9e-3, "val_loss": loss,
+                "tasks": {"next_line": {"per_item": per_item, "chance": 0.25}}}
+
+    runs = [run(64, "16-bit", 16, 100.0, 1.5, 5), run(128, "16-bit", 16, 400.0, 1.3, 6),
+            run(64, "kmeans", 1, 10.0, 2.0, 3), run(128, "kmeans", 1, 40.0, 1.7, 10),
+            run(128, "int", 4, 150.0, 1.4, 4), run(64, "int", 4, 35.0, 1.6, 2)]
+    rows = qat_scaling._mean_rows(runs)
+    small, large = qat_scaling._budget_rankings(rows)
+    assert small["memory_kib"] == 100.0
+    assert [(e["format"], e["width"]) for e in small["entries"]] == [("16-bit", 64), ("kmeans 1-bit", 128),
+                                                                      ("int 4-bit", 64)]
+    assert small["ranking"]["val_loss"] == ["16-bit", "int 4-bit", "kmeans 1-bit"]
+    assert small["ranking"]["next_line"] == ["kmeans 1-bit", "16-bit", "int 4-bit"]
+    assert small["one_bit_first"] == {"val_loss": False, "next_line": True}
+    assert small["clear_first"]["next_line"] and not small["rankings_agree"]["next_line"]
+    assert small["above_chance"]["next_line"]
+    assert large["ranking"]["val_loss"][0] == "16-bit" and large["entries"][2]["width"] == 128
+    text = qat_scaling.render_tasks({"task_items": "test items", "budget_rankings": [small, large]})
+    assert "by loss: 16-bit first, 1-bit wins: does not hold" in text
+    assert "by next line: kmeans 1-bit first, 1-bit wins: holds (clear of the runner-up)" in text
+    guessing = qat_scaling._budget_rankings(qat_scaling._mean_rows([{**r, "tasks": run(64, "int", 4, 1, 1, 3)["tasks"]}
+                                                                    for r in runs]))
+    assert not guessing[0]["above_chance"]["next_line"]  # 3 of 10 right, chance 1 in 4: the task tells nothing
+    assert "by next line: no verdict, no format clear of chance" in qat_scaling.render_tasks(
+        {"task_items": "test items", "budget_rankings": guessing})

@@ -11,6 +11,10 @@ all-MiniLM-L6-v2 (mean cosine to fp32 on Hamlet sentences):
   (`hilt quantize --compensate`), run as the command line runs it, in a child process whose wall
   time, time split and peak memory are recorded.
 
+SmolLM2's rows also carry downstream task scores (hilt.tasks.downstream, on :data:`TASK_COUNTS` items of
+The Winter's Tale): next line, cloze, and the agreement of each format's greedy continuation with the
+float model's own; the table ranks the methods at each width by perplexity and by each task.
+
 Bits per weight are counted alike for all: codes + every stored scale, zero and codebook.
 Calibration (importance and compensation) is Macbeth; evaluation is Hamlet. GPTQ itself from a
 maintained package is not in the table: the maintained GPTQ packages quantize a transformers model
@@ -125,6 +129,44 @@ def _evaluate(model: str, quantized=None, tensors=None, tokens=2048, sentences=2
     return bert.embedding_similarity(bert.embed(ref_model, tokenizer, batch), bert.embed(other, tokenizer, batch))
 
 
+def _smollm2_lm(quantized=None, tensors=None):
+    """SmolLM2 as hilt.tasks.downstream scores it: float, with a hilt checkpoint over it, or with replaced tensors."""
+    from hilt.models import llama
+    from hilt.models.lm import CausalLM, lm_source
+
+    net, tokenizer = llama.load_llama(tensors=tensors)
+    if quantized is not None:
+        from hilt.quant import load_quantized_
+
+        load_quantized_(net, quantized, strict=False)
+    return CausalLM(lm_source("smollm2"), net, tokenizer)
+
+
+TASK_COUNTS = {"next_line": 120, "cloze": 120, "continuation": 60}  # items per task: about 1.5 minutes a row
+
+
+def task_items() -> dict:
+    from hilt.data.lm_tasks import load_items
+    from hilt.tasks import downstream
+
+    items = load_items()
+    return {t: downstream.spread(items[t], TASK_COUNTS[t]) for t in downstream.TASKS}
+
+
+def _tasks(lm, items: dict, reference: list[list[int]]) -> dict:
+    """Next line, cloze, and agreement with the float model's continuation: {measure: score, interval, chance}."""
+    from hilt.tasks import downstream
+
+    scores = downstream.score_tasks(lm, items, reference=reference)
+    out = {t: {**scores[t][downstream.MAIN[t][0]], "chance": scores[t][downstream.MAIN[t][1]]}
+           for t in ("next_line", "cloze")}
+    out["agreement"] = {**scores["continuation"]["agreement_prefix"], "chance": None}
+    return out
+
+
+TASK_MEASURES = {"next_line": "next line", "cloze": "cloze", "agreement": "agreement with fp32"}
+
+
 MODELS = ("smollm2", "minilm")
 # --quick quantizes MiniLM's first of six layers, with every method alike: the ranking of the
 # methods is what the quick run checks, at a sixth of the quantization work
@@ -158,7 +200,8 @@ def run(out="report", quick=False, models=None, widths=None) -> dict:
         result = {"quick": quick, "only": only, "group": GROUP, "tokens": tokens, "sentences": sentences,
                   "quality": {"smollm2": "perplexity on Hamlet (lower is better)",
                               "minilm": "mean cosine to fp32 on Hamlet sentences (higher is better)"},
-                  "rows": rows, "verdicts": verdicts(rows)}
+                  "task_items": ", ".join(f"{n} {t}" for t, n in TASK_COUNTS.items()) + " items of The Winter's Tale",
+                  "rows": rows, "verdicts": verdicts(rows), "rankings": rankings(rows)}
         write_json(target, result)
         write_text(out / "ptq.md", markdown(result))
         plot(result, target.with_suffix(".png"))
@@ -167,6 +210,14 @@ def run(out="report", quick=False, models=None, widths=None) -> dict:
     for model, src in models.items():
         reference = _evaluate(model, tokens=tokens, sentences=sentences)
         rows.append({"model": model, "method": "fp32", "bits": 32, "bits_per_weight": 32.0, "quality": reference})
+        if model == "smollm2":
+            from hilt.tasks import downstream
+
+            items = task_items()
+            float_lm = _smollm2_lm()
+            float_tokens = downstream.greedy_continuations(float_lm, items["continuation"])
+            rows[-1]["tasks"] = _tasks(float_lm, items, float_tokens)
+            del float_lm
         LOG.info(f"{model}: fp32 {reference:.4f}")
         importance = out / f"ptq-importance-{model}.safetensors"
         calibrate(model, importance, work="macbeth", overwrite=True, sentences=32 if quick else 256)
@@ -180,6 +231,8 @@ def run(out="report", quick=False, models=None, widths=None) -> dict:
                     tensors, row["bits_per_weight"] = hqq_weights(src, bits, only=only)
                     row["quantize_seconds"] = round(time.perf_counter() - start, 1)
                     row["quality"] = _evaluate(model, tensors=tensors, tokens=tokens, sentences=sentences)
+                    if model == "smollm2":
+                        row["tasks"] = _tasks(_smollm2_lm(tensors=tensors), items, float_tokens)
                 else:
                     fmt = recipe.format
                     if recipe.compensate:
@@ -196,6 +249,8 @@ def run(out="report", quick=False, models=None, widths=None) -> dict:
                         row["quantize_seconds"] = round(time.perf_counter() - start, 1)
                         row["bits_per_weight"] = header["totals"]["bits_per_weight"]
                     row["quality"] = _evaluate(model, quantized=dst, tokens=tokens, sentences=sentences)
+                    if model == "smollm2":
+                        row["tasks"] = _tasks(_smollm2_lm(quantized=dst), items, float_tokens)
                     shutil.rmtree(dst)
                 rows.append(row)
                 save()
@@ -230,13 +285,48 @@ def verdicts(rows) -> list[dict]:
     return out
 
 
+def rankings(rows) -> list[dict]:
+    """Per model and width with task scores: the methods best first by perplexity and by each task measure, and
+    whether each task's order is perplexity's."""
+    out = []
+    for bits in sorted({r["bits"] for r in rows if r["bits"] < 32 and "tasks" in r}):
+        at = [r for r in rows if r["bits"] == bits and "tasks" in r]
+        by = {"perplexity": [r["method"] for r in sorted(at, key=lambda r: r["quality"])]}
+        for m in TASK_MEASURES:
+            by[m] = [r["method"] for r in sorted(at, key=lambda r: -r["tasks"][m]["score"])]
+        out.append({"model": "smollm2", "bits": bits, "ranking": by,
+                    "agree": {m: by[m] == by["perplexity"] for m in TASK_MEASURES},
+                    "same_best": {m: by[m][0] == by["perplexity"][0] for m in TASK_MEASURES}})
+    return out
+
+
+def _task_cell(t: dict | None) -> str:
+    return "" if t is None else f"{t['score']:.3f} ({t['interval'][0]:.2f}-{t['interval'][1]:.2f})"
+
+
 def markdown(result) -> str:
-    lines = ["| model | method | bits | bits/weight | quality | quantize s |", "|---|---|---|---|---|---|"]
+    lines = ["| model | method | bits | bits/weight | quality | " + " | ".join(TASK_MEASURES.values())
+             + " | quantize s |", "|---|---|---|---|---|" + "---|" * len(TASK_MEASURES) + "---|"]
     for r in result["rows"]:
         q = f"{r['quality']:.2f}" if r["model"] == "smollm2" else f"{r['quality']:.4f}"
+        tasks = [_task_cell(r.get("tasks", {}).get(m)) for m in TASK_MEASURES]
         lines.append(f"| {r['model']} | {r['method']} | {r['bits']} | {r['bits_per_weight']:.3f} | {q} | "
-                     f"{r.get('quantize_seconds', '')} |")
+                     + " | ".join(tasks) + f" | {r.get('quantize_seconds', '')} |")
     lines += ["", "Quality: " + "; ".join(f"{m}: {d}" for m, d in result["quality"].items()), ""]
+    fp32 = next((r for r in result["rows"] if r["method"] == "fp32" and "tasks" in r), None)
+    if fp32 is not None:
+        chance = fp32["tasks"]
+        lines += [f"Tasks ({result.get('task_items', '')}; 95% intervals over items): next line and cloze as "
+                  f"`hilt eval tasks` scores them (chance {chance['next_line']['chance']:.3f} and "
+                  f"{chance['cloze']['chance']:.3f}); agreement with fp32: the share of 8 greedy tokens that match "
+                  "fp32's own continuation before the first difference.", ""]
+    for k in result.get("rankings", []):
+        orders = "; ".join(f"by {name}: {' > '.join(k['ranking'][m])}" for m, name in
+                           [("perplexity", "perplexity")] + list(TASK_MEASURES.items()))
+        agree = ", ".join(f"{name} {'agrees' if k['agree'][m] else ('same best' if k['same_best'][m] else 'differs')}"
+                          for m, name in TASK_MEASURES.items())
+        lines.append(f"- {k['model']} {k['bits']} bit, best first: {orders} ({agree})")
+    lines.append("")
     for v in result["verdicts"]:
         lines.append(f"- {v['model']} {v['bits']} bit: gptq-kmeans beats {', '.join(v['gptq_kmeans_beats']) or 'none'}"
                      f"{' (every peer)' if v['gptq_kmeans_beats_all'] else ''}; gptq-int beats int: "

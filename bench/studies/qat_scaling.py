@@ -16,7 +16,11 @@ fixes the initial weights and the batches) and compared on its mean validation l
   16-bit model would reach its loss; then N_eff / N = 1 - exp(-P / gamma) fitted per format
   (P: bits per weight) gives gamma, the format's "bits to reach full quality" scale;
 * the memory-matched comparison: at each model's memory, the lowest loss any configuration
-  reaches within it.
+  reaches within it;
+* downstream tasks (hilt.tasks.downstream: next line, cloze, continuation on The Winter's Tale, which
+  lies in the held-out 10%): every run is scored, the seeds pooled item by item; at the memory of each
+  16-bit model, every format's largest width that fits is ranked by validation loss and by each task
+  score, and the 1-bit claim (under a fixed memory budget 1-bit weights win) is judged by both.
 """
 
 from __future__ import annotations
@@ -38,6 +42,7 @@ from hilt.quant.qat import (
 from hilt.quant.formats import method_for_bits
 from hilt.quant.quantize import expected_bits_per_weight
 from hilt.progress import LOG
+from hilt.tasks import downstream
 
 FULL = {"widths": (64, 96, 128), "steps": 600, "batch": 32, "block": 64, "layers": 4, "heads": 4, "seeds": (0, 1, 2)}
 QUICK = {"widths": (64, 128), "steps": 300, "batch": 32, "block": 64, "layers": 2, "heads": 4, "seeds": (0,)}
@@ -87,8 +92,9 @@ def lr_for(width: int, lr: float | None = None) -> float:
 
 
 def _one(width: int, method: str | None, bits: int, plan: dict, seed: int, learn_codebook: bool = True,
-         lr: float | None = None) -> dict:
-    from hilt.models.gpt import GPT, GPTConfig, corpus, evaluate, train
+         lr: float | None = None, task_items: dict | None = None) -> dict:
+    from hilt.models.gpt import GPT, CharLM, GPTConfig, corpus, evaluate, train
+    from hilt.tasks import downstream
 
     alphabet, _, val = corpus()
     torch.manual_seed(seed)
@@ -120,8 +126,13 @@ def _one(width: int, method: str | None, bits: int, plan: dict, seed: int, learn
            "train_loss_end": sum(losses[-10:]) / 10, "memory_kib": memory / 8 / 1024, "n_quantizable": n,
            "bits_per_weight": linear_bits / n, "lr": lr,
            "qat_events": events, "seconds": time.perf_counter() - start}
+    tasks = ""
+    if task_items is not None:
+        scores = downstream.score_tasks(CharLM(model.eval(), alphabet), task_items)
+        row["tasks"] = downstream.main_scores(scores)
+        tasks = "; " + downstream.summary(scores)
     LOG.info(f"  seed {seed} width {width:>4} {row['method']:>7} {bits:>2} bits: validation loss {val_loss:.4f} nats/char, "
-             f"weights {row['memory_kib']:.0f} KiB ({row['seconds']:.0f} s)")
+             f"weights {row['memory_kib']:.0f} KiB ({row['seconds']:.0f} s){tasks}")
     return row
 
 
@@ -172,7 +183,42 @@ def _mean_rows(runs: list[dict]) -> list[dict]:
         losses = torch.tensor(row["val_losses"], dtype=torch.float64)
         row["val_loss"] = float(losses.mean())
         row["val_loss_std"] = float(losses.std()) if len(losses) > 1 else 0.0
+    for key, row in rows.items():
+        scored = [run["tasks"] for run in runs if "tasks" in run and (run["width"], run["method"], run["bits"]) == key]
+        if scored:
+            row["tasks"] = downstream.pooled(scored)
     return list(rows.values())
+
+
+def _budget_rankings(rows: list[dict]) -> list[dict]:
+    """At the weight memory of each 16-bit model: every format's largest width within it, ranked by validation loss
+    and by each task's score, and whether a 1-bit format comes first by each."""
+    out = []
+    for budget in sorted(r["memory_kib"] for r in rows if r["method"] == "16-bit"):
+        entries = []
+        for method, bits in [("16-bit", 16)] + [(m, b) for m in METHODS for b in BITS]:
+            fitting = [r for r in rows if r["method"] == method and r["bits"] == bits
+                       and r["memory_kib"] <= budget + 1e-9]
+            if fitting:
+                r = max(fitting, key=lambda r: r["width"])
+                entries.append({"format": _label(method, bits), "bits": bits, "width": r["width"],
+                                "memory_kib": r["memory_kib"], "val_loss": r["val_loss"], "tasks": r.get("tasks", {})})
+        by = {"val_loss": [e["format"] for e in sorted(entries, key=lambda e: e["val_loss"])]}
+        for task in entries[0]["tasks"]:
+            by[task] = [e["format"] for e in sorted(entries, key=lambda e: -e["tasks"][task]["score"])]
+        one_bit = {e["format"] for e in entries if e["bits"] == 1}
+        first = {measure: order[0] for measure, order in by.items()}
+        entry = {e["format"]: e for e in entries}
+        # a task's winner is clear when the lower end of its interval is above the runner-up's score
+        clear = {t: len(by[t]) < 2 or entry[by[t][0]]["tasks"][t]["interval"][0] > entry[by[t][1]]["tasks"][t]["score"]
+                 for t in by if t != "val_loss"}
+        # a task says nothing where even its best score is not clear of the chance level
+        above_chance = {t: entry[by[t][0]]["tasks"][t]["interval"][0] > entry[by[t][0]]["tasks"][t]["chance"]
+                        for t in by if t != "val_loss"}
+        out.append({"memory_kib": budget, "entries": entries, "ranking": by, "above_chance": above_chance,
+                    "one_bit_first": {measure: f in one_bit for measure, f in first.items()}, "clear_first": clear,
+                    "rankings_agree": {task: by[task] == by["val_loss"] for task in by if task != "val_loss"}})
+    return out
 
 
 def _row(rows: list[dict], width: int, method: str, bits: int) -> dict:
@@ -202,13 +248,17 @@ def study(quick: bool = False, seeds=None, lr: float | None = None, learn_codebo
     LOG.info(f"QAT study: widths {plan['widths']}, {plan['steps']} steps of {plan['batch']} x {plan['block']} characters "
              "each at peak lr " + ", ".join(f"{r:g} (width {w})" for w, r in rates.items())
              + f", bits {BITS} x {METHODS} and 16-bit, seeds {seeds}; k-means codebooks {codebook}")
+    from hilt.data.lm_tasks import load_items
+
+    items = load_items()  # every item of every task: the char GPTs read them in seconds
+    task_items = {t: items[t] for t in downstream.TASKS}
     runs = []
     for seed in seeds:
         for width in plan["widths"]:
-            runs.append(_one(width, None, 16, plan, seed, learn_codebook, lr))
+            runs.append(_one(width, None, 16, plan, seed, learn_codebook, lr, task_items))
             for method in METHODS:
                 for bits in BITS:
-                    runs.append(_one(width, method, bits, plan, seed, learn_codebook, lr))
+                    runs.append(_one(width, method, bits, plan, seed, learn_codebook, lr, task_items))
     rows = _mean_rows(runs)
     fit = _fit_scaling([r for r in rows if r["method"] == "16-bit"])
     if fit is None:
@@ -232,9 +282,16 @@ def study(quick: bool = False, seeds=None, lr: float | None = None, learn_codebo
                         "val_loss": best["val_loss"]})
     for b in budgets:
         LOG.info(f"  within {b['memory_kib']:7.0f} KiB: best {b['winner']} (loss {b['val_loss']:.4f})")
+    rankings = _budget_rankings(rows)
+    for b in rankings:
+        LOG.info(f"  within {b['memory_kib']:7.0f} KiB, first by loss: {b['ranking']['val_loss'][0]}; by task: "
+                 + ", ".join(f"{downstream.LABELS[t]} {order[0]}" for t, order in b["ranking"].items() if t != "val_loss"))
     return {"quick": quick, "seeds": list(seeds), "learn_codebook": learn_codebook, "plan": plan,
             "block_size": BLOCK_SIZE, "lr_by_width": rates, "val_batches": VAL_BATCHES, "rows": rows, "runs": runs,
-            "scaling_fit": fit, "gamma": gammas, "kmeans_vs_int": versus, "memory_matched": budgets}
+            "scaling_fit": fit, "gamma": gammas, "kmeans_vs_int": versus, "memory_matched": budgets,
+            "task_items": f"{items['work']} (seed {items['seed']}): "
+                          + ", ".join(f"{len(task_items[t])} {downstream.LABELS[t]}" for t in downstream.TASKS),
+            "budget_rankings": rankings}
 
 
 def plot(result: dict, path) -> None:
@@ -299,4 +356,36 @@ def render(result: dict) -> str:
               + ", ".join(f"{d:+.4f}" for d in v["per_seed"]) + " |" for v in result["kmeans_vs_int"]]
     lines += ["", "| weight memory budget | lowest loss within it | loss |", "|---|---|---|"]
     lines += [f"| {b['memory_kib']:.0f} KiB | {b['winner']} | {b['val_loss']:.4f} |" for b in result["memory_matched"]]
+    if result.get("budget_rankings"):
+        lines += ["", render_tasks(result)]
     return "\n".join(lines) + "\n"
+
+
+def render_tasks(result: dict) -> str:
+    """At each 16-bit model's memory: every format's largest width that fits, its loss and task scores (95%
+    intervals over items), the two rankings, and the 1-bit claim judged by each measure."""
+    tasks = [t for t in downstream.TASKS if t in result["budget_rankings"][0]["ranking"]]
+    chance = {t: result["budget_rankings"][0]["entries"][0]["tasks"][t]["chance"] for t in tasks}
+    head = " | ".join(f"{downstream.LABELS[t]} (chance {chance[t]:.3f})" for t in tasks)
+    lines = [f"Downstream tasks ({result['task_items']}; main measures: next-line accuracy per character, cloze "
+             "exact match, share of 8 continuation tokens before a miss), seeds pooled item by item:"]
+    for b in result["budget_rankings"]:
+        lines += ["", f"Within {b['memory_kib']:.0f} KiB (a 16-bit model's weight memory):", "",
+                  f"| format | width | loss | {head} |", "|---|---|---|" + "---|" * len(tasks)]
+        for e in sorted(b["entries"], key=lambda e: e["val_loss"]):
+            cells = [f"{e['tasks'][t]['score']:.3f} ({e['tasks'][t]['interval'][0]:.3f}-"
+                     f"{e['tasks'][t]['interval'][1]:.3f})" for t in tasks]
+            lines.append(f"| {e['format']} | {e['width']} | {e['val_loss']:.4f} | " + " | ".join(cells) + " |")
+        verdict = []
+        for measure, order in b["ranking"].items():
+            name = "loss" if measure == "val_loss" else downstream.LABELS[measure]
+            agree = "" if measure == "val_loss" else \
+                ((" (clear of the runner-up)" if b["clear_first"][measure] else " (within the runner-up's noise)")
+                 + (", same order as by loss" if b["rankings_agree"][measure] else ", an order other than by loss"))
+            if measure != "val_loss" and not b["above_chance"][measure]:
+                verdict.append(f"by {name}: no verdict, no format clear of chance")
+                continue
+            verdict.append(f"by {name}: {order[0]} first, 1-bit wins: "
+                           f"{'holds' if b['one_bit_first'][measure] else 'does not hold'}{agree}")
+        lines += ["", "; ".join(verdict) + "."]
+    return "\n".join(lines)

@@ -111,6 +111,30 @@ class GPT(nn.Module):
         return logits, F.cross_entropy(logits.flatten(0, 1), targets.flatten().long())
 
 
+class CharLM:
+    """A GPT and its alphabet as the text model hilt.tasks.downstream scores: characters as tokens, no BOS, at
+    most ``block_size`` characters read at once."""
+
+    bos = None
+
+    def __init__(self, model: GPT, alphabet: str):
+        self.model, self.alphabet = model, alphabet
+        self.index = {c: i for i, c in enumerate(alphabet)}
+        self.context = model.cfg.block_size
+
+    def encode(self, text: str) -> list[int]:
+        try:
+            return [self.index[c] for c in text]
+        except KeyError as e:
+            raise HiltError(f"character {e.args[0]!r} is not in the model's alphabet") from None
+
+    def decode(self, ids) -> str:
+        return "".join(self.alphabet[i] for i in ids)
+
+    def logits(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.model(ids)
+
+
 def batch(data: torch.Tensor, block: int, size: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
     """``size`` random windows of ``block`` characters and their next characters."""
     start = torch.randint(len(data) - block - 1, (size,), generator=gen)

@@ -16,8 +16,9 @@ score comes with a 95% bootstrap interval over items and a chance level beside i
   guess: one fixed continuation for every item, built token by token from the most common true tokens.
 
 A model here is anything with ``encode(text)``, ``decode(ids)``, ``logits(ids)`` (B, T) -> (B, T, vocab),
-``bos`` (a token to lead every input, or None) and ``context`` (the most tokens it reads, or None; longer
-inputs lose their oldest passage tokens): hilt.models.lm.CausalLM, or the character GPTs of `bench qat`.
+``bos`` (a token to lead every input, or None) and ``context`` (the most tokens it reads at once, or None; see
+:func:`read`): hilt.models.lm.CausalLM (which also has a key/value cache), or the character GPTs of `bench qat`
+(hilt.models.gpt.CharLM).
 """
 
 from __future__ import annotations
@@ -33,6 +34,9 @@ from hilt.errors import HiltError
 from hilt.progress import Progress
 
 TASKS = ("next_line", "cloze", "continuation")
+# each task's main measure (its per-item values are the result's "per_item") and that measure's chance level
+MAIN = {"next_line": ("accuracy_norm", "chance"), "cloze": ("exact", "chance"), "continuation": ("prefix", "chance_prefix")}
+LABELS = {"next_line": "next line", "cloze": "cloze", "continuation": "continuation"}
 QUICK_COUNTS = {"next_line": 60, "cloze": 60, "continuation": 30}  # items of each set, spread over the work
 CONTINUATION_TOKENS = 8
 CLOZE_MAX_TOKENS = 16  # a character model needs one token a letter
@@ -60,15 +64,23 @@ def spread(items: list, n: int | None) -> list:
     return [items[i * len(items) // n] for i in range(n)]
 
 
-def _prompt(model, passage_ids: list[int], room: int) -> list[int]:
-    """The BOS (where the model has one) and as much of the passage's end as fits before ``room`` more tokens."""
-    lead = [] if model.bos is None else [model.bos]
-    if model.context is not None:
-        keep = model.context - len(lead) - room
-        if keep < 1:
-            raise HiltError(f"the model reads {model.context} tokens: too few for a passage and {room} more")
-        passage_ids = passage_ids[-keep:]
-    return lead + passage_ids
+def _prompt(model, passage: str) -> list[int]:
+    """The passage's tokens, led by the BOS where the model has one."""
+    return ([] if model.bos is None else [model.bos]) + model.encode(passage)
+
+
+def read(model, ids: torch.Tensor) -> torch.Tensor:
+    """Logits of ``ids`` (B, T). A model that reads at most ``context`` tokens at once reads a longer input in
+    windows half a context apart, each position predicted from at least half a context before it."""
+    n, T = model.context, ids.shape[1]
+    if n is None or T <= n:
+        return model.logits(ids)
+    parts, done = [model.logits(ids[:, :n])], n
+    while done < T:
+        end = min(done + n // 2, T)
+        parts.append(model.logits(ids[:, end - n:end])[:, n - (end - done):])
+        done = end
+    return torch.cat(parts, 1)
 
 
 @torch.inference_mode()
@@ -76,7 +88,7 @@ def choice_logprobs(model, passage: str, choices: list[str]) -> list[float]:
     """log P(choice + newline | passage) of each choice, summed over its tokens. A model with a key/value cache
     (``extend``) reads the passage once and the choices as one batch after it."""
     conts = [model.encode(c + "\n") for c in choices]
-    ctx = _prompt(model, model.encode(passage), max(len(c) for c in conts))
+    ctx = _prompt(model, passage)
     width = max(len(c) for c in conts)
     padded = torch.tensor([c + [0] * (width - len(c)) for c in conts])  # right padding: no earlier position sees it
     if hasattr(model, "extend"):
@@ -84,7 +96,7 @@ def choice_logprobs(model, passage: str, choices: list[str]) -> list[float]:
         rest, _ = model.extend(padded[:, :-1], model.repeat_cache(cache, len(conts)))
         logits = torch.cat([first[:, -1:].expand(len(conts), -1, -1), rest], 1)  # position i predicts token i
     else:
-        logits = model.logits(torch.cat([torch.tensor([ctx]).expand(len(conts), -1), padded], 1))[:, len(ctx) - 1:-1]
+        logits = read(model, torch.cat([torch.tensor([ctx]).expand(len(conts), -1), padded], 1))[:, len(ctx) - 1:-1]
     logp = F.log_softmax(logits.float(), dim=-1)
     return [float(logp[b, torch.arange(len(c)), torch.tensor(c)].sum()) for b, c in enumerate(conts)]
 
@@ -92,8 +104,9 @@ def choice_logprobs(model, passage: str, choices: list[str]) -> list[float]:
 @torch.inference_mode()
 def greedy(model, passage: str, steps: int, stop=None) -> list[int]:
     """Up to ``steps`` greedy tokens after ``passage``; ``stop(ids)`` ends early when true. A model with a
-    key/value cache (``extend``) reads the passage once, then one token a step."""
-    ctx = _prompt(model, model.encode(passage), steps)
+    key/value cache (``extend``) reads the passage once, then one token a step; one without reads the last
+    ``context`` tokens (all, for None) each step."""
+    ctx = _prompt(model, passage)
     out: list[int] = []
     cache = None
     step = torch.tensor([ctx])
@@ -101,7 +114,7 @@ def greedy(model, passage: str, steps: int, stop=None) -> list[int]:
         if hasattr(model, "extend"):
             logits, cache = model.extend(step, cache)
         else:
-            logits = model.logits(torch.tensor([ctx + out]))
+            logits = model.logits(torch.tensor([(ctx + out)[-(model.context or 0):]]))
         out.append(int(logits[0, -1].float().argmax()))
         step = torch.tensor([[out[-1]]])
         if stop is not None and stop(out):
@@ -127,7 +140,7 @@ def next_line(model, items: list[dict], bar=None) -> dict:
         if bar is not None:
             bar.tick()
     return {"items": len(items), "accuracy": _score(correct), "accuracy_norm": _score(correct_norm),
-            "chance": 1 / len(items[0]["choices"]), "picks": picks}
+            "chance": 1 / len(items[0]["choices"]), "picks": picks, "per_item": [int(c) for c in correct_norm]}
 
 
 def cloze(model, items: list[dict], bar=None) -> dict:
@@ -142,7 +155,7 @@ def cloze(model, items: list[dict], bar=None) -> dict:
             bar.tick()
     answers = Counter(item["answer"].lower() for item in items)
     return {"items": len(items), "exact": _score(correct), "chance": answers.most_common(1)[0][1] / len(items),
-            "words": words}
+            "words": words, "per_item": [int(c) for c in correct]}
 
 
 def _prefix_share(a: list[int], b: list[int]) -> float:
@@ -181,11 +194,11 @@ def continuation(model, items: list[dict], reference: list[list[int]] | None = N
     targets = continuation_targets(model, items, tokens)
     outs = greedy_continuations(model, items, tokens, bar)
     chance_exact, chance_prefix = frequency_guess(targets)
+    prefix = [_prefix_share(o, t) for o, t in zip(outs, targets)]
     result = {"items": len(items), "tokens": tokens,
-              "exact": _score([o == t for o, t in zip(outs, targets)]),
-              "prefix": _score([_prefix_share(o, t) for o, t in zip(outs, targets)]),
+              "exact": _score([o == t for o, t in zip(outs, targets)]), "prefix": _score(prefix),
               "chance_exact": chance_exact, "chance_prefix": chance_prefix,
-              "texts": [model.decode(o) for o in outs]}
+              "texts": [model.decode(o) for o in outs], "per_item": prefix}
     if reference is not None:
         result["agreement_exact"] = _score([o == r for o, r in zip(outs, reference)])
         result["agreement_prefix"] = _score([_prefix_share(o, r) for o, r in zip(outs, reference)])
@@ -218,18 +231,25 @@ def score_tasks(model, items: dict, tasks=TASKS, reference: list[list[int]] | No
 
 
 def summary(scores: dict) -> str:
-    """One line: each task's main score beside its chance level."""
-    parts = []
-    if "next_line" in scores:
-        s = scores["next_line"]
-        parts.append(f"next line {s['accuracy_norm']['score']:.3f} (chance {s['chance']:.2f})")
-    if "cloze" in scores:
-        s = scores["cloze"]
-        parts.append(f"cloze {s['exact']['score']:.3f} (chance {s['chance']:.3f})")
-    if "continuation" in scores:
-        s = scores["continuation"]
-        parts.append(f"continuation {s['prefix']['score']:.3f} (chance {s['chance_prefix']:.3f})")
-    return ", ".join(parts)
+    """One line: each task's main measure beside its chance level."""
+    return ", ".join(f"{LABELS[t]} {scores[t][MAIN[t][0]]['score']:.3f} (chance {scores[t][MAIN[t][1]]:.3f})"
+                     for t in TASKS if t in scores)
+
+
+def main_scores(scores: dict) -> dict:
+    """Each task's main measure: {task: {"per_item", "chance"}} (what a study keeps of a run)."""
+    return {t: {"per_item": scores[t]["per_item"], "chance": scores[t][MAIN[t][1]]} for t in TASKS if t in scores}
+
+
+def pooled(runs: list[dict]) -> dict:
+    """:func:`main_scores` of several runs on the same items (seeds) as one score per task: the runs' mean, its
+    interval by bootstrap over items of the per-item means."""
+    out = {}
+    for t in runs[0]:
+        per_item = np.mean([r[t]["per_item"] for r in runs], axis=0)
+        out[t] = {"score": float(per_item.mean()), "interval": bootstrap_interval(per_item),
+                  "chance": runs[0][t]["chance"]}
+    return out
 
 
 def rows(scores: dict) -> list[tuple[str, dict, float | None]]:
