@@ -253,7 +253,7 @@ def test_bench_ptq_scores_smollm2_rows_on_the_tasks(monkeypatch):
     from hilt.models.llama import smollm2_path
     from hilt.quant import open_source
 
-    monkeypatch.setattr(ptq, "TASK_COUNTS", {"next_line": 3, "cloze": 3, "continuation": 2})
+    monkeypatch.setattr(ptq, "TASK_COUNTS", {"next_line": 2, "cloze": 2, "continuation": 1})
     items = ptq.task_items()
     float_lm = ptq._smollm2_lm()
     reference = downstream.greedy_continuations(float_lm, items["continuation"])
