@@ -18,6 +18,8 @@ windows, the linear layers a quantizer or a chip takes and the attention layers.
 
 from __future__ import annotations
 
+import inspect
+
 import math
 import os
 from dataclasses import dataclass
@@ -181,8 +183,10 @@ class CausalLM:
         if self.own:
             cache = self.model.new_cache() if cache is None else cache
             return self.model(ids, cache), cache
-        out = self.model(input_ids=ids, past_key_values=cache, use_cache=True)
-        return out.logits, out.past_key_values
+        # transformers renamed past_key_values to cache (5.x); the old name warns, and goes in 5.40
+        name = "cache" if "cache" in inspect.signature(self.model.forward).parameters else "past_key_values"
+        out = self.model(input_ids=ids, use_cache=True, **{name: cache})
+        return out.logits, getattr(out, name)
 
     def repeat_cache(self, cache, n: int):
         """A cache of one row as a batch of ``n`` rows (the transformers cache is changed in place)."""

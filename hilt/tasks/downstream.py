@@ -217,16 +217,15 @@ def greedy_continuations(model, items: list[dict], tokens: int = CONTINUATION_TO
 def score_tasks(model, items: dict, tasks=TASKS, reference: list[list[int]] | None = None,
                 progress: bool = False) -> dict:
     """Every task of ``tasks`` on its item set in ``items`` (hilt.data.lm_tasks's layout, already cut to size)."""
-    total = sum(len(items[t]) for t in tasks)
     out = {}
-    with Progress(1, "tasks", "item", steps=total, enabled=progress) as bar:
-        if "next_line" in tasks:
-            out["next_line"] = next_line(model, items["next_line"], bar)
-        if "cloze" in tasks:
-            out["cloze"] = cloze(model, items["cloze"], bar)
-        if "continuation" in tasks:
-            out["continuation"] = continuation(model, items["continuation"], reference, bar=bar)
-        bar.done("tasks", summary(out))
+    # a bar ticking per item on a terminal; elsewhere a line per task
+    with Progress(len(tasks), "tasks", "item", steps=max(len(items[t]) for t in tasks), enabled=progress) as bar:
+        scorers = {"next_line": lambda: next_line(model, items["next_line"], bar),
+                   "cloze": lambda: cloze(model, items["cloze"], bar),
+                   "continuation": lambda: continuation(model, items["continuation"], reference, bar=bar)}
+        for task in (t for t in TASKS if t in tasks):
+            out[task] = scorers[task]()
+            bar.done(LABELS[task], summary({task: out[task]}))
     return out
 
 
