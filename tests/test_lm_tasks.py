@@ -161,14 +161,23 @@ def test_a_model_with_a_short_context_reads_long_inputs_in_windows():
     (["eval", "tasks", "smollm2", "--quantized", "/no/such/folder"], "--quantized /no/such/folder"),
     (["eval", "tasks", "/no/such/model.gguf"], "/no/such/model.gguf"),
     (["eval", "tasks", "smollm2", "--reference", "/no/such/ref"], "/no/such/ref"),
+    (["eval", "tasks", "CHECKPOINT"], "hilt eval tasks smollm2 --quantized"),
 ])
-def test_bad_arguments_are_refused_before_a_model_loads(monkeypatch, capsys, argv, message):
+def test_bad_arguments_are_refused_before_a_model_loads(monkeypatch, capsys, tmp_path, argv, message):
     import hilt.models.lm
 
     def no_loading(*a, **k):
         raise AssertionError("a model was loaded")
 
     monkeypatch.setattr(hilt.models.lm, "load_lm", no_loading)
+    if "CHECKPOINT" in argv:  # a hilt checkpoint of SmolLM2 given as the model
+        from hilt.models.llama import smollm2_path
+
+        folder = tmp_path / "smol-int4"
+        assert main(["-qq", "quantize", str(smollm2_path()), str(folder), "--method", "int", "--bits", "4",
+                     "--only", r"^blk\.0\.attn_q"]) == 0
+        capsys.readouterr()
+        argv = [str(folder) if a == "CHECKPOINT" else a for a in argv]
     assert main(argv) != 0
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and message in err, err

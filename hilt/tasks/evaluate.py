@@ -39,7 +39,7 @@ def perplexity_run(model="smollm2", quantized=None, text=None, tokens=2048, cont
             raise HiltError(f"{text}: cannot read text ({e})") from None
     if tokens < 2:
         raise HiltError(f"--tokens must be at least 2, got {tokens}")
-    lm, source, path, quantized = _open_lm(model, quantized)
+    lm, source, path, quantized = _open_lm(model, quantized, "ppl")
     if quantized is not None and lm.own:
         load_quantized_(lm.model, quantized, strict=False)
     ids = lm.encode(body)[:tokens]
@@ -55,7 +55,7 @@ def perplexity_run(model="smollm2", quantized=None, text=None, tokens=2048, cont
     }
 
 
-def _open_lm(model, quantized):
+def _open_lm(model, quantized, metric: str):
     """The language model ``model`` names, loaded float, with where it came from: (lm, source, path, quantized).
     A hilt folder made from a Hugging Face model runs through transformers as it is (``quantized`` is then that
     folder); a hilt checkpoint of a model hilt runs itself is left for the caller to load over ``lm.model``."""
@@ -66,7 +66,7 @@ def _open_lm(model, quantized):
     path = None if model in BUILTIN else Path(model)
     if path is not None and path.is_dir():
         if quantized is None and not is_hf_folder(path):
-            _refuse_quantized_as_model(path, "ppl", "smollm2")
+            _refuse_quantized_as_model(path, metric, "smollm2")
         if quantized is None and is_hf_folder(path) and read_config(path).get("quantization_config"):
             quantized = path  # a quantized folder given as the model: say so in the result
     source = lm_source(model, _embed_hint(path, quantized) if path is not None else None)
@@ -95,7 +95,7 @@ def tasks_run(model="smollm2", quantized=None, tasks=None, quick=False, referenc
     items = load_items()
     counts = downstream.QUICK_COUNTS if quick else {}
     chosen = {t: downstream.spread(items[t], counts.get(t)) for t in tasks}
-    lm, source, path, quantized = _open_lm(model, quantized)
+    lm, source, path, quantized = _open_lm(model, quantized, "tasks")
     if reference is None and quantized is not None and not lm.own and path is not None \
             and path.resolve() != Path(quantized).resolve():
         reference = str(path)  # a Hugging Face folder and hilt's quantized folder of it: the first is the float model
@@ -178,7 +178,7 @@ def _made_from(folder: Path, packaged: str) -> str:
 def _refuse_quantized_as_model(path: Path, metric: str, packaged: str) -> None:
     """A hilt checkpoint given as MODEL where the command needs the unquantized model to load it over
     (its weights are stored as codes, so the model's tensors are not there by their names)."""
-    if path.is_dir() and (path / HEADER).is_file() and not (metric == "ppl" and is_hf_folder(path)):
+    if path.is_dir() and (path / HEADER).is_file() and not (metric != "embed" and is_hf_folder(path)):
         raise HiltError(f"{path}: stored quantized by hilt ({HEADER}); give the model it was made from and this "
                         f"folder as --quantized: hilt eval {metric} {_made_from(path, packaged)} --quantized {path}")
 
