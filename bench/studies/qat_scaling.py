@@ -285,7 +285,8 @@ def study(quick: bool = False, seeds=None, lr: float | None = None, learn_codebo
     rankings = _budget_rankings(rows)
     for b in rankings:
         LOG.info(f"  within {b['memory_kib']:7.0f} KiB, first by loss: {b['ranking']['val_loss'][0]}; by task: "
-                 + ", ".join(f"{downstream.LABELS[t]} {order[0]}" for t, order in b["ranking"].items() if t != "val_loss"))
+                 + ", ".join(f"{downstream.LABELS[t]} {order[0]}" for t, order in b["ranking"].items()
+                             if t != "val_loss"))
     return {"quick": quick, "seeds": list(seeds), "learn_codebook": learn_codebook, "plan": plan,
             "block_size": BLOCK_SIZE, "lr_by_width": rates, "val_batches": VAL_BATCHES, "rows": rows, "runs": runs,
             "scaling_fit": fit, "gamma": gammas, "kmeans_vs_int": versus, "memory_matched": budgets,

@@ -35,7 +35,8 @@ from hilt.progress import Progress
 
 TASKS = ("next_line", "cloze", "continuation")
 # each task's main measure (its per-item values are the result's "per_item") and that measure's chance level
-MAIN = {"next_line": ("accuracy_norm", "chance"), "cloze": ("exact", "chance"), "continuation": ("prefix", "chance_prefix")}
+MAIN = {"next_line": ("accuracy_norm", "chance"), "cloze": ("exact", "chance"),
+        "continuation": ("prefix", "chance_prefix")}
 LABELS = {"next_line": "next line", "cloze": "cloze", "continuation": "continuation"}
 QUICK_COUNTS = {"next_line": 60, "cloze": 60, "continuation": 30}  # items of each set, spread over the work
 CONTINUATION_TOKENS = 8
@@ -251,33 +252,31 @@ def pooled(runs: list[dict]) -> dict:
     return out
 
 
-def rows(scores: dict) -> list[tuple[str, dict, float | None]]:
-    """(measure, score with interval, chance level or None) of every measure in ``scores``."""
+def rows(scores: dict) -> list[tuple[str, str, dict, float | None]]:
+    """(task, measure, score with interval, chance level or None) of every measure in ``scores``."""
     out = []
     if "next_line" in scores:
         s = scores["next_line"]
-        out += [("next line: accuracy per character", s["accuracy_norm"], s["chance"]),
-                ("next line: accuracy", s["accuracy"], s["chance"])]
+        out += [("next_line", "next line: accuracy per character", s["accuracy_norm"], s["chance"]),
+                ("next_line", "next line: accuracy", s["accuracy"], s["chance"])]
     if "cloze" in scores:
-        out.append(("cloze: last word exact", scores["cloze"]["exact"], scores["cloze"]["chance"]))
+        out.append(("cloze", "cloze: last word exact", scores["cloze"]["exact"], scores["cloze"]["chance"]))
     if "continuation" in scores:
         s, n = scores["continuation"], scores["continuation"]["tokens"]
-        out += [(f"continuation: share of {n} tokens before a miss", s["prefix"], s["chance_prefix"]),
-                (f"continuation: all {n} tokens exact", s["exact"], s["chance_exact"])]
+        out += [("continuation", f"continuation: share of {n} tokens before a miss", s["prefix"], s["chance_prefix"]),
+                ("continuation", f"continuation: all {n} tokens exact", s["exact"], s["chance_exact"])]
         if "agreement_prefix" in s:
-            out += [("continuation: agreement with the reference, share", s["agreement_prefix"], None),
-                    ("continuation: agreement with the reference, exact", s["agreement_exact"], None)]
+            out += [("continuation", "continuation: agreement with the reference, share", s["agreement_prefix"], None),
+                    ("continuation", "continuation: agreement with the reference, exact", s["agreement_exact"], None)]
     return out
 
 
 def render(scores: dict, reference: str | None = None) -> str:
     """A Markdown table of :func:`rows`, items counted."""
     lines = ["| measure | items | score | 95% interval | chance |", "|---|---:|---:|---|---:|"]
-    for (name, s, chance) in rows(scores):
-        task = name.split(":")[0].replace(" ", "_")
-        items = scores[task]["items"]
+    for task, name, s, chance in rows(scores):
         lo, hi = s["interval"]
-        lines.append(f"| {name} | {items} | {s['score']:.3f} | {lo:.3f}-{hi:.3f} | "
+        lines.append(f"| {name} | {scores[task]['items']} | {s['score']:.3f} | {lo:.3f}-{hi:.3f} | "
                      f"{'' if chance is None else f'{chance:.3f}'} |")
     if "continuation" in scores and "agreement_prefix" not in scores["continuation"]:
         lines.append("\n(no float reference: the continuation's agreement with one is not measured)")
