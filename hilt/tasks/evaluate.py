@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 from hilt.errors import HiltError
+from hilt.progress import LOG
 from hilt.quant import load_quantized_, read_header
 from hilt.quant.checkpoint import HEADER
 from hilt.quant.hf_folder import is_hf_folder, read_config
@@ -100,6 +101,8 @@ def tasks_run(model="smollm2", quantized=None, tasks=None, quick=False, referenc
             and path.resolve() != Path(quantized).resolve():
         reference = str(path)  # a Hugging Face folder and hilt's quantized folder of it: the first is the float model
     ref_tokens, ref_name = None, None
+    if "continuation" in tasks and (reference is not None or (quantized is not None and lm.own)):
+        LOG.info(f"continuations of the float reference on {len(chosen['continuation'])} items, for the agreement")
     if "continuation" in tasks:
         if reference is not None:
             ref = load_lm(reference)
