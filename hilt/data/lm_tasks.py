@@ -6,8 +6,9 @@ run is reproducible and every item can be read:
 
 * ``next_line``: a passage ending at a line break and four candidate next lines, the true one and three
   other spoken lines of the same work with about as many words, far from the passage;
-* ``cloze``: a passage and a spoken line without its last word; the answer is that word;
-* ``continuation``: a passage ending at a line break; the answer is the text that follows.
+* ``cloze``: a passage and a spoken line without its last word, a word that occurs in the passage (the
+  context can tell it, as LAMBADA chooses its words); the answer is that word;
+* ``continuation``: a passage that runs to the middle of a line; the answer is the text that follows.
 
 The work is The Winter's Tale: the language models' calibration reads Macbeth, their evaluations
 Hamlet, their fine-tuning the first 400k tokens of the works in name order (up to Coriolanus), and the
