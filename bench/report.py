@@ -12,7 +12,7 @@ Runtime. A section that fails is reported as failed (with its error) and the com
 the end; the other sections still run.
 
 `hilt report` runs the quick budgets (QUICK and each study's quick plan: smaller samples of the same real
-models, about 12 minutes on 2 CPU cores); `hilt report --full` the full ones (about 50 minutes).
+models, about 8 minutes on 2 CPU cores); `hilt report --full` the full ones (about 50 minutes).
 """
 
 from __future__ import annotations

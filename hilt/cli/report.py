@@ -19,5 +19,5 @@ def register(sub) -> None:
                 "hilt report --out report/", [OUTPUT])
     r.add_argument("--out", default="report", metavar="DIR", help="output folder (default ./report)")
     r.add_argument("--full", action="store_true", help="the full budgets, about 50 minutes on 2 cores (without it: "
-                   "smaller samples of the same real models, about 12 minutes)")
+                   "smaller samples of the same real models, about 8 minutes on 2 cores)")
     r.set_defaults(func=cmd_report)
