@@ -981,6 +981,17 @@ int hilt_lut_matmul(const LutWeight *lw, const void *x, int x_dt, int64_t M, con
     return failed;
 }
 
+/* Several weights on the same x (a layer's q, k and v; gate and up): count weights, each output (M, N_i)
+ * to its own buffer in out_dt, biases[i] NULL or float32 (N_i,). One call where there were count: the
+ * per-call cost outside the kernel (the caller's, ctypes') is paid once. Returns 0, or 1 (scratch). */
+int hilt_lut_matmul_many(const LutWeight *lws, int count, const void *x, int x_dt, int64_t M,
+                         const float *const *biases, void *const *outs, int out_dt, int isa, int threads) {
+    int failed = 0;
+    for (int i = 0; i < count; i++)
+        failed |= hilt_lut_matmul(lws + i, x, x_dt, M, biases ? biases[i] : NULL, outs[i], out_dt, isa, threads);
+    return failed;
+}
+
 /* out (row1 - row0, K) float32: rows [row0, row1) of W, columns in the order of the path isa picks
  * for this weight (hilt_lut_layout): what a BLAS call multiplies with x reordered the same way. */
 static void dequant_row(const Wt *w, int64_t n, float *o) {

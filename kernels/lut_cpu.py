@@ -74,6 +74,8 @@ def library():
     lib.hilt_lut_pair_path.argtypes = [weight, i32]
     lib.hilt_lut_matmul.restype = i32
     lib.hilt_lut_matmul.argtypes = [weight, p, i32, i64, p, p, i32, i32, i32]
+    lib.hilt_lut_matmul_many.restype = i32
+    lib.hilt_lut_matmul_many.argtypes = [weight, i32, p, i32, i64, p, p, i32, i32, i32]
     lib.hilt_lut_dequant.restype = i32
     lib.hilt_lut_dequant.argtypes = [weight, i64, i64, p, i32, i32]
     lib.hilt_lut_dequant_bf16.restype = i32
@@ -277,6 +279,43 @@ class Prepared:
             parts.append(xp @ band[:r1 - r0].T)
         out = parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
         return out if b is None else (out.float() + b).to(dtype)
+
+
+class PreparedGroup:
+    """Weights readied together for the same x (a layer's q, k and v; gate and up): one C call computes
+    every output, so the cost outside the kernel (about 10 us of Python and ctypes a call) is paid once.
+    Made from :class:`Prepared` members (whose C views it copies: remake it when one of them is remade);
+    each output is what the member alone gives, bit for bit."""
+
+    def __init__(self, members: list[Prepared]):
+        first = members[0]
+        if any(m.lib is not first.lib or m.path != first.path or m.shape[1] != first.shape[1] for m in members):
+            raise HiltError("a group's weights must share the input size and the kernel path")
+        self.lib, self.path, self.members = first.lib, first.path, members
+        self.structs = (LutWeight * len(members))(*(m.struct for m in members))
+        self.count, self.in_features = len(members), first.shape[1]
+
+    def __call__(self, x: torch.Tensor, biases: list[torch.Tensor | None]) -> list[torch.Tensor]:
+        k = self.in_features
+        *lead, kx = x.shape
+        m = x.numel() // max(1, kx)
+        if kx != k or m > SMALL_M or x.dtype not in (torch.float32, torch.bfloat16):  # bands, casts, or the error
+            return [p(x, b) for p, b in zip(self.members, biases)]
+        if not x.is_contiguous():
+            x = x.contiguous()
+        outs = [torch.empty(*lead, p.shape[0], dtype=x.dtype) for p in self.members]
+        floats = [None if b is None else b.detach().float().contiguous() for b in biases]
+        for p, b in zip(self.members, floats):
+            if b is not None and tuple(b.shape) != (p.shape[0],):
+                raise HiltError(f"bias has shape {tuple(b.shape)}, expected {(p.shape[0],)}")
+        bias_ptrs = None if all(b is None for b in floats) else (ctypes.c_void_p * self.count)(
+            *(None if b is None else b.data_ptr() for b in floats))
+        code = _DTYPES[x.dtype]
+        if m and self.lib.hilt_lut_matmul_many(self.structs, self.count, x.data_ptr(), code, m, bias_ptrs,
+                                               (ctypes.c_void_p * self.count)(*(o.data_ptr() for o in outs)),
+                                               code, self.path, torch.get_num_threads()):
+            raise MemoryError("the CPU LUT kernel could not allocate its scratch copy of x")
+        return outs
 
 
 _local = threading.local()

@@ -101,9 +101,19 @@ def embedding_tables(source: Source, ignore: str | None = None) -> list[str]:
             and source.is_floating(n) and not (ignore_re is not None and ignore_re.search(n))]
 
 
-def embedding_config(bits: int, shape) -> QuantConfig:
-    """The format of an embedding table under --embeddings BITS: symmetric integers, one scale per row."""
-    return QuantConfig(method="int", bits=bits, block_size=int(shape[1]))
+def embedding_config(embeddings: int | QuantConfig, shape) -> QuantConfig:
+    """The format of an embedding table or output head under ``embeddings``: bits alone are symmetric
+    integers with one scale per row; a QuantConfig is taken as it is (k-means with block scales, say)."""
+    if isinstance(embeddings, QuantConfig):
+        return embeddings
+    return QuantConfig(method="int", bits=embeddings, block_size=int(shape[1]))
+
+
+def embeddings_record(embeddings: int | QuantConfig | None):
+    """How the header records ``embeddings``: the bits of row-wise integers, or the format's fields."""
+    if isinstance(embeddings, QuantConfig):
+        return {"method": embeddings.method, "bits": embeddings.bits, "block_size": embeddings.block_size}
+    return embeddings
 
 
 def _check_destination(dst: Path, overwrite: bool, resume: bool) -> Path:
@@ -240,7 +250,7 @@ def _plan(source: Source, src, config: QuantConfig, only, ignore, formats, embed
 
 def plan_checkpoint(src, dst=None, config: QuantConfig | None = None, *, only: str | None = None,
                     ignore: str | None = None, overwrite: bool = False, resume: bool = False, importance=None,
-                    formats: dict[str, QuantConfig] | None = None, embeddings: int | None = None) -> Plan:
+                    formats: dict[str, QuantConfig] | None = None, embeddings: int | QuantConfig | None = None) -> Plan:
     """The plan :func:`quantize_checkpoint` would follow with these arguments, with every check it
     makes before writing (the destination's too, given one); reads no tensor data."""
     config = config or QuantConfig()
@@ -269,7 +279,7 @@ def quantize_checkpoint(
     compensate: Callable[[list[str]], "Compensator"] | None = None,
     formats: dict[str, QuantConfig] | None = None,
     mixed: dict | None = None,
-    embeddings: int | None = None,
+    embeddings: int | QuantConfig | None = None,
     dense_dtype: torch.dtype | None = None,
     on_tensor: Callable[[dict], None] | None = None,
     progress: bool = False,
@@ -287,7 +297,7 @@ def quantize_checkpoint(
     tensor name (mixed precision, from hilt.quant.allocate) replacing ``config`` for the tensors it
     names; ``mixed`` (how they were chosen) is recorded in the header under ``"mixed"``.
     ``embeddings``: also quantize the embeddings and output heads, to symmetric integers of that many
-    bits with one scale per row. ``dense_dtype``: the dtype of every floating tensor left unquantized; by
+    bits with one scale per row, or to a QuantConfig. ``dense_dtype``: the dtype of every floating tensor left unquantized; by
     default each keeps the dtype it is stored in, and a GGUF block type (already quantized) becomes bfloat16.
 
     From a Hugging Face model folder (with a config.json) the output is one too: its config with a
@@ -322,7 +332,7 @@ def quantize_checkpoint(
             "compensation": None if compensator is None else compensator.settings,
             "shard_bytes": shard_bytes,
             "dense_dtype": None if dense_dtype is None else str(dense_dtype).removeprefix("torch."),
-            "embeddings": embeddings,
+            "embeddings": embeddings_record(embeddings),
         }
         if formats:  # only mixed checkpoints carry the key, so uniform headers stay as they were
             settings["mixed"] = {**(mixed or {}), "formats": {n: asdict(c) for n, c in sorted(formats.items())}}

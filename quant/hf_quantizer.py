@@ -57,7 +57,7 @@ class HiltHfQuantizer(HfQuantizer):
     def _process_model_before_weight_loading(self, model, checkpoint_files=None, **kwargs):
         from torch import nn
 
-        from hilt.quant.nn import QuantEmbedding, QuantLinear, TiedHead, replace_module
+        from hilt.quant.nn import QuantEmbedding, QuantLinear, TiedHead, group_projections_, replace_module
         from hilt.quant.qweight import QuantizedWeight
         from hilt.quant.sources import read_safetensors_header
 
@@ -92,6 +92,7 @@ class HiltHfQuantizer(HfQuantizer):
                 path = head.removesuffix(".weight")
                 replace_module(model, path, TiedHead(source, getattr(model.get_submodule(path), "bias", None)))
                 del tied[head]
+        group_projections_(model)
         return model
 
     def is_serializable(self):

@@ -16,7 +16,7 @@ from torch import nn
 from hilt.errors import HiltError
 from hilt.kernels import byte_table, dequantize_lut, int_cpu, lut_cpu, lut_matmul, uses_byte_table
 from hilt.kernels.lut_matmul import PackedWeight
-from hilt.quant.checkpoint import KEEP_DENSE, load_checkpoint
+from hilt.quant.checkpoint import KEEP_DENSE, embedding_config, load_checkpoint
 from hilt.quant.quantize import QuantConfig, quantize_tensor
 from hilt.quant.qweight import QuantizedWeight
 
@@ -28,8 +28,10 @@ _ORDER_LOCK = threading.RLock()
 
 def _stored_order_hook(module, *args):
     """Before state_dict and load_state_dict: the buffers in the stored order (a named function, so that
-    the layer still pickles)."""
+    the layer still pickles); outputs its group computed ahead from the old buffers are dropped."""
     module._stored_order()
+    if getattr(module, "group", None) is not None:
+        module.group.forget()
 
 
 class _Packed(nn.Module):
@@ -191,7 +193,13 @@ class QuantLinear(_Packed):
         self.reorders = reorders
         self.bias = None if bias is None else nn.Parameter(bias.detach().clone(), requires_grad=False)
 
+    group = None  # the SharedInput this layer runs in, if any (see group_projections_)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.group is not None and not x.is_cuda:
+            out = self.group.output(self, x)
+            if out is not None:
+                return out
         return self._matmul(x, self.bias)
 
     def extra_repr(self) -> str:
@@ -272,17 +280,109 @@ def eligible(module: nn.Module, path: str, config: QuantConfig, filter_fn=None) 
     return not KEEP_DENSE.search(f"{path}.weight") and module.in_features % config.block_size == 0
 
 
-def quantize_model_(model: nn.Module, config: QuantConfig, filter_fn=None) -> nn.Module:
+def quantize_model_(model: nn.Module, config: QuantConfig, filter_fn=None,
+                    embeddings: int | QuantConfig | None = None) -> nn.Module:
     """Swap every eligible ``nn.Linear`` of ``model`` for a QuantLinear, in place (eligible: see
-    :func:`eligible`; ``filter_fn(module, path) -> bool`` overrides). Returns the model."""
+    :func:`eligible`; ``filter_fn(module, path) -> bool`` overrides). Returns the model.
 
-    def make(path, module):
-        if eligible(module, path, config, filter_fn):
-            return QuantLinear(quantize_tensor(module.weight.detach(), config, name=f"{path}.weight"), module.bias)
+    ``embeddings``: also quantize the embedding tables and output heads, as ``hilt quantize --embeddings``
+    (bits of row-wise integers, or a QuantConfig): an ``nn.Embedding`` becomes a QuantEmbedding, a head
+    tied to it (an ``nn.Linear`` holding the same weight) a TiedHead that reads its buffers, an untied head
+    a QuantLinear."""
+    tables = {}  # an embedding weight's id -> the QuantEmbedding made of it
+
+    def head_format(module, path):
+        return embedding_config(embeddings, tuple(module.weight.shape))
+
+    def make_table(path, module):
+        name = f"{path}.weight"
+        if isinstance(module, nn.Embedding) and KEEP_DENSE.search(name):
+            table = QuantEmbedding(quantize_tensor(module.weight.detach(), head_format(module, path), name=name),
+                                   module.weight.dtype)
+            tables[id(module.weight)] = table
+            return table
         return None
 
+    def make(path, module):
+        name = f"{path}.weight"
+        if isinstance(module, nn.Linear) and id(module.weight) in tables:
+            return TiedHead(tables[id(module.weight)], module.bias)
+        if embeddings is not None and isinstance(module, nn.Linear) and KEEP_DENSE.search(name):
+            return QuantLinear(quantize_tensor(module.weight.detach(), head_format(module, path), name=name),
+                               module.bias)
+        if eligible(module, path, config, filter_fn):
+            return QuantLinear(quantize_tensor(module.weight.detach(), config, name=name), module.bias)
+        return None
+
+    if embeddings is not None:  # the tables first: a head tied to one may come before it
+        replace_modules(model, make_table)
     replace_modules(model, make)
+    group_projections_(model)
     return model
+
+
+# Sibling layers that read the same input in the architectures hilt meets (Llama, Gemma, Qwen, Mistral, ...;
+# hilt's own Llama names them as GGUF does): one kernel call computes each group's outputs at decode.
+SHARED_INPUT_GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"),
+                       ("attn_q", "attn_k", "attn_v"), ("ffn_gate", "ffn_up"))
+
+
+class SharedInput:
+    """QuantLinear layers of one module that take the same input (q, k and v; gate and up). The first of
+    them called with an input runs the CPU kernel for all (``lut_cpu.PreparedGroup``: one C call) and keeps
+    the others' outputs for that very tensor, which they then take instead of computing; a layer called with
+    another input, or with more rows than the kernel runs itself (prefill), computes alone. Each output is
+    what the layer alone gives, bit for bit. A plain object, not a module: state_dict, moves and saving see
+    the layers as they were."""
+
+    def __init__(self, layers: list[QuantLinear]):
+        self.layers = layers
+        self._ahead: dict[int, tuple] = {}  # thread -> (input, {layer index: output}), taken once each
+        self._run = None  # (the members' kernels, their PreparedGroup)
+
+    def __getstate__(self):
+        return {"layers": self.layers, "_ahead": {}, "_run": None}
+
+    def forget(self) -> None:
+        self._ahead.clear()
+
+    def output(self, layer: QuantLinear, x: torch.Tensor) -> torch.Tensor | None:
+        """``layer``'s output for ``x`` from the group's call, or None (then the layer computes alone)."""
+        thread = threading.get_ident()
+        ahead = self._ahead.get(thread)
+        if ahead is not None and ahead[0] is x:
+            out = ahead[1].pop(id(layer), None)
+            if not ahead[1]:
+                del self._ahead[thread]
+            if out is not None:
+                return out
+        if x.numel() // max(1, x.shape[-1]) > lut_cpu.SMALL_M or x.requires_grad:
+            return None
+        kernels = [m._cpu_kernel(x) for m in self.layers]
+        if not all(isinstance(k, lut_cpu.Prepared) for k in kernels):  # int8's PyTorch kernel, or no C compiler
+            return None
+        if self._run is None or any(a is not b for a, b in zip(self._run[0], kernels)):
+            self._run = (kernels, lut_cpu.PreparedGroup(kernels))
+        outs = self._run[1](x, [m.bias for m in self.layers])
+        self._ahead[thread] = (x, {id(m): o for m, o in zip(self.layers, outs) if m is not layer})
+        return outs[self.layers.index(layer)]
+
+
+def group_projections_(model: nn.Module) -> int:
+    """Group the QuantLinear layers of ``model`` that take the same input (SHARED_INPUT_GROUPS, within one
+    module, same input size) so that decode computes each group in one kernel call; returns how many
+    groups. The layers, their buffers and their outputs stay as they are."""
+    count = 0
+    for module in model.modules():
+        for names in SHARED_INPUT_GROUPS:
+            layers = [module._modules.get(n) for n in names]
+            if (all(isinstance(m, QuantLinear) for m in layers)
+                    and len({m.in_features for m in layers}) == 1 and len({id(m) for m in layers}) == len(layers)):
+                group = SharedInput(layers)
+                for m in layers:
+                    m.group = group
+                count += 1
+    return count
 
 
 class TiedHead(nn.Module):
@@ -361,4 +461,5 @@ def load_quantized_(model: nn.Module, dst, strict: bool = True) -> nn.Module:
                 if own[name].shape != value.shape:
                     raise HiltError(f"{dst}: tensor '{name}' has shape {tuple(value.shape)}, model expects {tuple(own[name].shape)}")
                 own[name].copy_(value)
+    group_projections_(model)
     return model

@@ -27,7 +27,8 @@ DOMAINS = {
     "int>=2": ["sensitivity --chips", "qat --context", "hwa --copies", "hwa --context", "eval ppl --tokens",
                "eval ppl --context", "drift --tokens", "drift --context", "bench analog-lm-diagnosis --tokens"],
     "int 1..8": ["quantize --bits", "qat --bits", "certify --bits"],
-    "int 2..8": ["quantize --embeddings", "bench ptq --bits"],
+    "int 2..8": ["bench ptq --bits"],
+    "head format": ["quantize --embeddings"],
     "number>0": ["quantize --budget", "quantize --shard-size", "qat --lr", "hwa --lr", "certify --delta",
                  "bench qat --lr", "bench mixed --budgets"],
     "number>=0": ["train --eta", "hwa --eta"],
@@ -49,6 +50,7 @@ OUTSIDE = {
     "noise range": ["0.6,0.1", "-0.1,0.5", "0.5", "a,b", "nan,1", "0.1,inf"],
     "model": ["no-such-model", ""],
     "task list": ["", "next-line", "cloze,", "cloze,nope", "NEXT_LINE"],
+    "head format": ["", "1", "9", "int9", "kmeans5", "kmeans1", "nf4", "int 4"],
 }
 
 
@@ -105,7 +107,7 @@ def test_values_inside_the_domain_parse():
     """The edges of each domain are accepted (a bound one off would refuse them)."""
     inside = {"int>=0": "0", "int>=1": "1", "int>=2": "2", "int 1..8": "8", "int 2..8": "2", "number>0": "1e-6",
               "number>=0": "0", "noise range": "0,0",
-              "task list": "continuation,cloze"}
+              "task list": "continuation,cloze", "head format": "kmeans4"}
     for domain, value in inside.items():
         for flag in DOMAINS[domain]:
             *command, name = flag.split()

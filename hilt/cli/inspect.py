@@ -34,8 +34,11 @@ def cmd_inspect(args) -> int:
         print(f"method      {c['method']}, {c['bits']} bits, block {c['block_size']}, codebook per {c['codebook']}")
     print(f"tensors     {t['tensors']} ({t['quantized_tensors']} quantized, {t['quantized_weights']:,} weights)")
     print(f"bits/weight {t['bits_per_weight']:.4f} on quantized tensors (codes + scales + codebooks)")
-    if h.get("embeddings"):
-        print(f"embeddings  int, {h['embeddings']} bits, one scale per row")
+    e = h.get("embeddings")
+    if isinstance(e, dict):
+        print(f"embeddings  {e['method']}, {e['bits']} bits, block {e['block_size']}")
+    elif e:
+        print(f"embeddings  int, {e} bits, one scale per row")
     print(f"size        {size / 1e6:.2f} MB in {len(h['shards'])} shard(s)")
     if (dst / "config.json").is_file():
         print("loads with  transformers' AutoModel*.from_pretrained (after `import hilt`)")

@@ -25,13 +25,16 @@ def cmd_quantize(args) -> int:
     method = "int-asym" if args.asymmetric else args.method
     config = QuantConfig(method=method, bits=resolve_bits(args, 4), block_size=args.block_size,
                          codebook=args.codebook, solver=args.solver or "optimal", seed=args.seed)
+    embeddings = args.embeddings
+    if isinstance(embeddings, tuple):  # k-means: the block size is the run's
+        embeddings = QuantConfig(method=embeddings[0], bits=embeddings[1], block_size=args.block_size)
     budget = _budget_plan(args)
     compensate = _compensation(args, config)
     formats = budget and budget["formats"]
     if args.dry_run:
         plan = plan_checkpoint(args.src, args.dst, config, only=args.only, ignore=args.ignore,
                                overwrite=args.overwrite, resume=args.resume, importance=args.importance,
-                               formats=formats, embeddings=args.embeddings)
+                               formats=formats, embeddings=embeddings)
         rows = plan.rows()
         for r in rows:
             chosen = budget and next((c for c in budget["rows"] if c["name"] == r["name"]), None)
@@ -57,7 +60,7 @@ def cmd_quantize(args) -> int:
         written = quantize_checkpoint(args.src, args.dst, config, only=args.only, ignore=args.ignore,
                                       overwrite=args.overwrite, resume=args.resume, importance=args.importance,
                                       shard_bytes=int(args.shard_size * (1 << 20)), compensate=compensate,
-                                      formats=formats, mixed=budget and budget["mixed"], embeddings=args.embeddings,
+                                      formats=formats, mixed=budget and budget["mixed"], embeddings=embeddings,
                                       dense_dtype=args.dense_dtype and getattr(torch, args.dense_dtype), progress=True,
                                       executor=executor)
     header, totals = written.header, written.header["totals"]
@@ -77,6 +80,18 @@ def cmd_quantize(args) -> int:
             result["compensation"] = {**header["compensation"], "seconds": written.compensation_seconds}
         write_json_option(args, result)
     return 0
+
+
+def embedding_format(text: str):
+    """--embeddings: ``int8`` or ``8`` -> 8 (row-wise integers of that many bits); ``kmeans4`` -> ("kmeans", 4)."""
+    import argparse
+    import re
+
+    match = re.fullmatch(r"(int|kmeans)?(\d)", text)
+    method, bits = (match.group(1) or "int", int(match.group(2))) if match else (None, 0)
+    if method is None or not (2 <= bits <= (8 if method == "int" else 4)):
+        raise argparse.ArgumentTypeError(f"expected int2..int8 (or 2..8) or kmeans2..kmeans4, got {text!r}")
+    return bits if method == "int" else (method, bits)
 
 
 def _budget_plan(args) -> dict | None:
@@ -185,9 +200,10 @@ def register(sub) -> None:
     q.add_argument("--dry-run", action="store_true", help="list what would be quantized; write nothing")
     q.add_argument("--resume", action="store_true", help="continue an interrupted run (DST.partial)")
     q.add_argument("--overwrite", action="store_true", help="replace an existing DST (only once the new one is complete)")
-    q.add_argument("--embeddings", type=integer(2, 8), metavar="BITS",
-                   help="also quantize embedding tables and output heads (tied ones once): symmetric integers, one "
-                        "scale per row (8 is the usual choice)")
+    q.add_argument("--embeddings", type=embedding_format, metavar="FORMAT",
+                   help="also quantize embedding tables and output heads (tied ones once): int2..int8 (or the bits "
+                        "alone) symmetric integers, one scale per row; kmeans2..kmeans4 k-means with the run's "
+                        "--block-size (8 or int8 is the usual choice; docs/results/kernels.md measures each)")
     q.add_argument("--dense-dtype", choices=DENSE_DTYPES,
                    help="dtype of every floating tensor left unquantized (default: as stored; GGUF block types bfloat16)")
     q.add_argument("--shard-size", type=POSITIVE_NUMBER, default=256, metavar="MB",
