@@ -145,3 +145,29 @@ def test_quantized_head_tied_and_untied(embeddings):
             out = model(ids).logits
         assert torch.isfinite(out).all()
         assert (out - ref).norm() / ref.norm() < (0.02 if embeddings == 8 else 0.3)
+
+
+def test_llama_cache_grows_in_place_and_equals_the_whole_forward():
+    """hilt's Llama writes each new position into buffers with room to spare (no copy of the cache per token),
+    moving to larger ones as they fill; the logits equal the whole sequence's, a cache expanded to a batch too."""
+    from hilt.models.llama import Llama, LlamaConfig
+
+    torch.manual_seed(0)
+    model = Llama(LlamaConfig(vocab_size=64, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=128,
+                              max_seq_len=256)).eval()
+    ids = torch.randint(0, 64, (1, 150), generator=torch.Generator().manual_seed(4))
+    with torch.inference_mode():
+        whole = model(ids)
+        cache = model.new_cache()
+        steps = [model(ids[:, :3], cache)]
+        buffers = [cache[0][2].data_ptr()]
+        for t in range(3, 150):
+            steps.append(model(ids[:, t:t + 1], cache))
+            buffers.append(cache[0][2].data_ptr())
+        assert cache[0][0].shape[2] == 150 and cache[0][2].shape[2] >= 150
+        assert len(set(buffers)) == 3  # 64 positions, then 130, then 266: not a new buffer per token
+        torch.testing.assert_close(torch.cat(steps, 1), whole, rtol=1e-4, atol=1e-4)
+        batch = [[t.expand(3, *t.shape[1:]) for t in kv[:2]] for kv in cache]
+        last = model(torch.full((3, 1), 5), batch)
+        torch.testing.assert_close(last, model(torch.cat([ids, torch.tensor([[5]])], 1))[:, -1:].expand(3, 1, 64),
+                                   rtol=1e-4, atol=1e-4)

@@ -165,6 +165,27 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return torch.stack((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1).flatten(-2)
 
 
+def append_to_cache(cache: list, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Append the new positions' keys and values to a block's ``cache`` and return all of them.
+
+    ``cache`` is ``[keys, values]`` (B, heads, positions, head_dim), then the two buffers those are views
+    of, allocated with room to spare: a decode step writes one position in place rather than copying the
+    whole cache (torch.cat) in every block at every token. A cache of two tensors only (a copy expanded to
+    a batch, say) is moved into new buffers at its next step."""
+    past = cache[0].shape[2] if cache else 0
+    total = past + k.shape[2]
+    if len(cache) < 4 or cache[2].shape[2] < total or cache[2].shape[0] != k.shape[0]:
+        room = max(64, 2 * total)
+        buffers = [t.new_empty(t.shape[0], t.shape[1], room, t.shape[3]) for t in (k, v)]
+        for buffer, old in zip(buffers, cache[:2]):
+            buffer[:, :, :past] = old
+        cache[:] = [None, None, *buffers]
+    cache[2][:, :, past:total] = k
+    cache[3][:, :, past:total] = v
+    cache[0], cache[1] = cache[2][:, :, :total], cache[3][:, :, :total]
+    return cache[0], cache[1]
+
+
 class Block(nn.Module):
     def __init__(self, cfg: LlamaConfig):
         super().__init__()
@@ -193,13 +214,13 @@ class Block(nn.Module):
         v = self.attn_v(h).view(B, T, cfg.n_kv_heads, cfg.head_dim).transpose(1, 2)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if cache is not None:
-            if cache:
-                k, v = torch.cat([cache[0], k], dim=2), torch.cat([cache[1], v], dim=2)
-            cache[:] = [k, v]
+            k, v = append_to_cache(cache, k, v)
         # Grouped-query attention: query head j reads key/value head j // (n_heads / n_kv_heads).
         # Causal with the queries as the last T positions (bottom-right aligned, as after a cache).
         if self.attend is not None:
             y = self.attend(q, k, v, causal=True)
+        elif T == 1:  # one new position reads every key: no mask to build
+            y = F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
         elif T == k.shape[2]:
             y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
         else:
@@ -227,12 +248,22 @@ class Llama(nn.Module):
         if past + T > self.cfg.max_seq_len:
             raise HiltError(f"sequence of {past + T} tokens is longer than the model's context {self.cfg.max_seq_len}")
         x = self.token_embd(tokens)
-        # Computed per call (cheap) rather than kept as buffers: state_dict stays = the file. In the
-        # activations' dtype (as transformers does), so a bfloat16 model stays bfloat16 throughout.
-        cos, sin = (t[past:].to(x.dtype) for t in rope_cos_sin(self.cfg, past + T, device=tokens.device))
+        cos, sin = self.rope(past, T, x.dtype, tokens.device)
         for i, block in enumerate(self.blk):
             x = block(x, cos, sin, None if cache is None else cache[i])
         return self.head(self.output_norm(x))
+
+    def rope(self, past: int, T: int, dtype: torch.dtype, device) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin of positions past..past+T-1 in the activations' dtype (as transformers does, so that a
+        bfloat16 model stays bfloat16 throughout), from a table kept per device and dtype outside the
+        state_dict (which stays the file's), grown as positions need."""
+        tables = self.__dict__.setdefault("_rope_tables", {})
+        key = (torch.device(device), dtype)
+        if key not in tables or tables[key][0].shape[0] < past + T:
+            size = min(self.cfg.max_seq_len, max(256, 2 * (past + T)))
+            tables[key] = tuple(t.to(dtype) for t in rope_cos_sin(self.cfg, size, device=device))
+        cos, sin = tables[key]
+        return cos[past:past + T], sin[past:past + T]
 
     def head(self, h: torch.Tensor) -> torch.Tensor:
         """The LM head, tied to the token embedding: logits = h @ token_embd.T (quantized or not)."""
@@ -249,7 +280,7 @@ class Llama(nn.Module):
                                 blk.attn_norm.weight)
 
     def new_cache(self) -> list:
-        """An empty key/value cache: one [keys, values] list per block, filled by forward."""
+        """An empty key/value cache: one list per block, filled by forward (see :func:`append_to_cache`)."""
         return [[] for _ in self.blk]
 
 

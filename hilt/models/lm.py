@@ -191,7 +191,7 @@ class CausalLM:
     def repeat_cache(self, cache, n: int):
         """A cache of one row as a batch of ``n`` rows (the transformers cache is changed in place)."""
         if self.own:
-            return [[t.expand(n, *t.shape[1:]) for t in kv] for kv in cache]
+            return [[t.expand(n, *t.shape[1:]) for t in kv[:2]] for kv in cache]  # its buffers made anew
         cache.batch_repeat_interleave(n)
         return cache
 
