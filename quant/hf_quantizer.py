@@ -80,7 +80,7 @@ class HiltHfQuantizer(HfQuantizer):
             q = QuantizedWeight.empty(tuple(module.weight.shape), fmt["method"], fmt["bits"], fmt["block_size"],
                                       fmt["codebook"], dtype=module.weight.dtype, device=module.weight.device)
             new = (QuantLinear(q, module.bias) if isinstance(module, nn.Linear)
-                   else QuantEmbedding(q, dtype=module.weight.dtype))
+                   else QuantEmbedding.replacing(module, q))
             replace_module(model, target, new)
             replaced[target] = new
         # An output head tied to a quantized embedding (tie_word_embeddings) reads the embedding's buffers

@@ -215,9 +215,20 @@ class QuantEmbedding(_Packed):
     # stored buffers (PyTorch's int8 kernel would be 1.3x faster there but hold a second table)
     int_copy = False
 
-    def __init__(self, qweight: QuantizedWeight, dtype: torch.dtype = torch.float32):
+    def __init__(self, qweight: QuantizedWeight, dtype: torch.dtype = torch.float32, scale: float | None = None):
         super().__init__(qweight)
         self.dtype = dtype
+        self.scale = scale  # a lookup's factor (Gemma's sqrt(hidden size)); the tied head reads the table unscaled
+
+    @classmethod
+    def replacing(cls, module: nn.Embedding, qweight: QuantizedWeight) -> "QuantEmbedding":
+        """The quantized table in place of ``module``, with its dtype and the factor its lookups multiply by
+        (transformers' scaled embeddings: Gemma's ``embed_scale``), so that the model's inputs stay as they were."""
+        scale = getattr(module, "scalar_embed_scale", None)
+        if scale is None and isinstance(getattr(module, "embed_scale", None), torch.Tensor) \
+                and not module.embed_scale.is_meta:
+            scale = float(module.embed_scale)
+        return cls(qweight, module.weight.dtype, None if scale is None else float(scale))
 
     def _apply(self, fn, recurse=True):
         # a dtype cast of the model changes the dtype lookups return (the packed parts keep theirs)
@@ -238,13 +249,16 @@ class QuantEmbedding(_Packed):
         book = w.codebook[rows] if w.per_block_codebook else w.codebook
         offsets = None if w.offsets is None else w.offsets[rows]
         picked = PackedWeight(w.codes[rows], book, w.scales[rows], offsets, w.bits, w.block_size, w.in_features)
-        return dequantize_lut(picked).to(self.dtype).reshape(*ids.shape, self.in_features)
+        out = dequantize_lut(picked).to(self.dtype).reshape(*ids.shape, self.in_features)
+        # as transformers scales: by the factor rounded to the model's dtype
+        return out if self.scale is None else out * torch.tensor(self.scale, dtype=self.dtype)
 
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         return self._matmul(x, bias)
 
     def extra_repr(self) -> str:
-        return f"{self.num_embeddings}, {self.embedding_dim}, {self._format_repr()}"
+        scale = "" if self.scale is None else f", scale={self.scale:g}"
+        return f"{self.num_embeddings}, {self.embedding_dim}, {self._format_repr()}{scale}"
 
 
 def replace_module(model: nn.Module, path: str, new: nn.Module) -> None:
@@ -297,8 +311,8 @@ def quantize_model_(model: nn.Module, config: QuantConfig, filter_fn=None,
     def make_table(path, module):
         name = f"{path}.weight"
         if isinstance(module, nn.Embedding) and KEEP_DENSE.search(name):
-            table = QuantEmbedding(quantize_tensor(module.weight.detach(), head_format(module, path), name=name),
-                                   module.weight.dtype)
+            table = QuantEmbedding.replacing(module, quantize_tensor(module.weight.detach(), head_format(module, path),
+                                                                     name=name))
             tables[id(module.weight)] = table
             return table
         return None
@@ -446,7 +460,7 @@ def load_quantized_(model: nn.Module, dst, strict: bool = True) -> nn.Module:
             if isinstance(module, nn.Linear):
                 replace_module(model, path, QuantLinear(value, module.bias))
                 continue
-            table = QuantEmbedding(value, module.weight.dtype)
+            table = QuantEmbedding.replacing(module, value)
             replace_module(model, path, table)
             for head in heads.get(id(module.weight), []):
                 replace_module(model, head, TiedHead(table, modules[head].bias))

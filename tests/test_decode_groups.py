@@ -128,7 +128,7 @@ def test_grouped_decode_equals_ungrouped_in_transformers_models(monkeypatch, fam
 def test_quantized_head_tied_and_untied(embeddings):
     """A tied head reads the quantized table's buffers (nothing stored twice); an untied one is its own layer.
     Logits stay close to those of the model with only its linear layers quantized, the more so the more bits."""
-    for family in ("llama", "qwen2"):
+    for family in ("llama", "qwen2", "gemma3"):  # Gemma scales its lookups by sqrt(hidden size)
         model = quantize_model_(_tiny(family), QuantConfig("kmeans", 4, 64))
         ids = torch.randint(0, 96, (1, 9), generator=torch.Generator().manual_seed(3))
         with torch.no_grad():
@@ -136,7 +136,8 @@ def test_quantized_head_tied_and_untied(embeddings):
         quantize_model_(model, QuantConfig("kmeans", 4, 64), embeddings=embeddings)  # now the tables and heads
         table = model.model.embed_tokens
         assert isinstance(table, QuantEmbedding)
-        if family == "llama":
+        assert (table.scale is not None) == (family == "gemma3")
+        if family != "qwen2":
             assert isinstance(model.lm_head, TiedHead) and model.lm_head.table is table
             assert not any(k.startswith("lm_head") for k in model.state_dict())
         else:
@@ -171,3 +172,20 @@ def test_llama_cache_grows_in_place_and_equals_the_whole_forward():
         last = model(torch.full((3, 1), 5), batch)
         torch.testing.assert_close(last, model(torch.cat([ids, torch.tensor([[5]])], 1))[:, -1:].expand(3, 1, 64),
                                    rtol=1e-4, atol=1e-4)
+
+
+def test_gemma_folder_with_quantized_embeddings_loads_scaled(tmp_path):
+    """Gemma multiplies its embedding lookups by sqrt(hidden size): the quantized table loaded through
+    from_pretrained keeps that factor (without it the 270M model's perplexity was 1e8)."""
+    import hilt  # noqa: F401  (registers the quantizer)
+    from hilt.quant import quantize_checkpoint
+
+    model = _tiny("gemma3")
+    model.save_pretrained(tmp_path / "dense")
+    quantize_checkpoint(tmp_path / "dense", tmp_path / "q", QuantConfig("int", 8, 64), embeddings=8)
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "q")).eval()
+    assert loaded.model.embed_tokens.scale == pytest.approx(64 ** 0.5)
+    ids = torch.randint(0, 96, (1, 9), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        ref, out = model(ids).logits, loaded(ids).logits
+    assert (out - ref).norm() / ref.norm() < 0.03
