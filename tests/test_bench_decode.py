@@ -22,7 +22,9 @@ def test_quick_decode_runs_every_part(tmp_path, capsys):
     km = rows["hilt k-means 4 (block 64)"]
     assert km["tokens_per_second"] > 0 and km["weight_bytes"] < rows["dense bf16"]["weight_bytes"]
     assert km["prefill_tokens_per_second"] > 0 and km["prefill_vs_dense_bf16"] > 0 and r["prefill_tokens"] > 16
-    assert 0 < km["layers_ms_per_token"] < km["ms_per_token"]  # the per-token split: layers inside the whole
+    for row in (km, rows["hilt's Llama, k-means 4 (block 64)"]):  # the per-token split: parts of the whole
+        parts = [row[f"{kind}_ms_per_token"] for kind in ("linear", "head", "attention", "rest")]
+        assert all(p > 0 for p in parts[:3]) and sum(parts) == pytest.approx(row["ms_per_token"], abs=0.05)
     assert rows["llama.cpp llama-bench (Q4_0, Q8_0 exports)"]["note"] in ("not built", "not run in --quick")
     for label in ("hilt's Llama, dense bf16", "hilt's Llama, k-means 4 (block 64)"):  # the same timing, its own model
         assert rows[label]["tokens_per_second"] > 0 and rows[label]["prefill_tokens_per_second"] > 0
@@ -90,12 +92,13 @@ def test_hilt_llama_runner_decodes_greedily_with_its_cache():
 
 def test_the_table_shows_memory_columns_only_where_the_probes_ran_and_unknown_formats_are_refused():
     row = {"model": "dense bf16", "tokens_per_second": 20.0, "vs_dense_bf16": 1.0, "ms_per_token": 50.0,
-           "layers_ms_per_token": 30.0, "prefill_tokens_per_second": 800.0, "prefill_vs_dense_bf16": 1.0,
+           "linear_ms_per_token": 25.0, "head_ms_per_token": 5.0, "attention_ms_per_token": 8.0,
+           "rest_ms_per_token": 12.0, "prefill_tokens_per_second": 800.0, "prefill_vs_dense_bf16": 1.0,
            "weight_bytes": 269e6}
     skipped = {"model": "llama.cpp llama-bench (Q4_0, Q8_0 exports)", "tokens_per_second": None, "note": "not built"}
     bare = decode_speed.table([row, skipped]).splitlines()
     assert "resident" not in bare[0] and bare[0].count("|") == 7 and all(line.count("|") == 7 for line in bare)
-    assert "| 20.00 | 1.00x | 30.0 / 20.0 | 800 (1.00x) | 269.0 |" in bare[2] and "| not built |" in bare[3]
+    assert "| 20.00 | 1.00x | 25.0 / 5.0 / 8.0 / 12.0 | 800 (1.00x) | 269.0 |" in bare[2] and "| not built |" in bare[3]
     probed = {**row, "rss_baseline": 1, "loaded_over_weights": 1.05, "decoding_over_weights": 1.1,
               "decoding_over_weights_without_code": 1.03, "first_forward_mb": 13.5, "first_forward_code_mb": 10.1}
     full = decode_speed.table([probed, skipped]).splitlines()

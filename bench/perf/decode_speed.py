@@ -30,6 +30,7 @@ tokens, SmolLM2's layer alone in the GEMV table; it checks that the pipeline run
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import statistics
@@ -53,11 +54,15 @@ PREFILL = 256  # tokens of one prefill forward (M = 256 rows through every layer
 FORMATS = {"hilt int4 (block 64)": (QuantConfig("int", 4, 64), None),
            "hilt int4 + int8 embeddings": (QuantConfig("int", 4, 64), 8),
            "hilt k-means 4 (block 64)": (QuantConfig("kmeans", 4, 64), None),
+           "hilt k-means 4 + int8 head": (QuantConfig("kmeans", 4, 64), 8),
+           "hilt k-means 2 + int8 head": (QuantConfig("kmeans", 2, 64), 8),
            "hilt k-means 3 (block 64)": (QuantConfig("kmeans", 3, 64), None),
            "hilt k-means 2 (block 64)": (QuantConfig("kmeans", 2, 64), None),
            "hilt binary (block 64)": (QuantConfig("binary", 1, 64), None),
            "hilt k-means 4 compensated": (QuantConfig("kmeans", 4, 64), "compensate")}
 QUICK_FORMATS = ("hilt k-means 4 (block 64)",)
+# the k-means 4-bit model again with q/k/v and gate/up called one layer at a time: what the grouped call gives
+APART = "hilt k-means 4 (block 64), a call per layer"
 REPORT_FORMATS = ("hilt int4 (block 64)", "hilt k-means 4 (block 64)")  # `hilt report`'s rows, with 16 tokens
 # the llama.cpp rows: hilt's GGUF exports (llama.cpp's blocks are 32 weights)
 LLAMA_CPP_FORMATS = {"Q4_0": QuantConfig("int", 4, 32), "Q8_0": QuantConfig("int", 8, 32)}
@@ -133,9 +138,16 @@ def _hilt_llamas(quick: bool) -> dict:
                                      max_seq_len=128)).eval()
         return load_llama()[0]
 
-    quantized = quantize_model_(make(), QuantConfig("kmeans", 4, 64))
-    return {"hilt's Llama, dense bf16": HiltLlamaRunner(make().to(torch.bfloat16)).eval(),
-            "hilt's Llama, k-means 4 (block 64)": HiltLlamaRunner(quantized.to(torch.bfloat16)).eval()}
+    config = QuantConfig("kmeans", 4, 64)
+    runners = {"hilt's Llama, dense bf16": make().to(torch.bfloat16),
+               "hilt's Llama, k-means 4 (block 64)": quantize_model_(make(), config).to(torch.bfloat16)}
+    if not quick:
+        # the head in int8 (its perplexity cost: docs/results/kernels.md), activations in bfloat16 and in float32
+        # (CPUs without bfloat16 arithmetic convert every bfloat16 activation)
+        with_head = quantize_model_(make(), config, embeddings=8)
+        runners["hilt's Llama, k-means 4 + int8 head"] = with_head.to(torch.bfloat16)
+        runners["hilt's Llama, k-means 4 + int8 head, float32 activations"] = copy.deepcopy(with_head).float()
+    return {label: HiltLlamaRunner(model).eval() for label, model in runners.items()}
 
 
 def _generate(model, ids, new_tokens: int):
@@ -154,25 +166,62 @@ def _interleaved(models: dict, call, repeats: int) -> dict[str, float]:
     return {label: statistics.median(t) for label, t in times.items()}
 
 
-def _layer_share(model, ids, new_tokens: int) -> float:
-    """The share of a generate's time spent inside the linear layers (the head included; hilt's QuantLinear
-    and tied head, or nn.Linear), timed by hooks in one untimed generate; the rest is the framework's
-    (attention, norms, rotary, the cache, generate's own Python). A share, not a time: the hooks slow
-    that generate, and on a tiny model by more than its layers take."""
+class _Spans:
+    """Exclusive time per kind of span (a span's time less the spans inside it): the linear layers, the head
+    and attention (its projections, timed as linear layers, taken out)."""
+
+    def __init__(self):
+        self.spent, self.stack = {"linear": 0.0, "head": 0.0, "attention": 0.0}, []
+
+    def enter(self, kind):
+        self.stack.append([kind, time.perf_counter(), 0.0])
+
+    def leave(self):
+        kind, start, inner = self.stack.pop()
+        took = time.perf_counter() - start
+        self.spent[kind] += took - inner
+        if self.stack:
+            self.stack[-1][2] += took
+
+    def wrap(self, kind, fn):
+        def timed(*args, **kwargs):
+            self.enter(kind)
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.leave()
+        return timed
+
+
+def _time_split(model, ids, new_tokens: int) -> dict[str, float]:
+    """Shares of a generate's time spent in the linear layers, the output head and attention (rotary
+    embeddings, the cache, the scaled dot products: the attention modules less their projections), timed by
+    hooks in one untimed generate; the rest is norms, the MLP's activation, embeddings and the framework's
+    Python. Shares, not times: the hooks slow that generate, and on a tiny model by more than its layers take."""
     from torch import nn
 
     from hilt.quant.nn import QuantLinear, TiedHead
 
-    spent, starts = [0.0], []
+    spans, hooks, patched = _Spans(), [], []
+    own = isinstance(model, HiltLlamaRunner)
+    inner = model.model if own else model
+    head = None if own else inner.get_output_embeddings()
 
-    def enter(*_):
-        starts.append(time.perf_counter())
+    def hook(module, kind):
+        hooks.extend((module.register_forward_pre_hook(lambda *_: spans.enter(kind)),
+                      module.register_forward_hook(lambda *_: spans.leave())))
 
-    def leave(*_):
-        spent[0] += time.perf_counter() - starts.pop()
-
-    layers = [m for m in model.modules() if isinstance(m, (nn.Linear, QuantLinear, TiedHead))]
-    hooks = [h for m in layers for h in (m.register_forward_pre_hook(enter), m.register_forward_hook(leave))]
+    for m in inner.modules():
+        if m is head:
+            hook(m, "head")
+        elif isinstance(m, (nn.Linear, QuantLinear, TiedHead)):
+            hook(m, "linear")
+        elif not own and type(m).__name__.endswith("Attention"):
+            hook(m, "attention")
+    if own:  # its head and attention are methods: timed through instance attributes that shadow them
+        patched = [(inner, "head")] + [(blk, "attention") for blk in inner.blk]
+        for obj, name in patched:
+            setattr(obj, name, spans.wrap(name, getattr(obj, name)))
     try:
         start = time.perf_counter()
         _generate(model, ids, new_tokens)
@@ -180,7 +229,16 @@ def _layer_share(model, ids, new_tokens: int) -> float:
     finally:
         for h in hooks:
             h.remove()
-    return spent[0] / total
+        for obj, name in patched:
+            delattr(obj, name)
+    return {kind: t / total for kind, t in spans.spent.items()}
+
+
+def _split_ms(shares: dict[str, float], per_token: float) -> dict[str, float]:
+    """A row's per-token milliseconds by part: the shares of the hooked generate applied to the timed token."""
+    ms = {f"{kind}_ms_per_token": round(share * per_token * 1e3, 2) for kind, share in shares.items()}
+    ms["rest_ms_per_token"] = round(per_token * 1e3 - sum(ms.values()), 2)
+    return ms
 
 
 def _load_memory(folder: Path, kwargs: dict) -> dict:
@@ -402,6 +460,16 @@ def run(quick: bool = False, work=None, threads: int = 2, gemv: bool = True, new
         models = {label: transformers.AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.bfloat16,
                                                                           **kwargs).eval()
                   for label, folder, kwargs in cases}
+        kmeans4 = "hilt k-means 4 (block 64)"
+        if kmeans4 in folders and not quick:
+            from hilt.quant.nn import QuantLinear
+
+            apart = transformers.AutoModelForCausalLM.from_pretrained(str(folders[kmeans4]), dtype=torch.bfloat16).eval()
+            for m in apart.modules():
+                if isinstance(m, QuantLinear):
+                    m.group = None
+            models[APART] = apart
+            cases.append((APART, folders[kmeans4], {}))
         own = {}
         if quick or smollm2:
             LOG.info("hilt's own Llama, dense and k-means 4-bit")
@@ -418,24 +486,24 @@ def run(quick: bool = False, work=None, threads: int = 2, gemv: bool = True, new
             prefills = _interleaved(models, lambda m: m(prefill_ids, use_cache=False), repeats)
             texts = {label: decode_text(_generate(m, ids, new_tokens)[0, ids.shape[1]:].tolist()[:12])
                      for label, m in models.items()}
-            shares = {label: _layer_share(m, ids, new_tokens) for label, m in models.items() if label not in own}
+            shares = {label: _time_split(m, ids, new_tokens) for label, m in models.items()}
         del models
         rows = []
         for label, folder, kwargs in cases:
             weights = smollm2_path().stat().st_size if kwargs else _weight_bytes(folder)
-            memory = _load_memory(folder, kwargs) if everything and not quick else {}  # the probe's fresh process: seconds
+            memory = _load_memory(folder, kwargs) if everything and not quick and label != APART else {}  # the probe's fresh process: seconds
             per_token = decode[label] / new_tokens
             rows.append({"model": label, "tokens_per_second": round(1 / per_token, 2),
                          "prefill_tokens_per_second": round(prefill / prefills[label], 1), "weight_bytes": weights,
-                         "ms_per_token": round(per_token * 1e3, 2),
-                         "layers_ms_per_token": round(shares[label] * per_token * 1e3, 2),
+                         "ms_per_token": round(per_token * 1e3, 2), **_split_ms(shares[label], per_token),
                          "text": texts[label], **{f"rss_{k}": v for k, v in memory.items()}})
-        for label, runner in own.items():  # no folder for the memory probe; its head is not a module the hooks see
+        for label, runner in own.items():  # no folder for the memory probe
             per_token = decode[label] / new_tokens
             weights = sum(t.numel() * t.element_size() for t in runner.model.state_dict().values())
             rows.append({"model": label, "tokens_per_second": round(1 / per_token, 2),
                          "prefill_tokens_per_second": round(prefill / prefills[label], 1), "weight_bytes": weights,
-                         "ms_per_token": round(per_token * 1e3, 2), "text": texts[label]})
+                         "ms_per_token": round(per_token * 1e3, 2), **_split_ms(shares[label], per_token),
+                         "text": texts[label]})
         base = rows[0]["tokens_per_second"]
         if quick or not everything:
             rows.append({"model": "llama.cpp llama-bench (Q4_0, Q8_0 exports)", "tokens_per_second": None,
@@ -485,7 +553,7 @@ def gemv_markdown(rows: list[dict], bandwidth: float) -> str:
 def table(rows: list[dict]) -> str:
     """The decode rows as Markdown; the memory columns only where the load probes ran."""
     probed = any("rss_baseline" in r or "rss_error" in r for r in rows)
-    head = ["model (from_pretrained, bf16)", "tokens/s", "vs dense bf16", "ms/token: linear layers / rest",
+    head = ["model (from_pretrained, bf16)", "tokens/s", "vs dense bf16", "ms/token: linear layers / head / attention / rest",
             "prefill tokens/s (vs dense)", "weights MB"]
     if probed:
         head += ["resident over weights: loaded / decoding (without library code)", "first forward adds MB (library code)"]
@@ -495,8 +563,8 @@ def table(rows: list[dict]) -> str:
             lines.append(f"| {r['model']} | {r.get('note', 'n/a')} |" + " |" * (len(head) - 2))
             continue
         vs = f"{r['vs_dense_bf16']:.2f}x" if "vs_dense_bf16" in r else "n/a"
-        split = (f"{r['layers_ms_per_token']:.1f} / {r['ms_per_token'] - r['layers_ms_per_token']:.1f}"
-                 if "layers_ms_per_token" in r else "n/a")
+        split = (" / ".join(f"{r[f'{kind}_ms_per_token']:.1f}" for kind in ("linear", "head", "attention", "rest"))
+                 if "linear_ms_per_token" in r else "n/a")
         prefill = (f"{r['prefill_tokens_per_second']:.0f} ({r['prefill_vs_dense_bf16']:.2f}x)"
                    if "prefill_vs_dense_bf16" in r else "n/a")
         cells = [r["model"], f"{r['tokens_per_second']:.2f}", vs, split, prefill, f"{r['weight_bytes'] / 1e6:.1f}"]

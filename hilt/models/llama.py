@@ -206,9 +206,15 @@ class Block(nn.Module):
                 cache: list | None = None) -> torch.Tensor:
         """``cache``: this block's [keys, values] of the positions before x (empty at the start);
         x's keys and values are appended to it."""
-        B, T, _ = x.shape
+        x = x + self.attn_output(self.attention(self.attn_norm(x), cos, sin, cache))
+        h = self.ffn_norm(x)
+        return x + self.ffn_down(F.silu(self.ffn_gate(h)) * self.ffn_up(h))
+
+    def attention(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: list | None) -> torch.Tensor:
+        """The attention of the normed input ``h`` (B, T, dim) before the output projection: projections,
+        rotary embeddings, the cache, scaled dot products; (B, T, n_heads * head_dim)."""
+        B, T, _ = h.shape
         cfg = self.cfg
-        h = self.attn_norm(x)
         q = self.attn_q(h).view(B, T, cfg.n_heads, cfg.head_dim).transpose(1, 2)
         k = self.attn_k(h).view(B, T, cfg.n_kv_heads, cfg.head_dim).transpose(1, 2)
         v = self.attn_v(h).view(B, T, cfg.n_kv_heads, cfg.head_dim).transpose(1, 2)
@@ -225,11 +231,9 @@ class Block(nn.Module):
             y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
         else:
             past = k.shape[2] - T
-            keys, queries = torch.arange(k.shape[2], device=x.device), torch.arange(past, past + T, device=x.device)
+            keys, queries = torch.arange(k.shape[2], device=h.device), torch.arange(past, past + T, device=h.device)
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=keys[None, :] <= queries[:, None], enable_gqa=True)
-        x = x + self.attn_output(y.transpose(1, 2).reshape(B, T, cfg.n_heads * cfg.head_dim))
-        h = self.ffn_norm(x)
-        return x + self.ffn_down(F.silu(self.ffn_gate(h)) * self.ffn_up(h))
+        return y.transpose(1, 2).reshape(B, T, cfg.n_heads * cfg.head_dim)
 
 
 class Llama(nn.Module):
