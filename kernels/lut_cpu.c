@@ -30,6 +30,7 @@
 #endif
 
 enum { DT_F32 = 0, DT_F16 = 1, DT_BF16 = 2 };
+enum { Q8_ROWS = 4 }; /* rows of bfloat16 x the int8 path takes (decode); more go the float32 way */
 
 /* The weight as lut_cpu.py passes it (ctypes Structure of the same fields). */
 typedef struct {
@@ -59,6 +60,10 @@ typedef struct {
     int pt;
     int64_t n16;        /* rows in whole tiles of 16 */
     float digit[4][16]; /* digit[j][e]: the level of code j of nibble e */
+    /* the int8 path (bfloat16 x on AVX2 without AVX-512): see "int8 path" below */
+    int q8;
+    float q8_step;       /* the codebook's int8 step: level i ~ q8_step * q8_book[i] */
+    int8_t q8_book[16];
 } Wt;
 
 static inline float f16_to_f32(uint16_t h) {
@@ -154,6 +159,16 @@ static void setup(Wt *t, const LutWeight *w, int isa) {
     const int unit = w->bits >= 1 && w->bits <= 2 ? 16 / w->bits : 0;
     t->pt = t->bf && unit && !w->offsets && B % unit == 0 && w->N >= 16;
     t->n16 = w->N / 16 * 16;
+    /* int8 path: 4-bit codes, one codebook per layer, no offsets, blocks of whole 64-code chunks, on AVX2
+     * (wider CPUs keep their float32 and bfloat16 paths) */
+    t->q8 = isa == 1 && w->bits == 4 && !w->per_block && !w->offsets && B % 64 == 0 && w->K % 64 == 0 &&
+            !w->interleaved;
+    if (t->q8) {
+        float most = 0.0f;
+        for (int c = 0; c < 16; c++) most = fabsf(t->book[c]) > most ? fabsf(t->book[c]) : most;
+        t->q8_step = most > 0.0f ? most / 127.0f : 0.0f;
+        for (int c = 0; c < 16; c++) t->q8_book[c] = (int8_t)(most > 0.0f ? lrintf(t->book[c] / t->q8_step) : 0);
+    }
     if (t->pt)
         for (int j = 0; j < 4 / w->bits; j++)
             for (int e = 0; e < 16; e++) t->digit[j][e] = t->book[(e >> (j * w->bits)) & (t->levels - 1)];
@@ -937,6 +952,102 @@ static int matmul_pt(const Wt *w, const uint16_t *x, int64_t M, const float *bia
 }
 #endif
 
+#ifdef HILT_X86
+/* The int8 path (bfloat16 x, 4-bit codes, AVX2 without AVX-512): as llama.cpp's CPU matmuls do, x is rounded
+ * to int8 in chunks of 64 columns (step = the chunk's largest |x| / 127) and the layer's 16 levels to int8
+ * (step = the largest |level| / 127); 64 codes are two vpshufb lookups of the int8 levels and two
+ * vpmaddubsw against x, summed in int32 and scaled once per chunk. Against the float32 path it trades the
+ * rounding of x and of the levels, each at most half its step (tests/test_lut_cpu.py bounds the error by
+ * exactly that), for about a third of the instructions per weight. x with a NaN or an infinity takes the
+ * float32 path (they must propagate). Per chunk c of 64 columns, xq holds the 32 even columns, then the
+ * 32 odd ones: the low and the high nibbles of the chunk's 32 code bytes. */
+#define TQ8 __attribute__((target("avx2,fma")))
+
+/* 1 when x had a NaN or infinity (nothing usable then) */
+static int q8_prepare_x(const uint16_t *x, int64_t K, int8_t *xq, float *xs) {
+    for (int64_t c = 0; c < K; c += 64) {
+        float most = 0.0f, v[64];
+        for (int i = 0; i < 64; i++) {
+            v[i] = bf16_to_f32(x[c + i]);
+            if (!isfinite(v[i])) return 1;
+            most = fabsf(v[i]) > most ? fabsf(v[i]) : most;
+        }
+        /* below 1e-30 (denormal steps) the chunk counts as zeros */
+        const float step = most >= 1e-30f ? most / 127.0f : 0.0f, inv = most >= 1e-30f ? 127.0f / most : 0.0f;
+        xs[c / 64] = step;
+        for (int i = 0; i < 32; i++) {
+            xq[c + i] = (int8_t)lrintf(v[2 * i] * inv);
+            xq[c + 32 + i] = (int8_t)lrintf(v[2 * i + 1] * inv);
+        }
+    }
+    return 0;
+}
+
+static TQ8 float q8_row(const Wt *w, int64_t n, const int8_t *xq, const float *xs) {
+    const int64_t K = w->w.K, per_block = w->w.block / 64;
+    const uint8_t *row = w->w.codes + n * w->w.row_bytes;
+    const __m256i book = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)w->q8_book));
+    const __m256i low = _mm256_set1_epi8(0x0f), ones = _mm256_set1_epi16(1);
+    __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
+    for (int64_t c = 0; c < K / 64; c++) {
+        const float scale = scale_at(w, n, c / per_block) * w->q8_step * xs[c];
+        const __m256i codes = _mm256_loadu_si256((const __m256i *)(row + 32 * c));
+        const __m256i we = _mm256_shuffle_epi8(book, _mm256_and_si256(codes, low));
+        const __m256i wo = _mm256_shuffle_epi8(book, _mm256_and_si256(_mm256_srli_epi16(codes, 4), low));
+        const __m256i xe = _mm256_loadu_si256((const __m256i *)(xq + 64 * c));
+        const __m256i xo = _mm256_loadu_si256((const __m256i *)(xq + 64 * c + 32));
+        /* |w| (unsigned) times x with w's sign: pairs of products stay within int16 (2 * 127 * 127) */
+        const __m256i pe = _mm256_maddubs_epi16(_mm256_sign_epi8(we, we), _mm256_sign_epi8(xe, we));
+        const __m256i po = _mm256_maddubs_epi16(_mm256_sign_epi8(wo, wo), _mm256_sign_epi8(xo, wo));
+        const __m256i sum = _mm256_add_epi32(_mm256_madd_epi16(pe, ones), _mm256_madd_epi16(po, ones));
+        if (c & 1) acc1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), _mm256_set1_ps(scale), acc1);
+        else acc0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), _mm256_set1_ps(scale), acc0);
+    }
+    const __m256 a = _mm256_add_ps(acc0, acc1);
+    __m128 h = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+    h = _mm_add_ps(h, _mm_movehl_ps(h, h));
+    h = _mm_add_ss(h, _mm_movehdup_ps(h));
+    return _mm_cvtss_f32(h);
+}
+
+/* 0 done; 1 no scratch; 2 x not finite (the caller takes the float32 path) */
+static int matmul_q8(const Wt *w, const uint16_t *x, int64_t M, const float *bias, void *out, int out_dt, int threads) {
+    const int64_t K = w->w.K, N = w->w.N;
+    int8_t *xq = (int8_t *)malloc((size_t)(M * K > 0 ? M * K : 1));
+    float *xs = (float *)malloc(sizeof(float) * (size_t)(M * K / 64 > 0 ? M * K / 64 : 1));
+    if (!xq || !xs) {
+        free(xq);
+        free(xs);
+        return 1;
+    }
+    for (int64_t m = 0; m < M; m++)
+        if (q8_prepare_x(x + m * K, K, xq + m * K, xs + m * (K / 64))) {
+            free(xq);
+            free(xs);
+            return 2;
+        }
+    const int64_t work = N * K * M;
+    (void)threads;
+    (void)work;
+#ifdef _OPENMP
+#pragma omp parallel for schedule(static) num_threads(threads) if (work >= 65536 && threads > 1)
+#endif
+    for (int64_t n = 0; n < N; n++)
+        for (int64_t m = 0; m < M; m++)
+            store_out(out, out_dt, m * N + n, q8_row(w, n, xq + m * K, xs + m * (K / 64)) + (bias ? bias[n] : 0.0f));
+    free(xq);
+    free(xs);
+    return 0;
+}
+#endif
+
+/* 1 where bfloat16 x of at most Q8_ROWS rows takes the int8 path under isa */
+int hilt_lut_int8_path(const LutWeight *lw, int isa) {
+    Wt w;
+    setup(&w, lw, isa);
+    return w.q8;
+}
+
 /* out (M, N) in out_dt = x (M, K) in x_dt @ W.T (+ bias float32 (N,)); rows of W on `threads`
  * threads. Returns 0, or 1 when scratch memory could not be had. */
 int hilt_lut_matmul(const LutWeight *lw, const void *x, int x_dt, int64_t M, const float *bias, void *out, int out_dt,
@@ -947,6 +1058,10 @@ int hilt_lut_matmul(const LutWeight *lw, const void *x, int x_dt, int64_t M, con
 #ifdef HILT_X86
     if (x_dt == DT_BF16 && lw->interleaved && w.pt) return matmul_pt(&w, (const uint16_t *)x, M, bias, out, out_dt, threads);
     if (x_dt == DT_BF16 && !lw->interleaved && w.bf) return matmul_bf16(&w, (const uint16_t *)x, M, bias, out, out_dt, threads, 0);
+    if (x_dt == DT_BF16 && w.q8 && M <= Q8_ROWS) {
+        int r = matmul_q8(&w, (const uint16_t *)x, M, bias, out, out_dt, threads);
+        if (r != 2) return r;
+    }
 #endif
     float *xp = (float *)malloc(sizeof(float) * (size_t)(M * K > 0 ? M * K : 1));
     if (!xp) return 1;

@@ -36,6 +36,7 @@ SOURCE = Path(__file__).with_name("lut_cpu.c")
 FLAGS = ["-O2", "-fPIC", "-shared"]
 ISAS = {"scalar": 0, "avx2": 1, "avx512": 2, "avx512bf16": 3}
 SMALL_M = 16  # rows of x the kernel runs itself; beyond, dequantized bands and BLAS
+INT8_ROWS = 4  # rows of bfloat16 x the int8 path takes (Q8_ROWS in lut_cpu.c)
 BAND_FLOATS = 1 << 21  # weights per band in the prefill path (8 MB in float32)
 _DTYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 
@@ -56,7 +57,7 @@ def library():
     lib = cbuild.load(SOURCE, [FLAGS + ["-fopenmp"], FLAGS],
                       ("hilt_lut_matmul", "hilt_lut_dequant", "hilt_lut_dequant_bf16",
                        "hilt_lut_isa", "hilt_lut_layout", "hilt_lut_struct_size", "hilt_lut_bf16_path",
-                       "hilt_lut_pair_path"))
+                       "hilt_lut_pair_path", "hilt_lut_int8_path"))
     if lib is None:
         return None
     lib.hilt_lut_struct_size.restype = ctypes.c_int64
@@ -72,6 +73,8 @@ def library():
     lib.hilt_lut_bf16_path.argtypes = [weight, i32]
     lib.hilt_lut_pair_path.restype = i32
     lib.hilt_lut_pair_path.argtypes = [weight, i32]
+    lib.hilt_lut_int8_path.restype = i32
+    lib.hilt_lut_int8_path.argtypes = [weight, i32]
     lib.hilt_lut_matmul.restype = i32
     lib.hilt_lut_matmul.argtypes = [weight, p, i32, i64, p, p, i32, i32, i32]
     lib.hilt_lut_matmul_many.restype = i32
@@ -154,6 +157,39 @@ def pair_path(w: PackedWeight, isa=None) -> bool:
         return False
     s, _keep = _weight_struct(w)
     return bool(lib.hilt_lut_pair_path(ctypes.byref(s), resolve_isa(isa)))
+
+
+def int8_path(w: PackedWeight, isa=None) -> bool:
+    """Whether bfloat16 x of at most INT8_ROWS rows takes the int8 path for ``w`` under ``isa``: x and the
+    codebook rounded to int8, as llama.cpp's CPU matmuls do (4-bit codes, one codebook per layer, AVX2)."""
+    lib = library()
+    if lib is None:
+        return False
+    s, _ = _weight_struct(w)
+    return bool(lib.hilt_lut_int8_path(ctypes.byref(s), resolve_isa(isa)))
+
+
+def int8_error_ratio(y: torch.Tensor, x: torch.Tensor, w: PackedWeight, ref: torch.Tensor) -> float:
+    """Largest |y - ref| over the error the int8 path may make (at most 1 for a correct kernel; inf for a
+    NaN or infinity in y): each level rounded to the codebook's int8 step errs by at most ``e``, each x by
+    at most half its 64-column chunk's step ``t``, so per output sum_k |s_k| (e |x_k| + t_k / 2 (|l_k| + e)),
+    with s the block scale and l the level of weight k; plus the bfloat16 output's rounding, 2^-8 |ref| (twice
+    its half ulp), and 2^-20 |x| @ |W| for the float32 sums of the chunks. ``ref``: the float64 reference on x
+    as given."""
+    from hilt.kernels.lut_matmul import dequantize_lut
+
+    if not torch.isfinite(y).all():
+        return float("inf")
+    book = w.codebook.double()
+    step = book.abs().max() / 127
+    e = (book - torch.round(book / step) * step).abs().max() if step > 0 else torch.zeros((), dtype=torch.float64)
+    x2 = x.double().reshape(-1, w.in_features)
+    scales = w.scales.double().abs().repeat_interleave(w.block_size, dim=1)[:, :w.in_features]  # |s_k| (N, K)
+    w_abs = dequantize_lut(w).double().abs()
+    t = (x2.abs().reshape(x2.shape[0], -1, 64).amax(-1) / 127).repeat_interleave(64, dim=1)  # chunk steps (M, K)
+    bound = e * (x2.abs() @ scales.T) + (t / 2) @ (w_abs + e * scales).T
+    bound = bound.reshape(ref.shape) + 2.0**-8 * ref.abs() + 2.0**-20 * (x2.abs() @ w_abs.T).reshape(ref.shape)
+    return float(((y.double() - ref) / (bound + 1e-6)).abs().max()) if ref.numel() else 0.0
 
 
 def _tiles(w: PackedWeight) -> tuple[int, int, int]:

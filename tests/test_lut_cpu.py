@@ -41,6 +41,10 @@ def _check(q, x, isa, bias=None):
     w_abs = q.dequantize().double().abs()
     y = lut_cpu.lut_matmul_cpu(x, q.packed, bias, isa=isa)
     assert y.dtype == x.dtype and y.shape == (*x.shape[:-1], q.shape[0])
+    if x.dtype == torch.bfloat16 and x.numel() // x.shape[-1] <= lut_cpu.INT8_ROWS and lut_cpu.int8_path(q.packed, isa):
+        # x and the levels rounded to int8 (decode on AVX2): its own bound, which the float bound is far below
+        assert lut_cpu.int8_error_ratio(y, x, q.packed, ref) <= 1.0, (isa, lut_cpu.int8_error_ratio(y, x, q.packed, ref))
+        return
     assert error_ratio(y, x, ref, w_abs) <= 1.0, (isa, error_ratio(y, x, ref, w_abs))
     if lut_cpu.pair_path(q.packed, isa):
         w = dataclasses.replace(q.packed, codes=q.packed.codes.clone(), scales=q.packed.scales.clone())
@@ -231,6 +235,56 @@ def test_quant_linear_keeps_no_second_copy(method, bits):
 
 def test_struct_matches_the_c_side():
     assert lut_cpu.library().hilt_lut_struct_size() == ctypes.sizeof(lut_cpu.LutWeight)
+
+
+@pytest.mark.skipif(lut_cpu.machine_isa() < 1, reason="no AVX2 on this CPU")
+def test_int8_path_rounds_x_within_its_bound_at_the_bound():
+    """Levels exact on the int8 grid, every weight positive, and x in each 64-column chunk one value of 127
+    steps and the others halfway between two steps (rounded to the even one, always down): every product errs
+    the same way by the most the rounding of x allows, so the error is the bound's x term less one weight in
+    64. A factor of 2 off in the bound (or in the kernel's step) fails this."""
+    from hilt.kernels.lut_matmul import PackedWeight
+
+    n, k = 37, 576
+    # the largest level 127 int8 steps, the others whole steps: exact on the grid
+    book = torch.tensor([127, 100, 80, 64, 50, 40, 32, 25, 20, 16, 12, 10, 8, 5, 3, 1], dtype=torch.float32) / 128
+    codes = torch.randint(0, 256, (n, k // 2), generator=torch.Generator().manual_seed(0), dtype=torch.uint8)
+    w = PackedWeight(codes, book, torch.rand(n, k // 64, generator=torch.Generator().manual_seed(1)).to(torch.float16) + 0.5,
+                     None, 4, 64, k)
+    assert lut_cpu.int8_path(w, "avx2") and not lut_cpu.int8_path(w, "scalar")
+    unit = 2.0**-4
+    halves = (2 * torch.randint(0, 2, (k,), generator=torch.Generator().manual_seed(2)) + 0.5) * unit  # 0.5, 2.5
+    halves[::64] = 127 * unit
+    for m in (1, lut_cpu.INT8_ROWS):
+        x = halves.repeat(m, 1).to(torch.bfloat16)
+        assert torch.equal(x.double(), halves.repeat(m, 1).double())  # exact in bfloat16
+        ref = lut_matmul_reference(x.double(), w).double()
+        y = lut_cpu.lut_matmul_cpu(x, w, isa="avx2")
+        ratio = lut_cpu.int8_error_ratio(y, x, w, ref)
+        assert 0.9 < ratio <= 1.0, ratio
+        assert (y.double() < ref).all()  # every x rounded down
+        # more rows than the path takes, or float32 x: the float32 path, far inside the float bound
+        wide = x[:1].repeat(lut_cpu.INT8_ROWS + 1, 1)
+        assert error_ratio(lut_cpu.lut_matmul_cpu(wide, w, isa="avx2"), wide, ref[:1].repeat(lut_cpu.INT8_ROWS + 1, 1),
+                           dequantize_lut(w).double().abs()) <= 1.0
+        assert error_ratio(lut_cpu.lut_matmul_cpu(x.float(), w, isa="avx2"), x.float(), ref,
+                           dequantize_lut(w).double().abs()) < 0.01
+
+
+@pytest.mark.skipif(lut_cpu.machine_isa() < 1, reason="no AVX2 on this CPU")
+def test_int8_path_takes_the_formats_it_claims_and_leaves_nan_to_the_float_path():
+    assert lut_cpu.int8_path(_weights(8, 256, "kmeans-layer", 4, 64, 0).packed, "avx2")
+    assert lut_cpu.int8_path(_weights(8, 256, "int", 4, 128, 0).packed, "avx2")
+    for fmt, bits, block in (("kmeans-block", 4, 64), ("int-asym", 4, 64), ("kmeans-layer", 3, 64),
+                             ("kmeans-layer", 2, 64), ("kmeans-layer", 4, 32), ("int", 8, 64)):
+        assert not lut_cpu.int8_path(_weights(8, 256, fmt, bits, block, 0).packed, "avx2"), (fmt, bits, block)
+    q = _weights(9, 128, "kmeans-layer", 4, 64, 0)
+    for bad in (float("nan"), float("inf")):
+        x = torch.randn(2, 128).to(torch.bfloat16)
+        x[1, 70] = bad
+        y = lut_cpu.lut_matmul_cpu(x, q.packed, isa="avx2")
+        ref = lut_matmul_reference(x.double(), q.packed)
+        assert torch.equal(torch.isnan(y), torch.isnan(ref)) and torch.equal(torch.isfinite(y), torch.isfinite(ref))
 
 
 @pytest.mark.skipif(lut_cpu.machine_isa() < 3, reason="no AVX-512 BF16 on this CPU")
