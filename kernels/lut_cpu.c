@@ -159,15 +159,15 @@ static void setup(Wt *t, const LutWeight *w, int isa) {
     const int unit = w->bits >= 1 && w->bits <= 2 ? 16 / w->bits : 0;
     t->pt = t->bf && unit && !w->offsets && B % unit == 0 && w->N >= 16;
     t->n16 = w->N / 16 * 16;
-    /* int8 path: 4-bit codes, one codebook per layer, no offsets, blocks of whole 64-code chunks, on AVX2
+    /* int8 path: 2- and 4-bit codes, one codebook per layer, no offsets, blocks of whole 64-code chunks, on AVX2
      * (wider CPUs keep their float32 and bfloat16 paths) */
-    t->q8 = isa == 1 && w->bits == 4 && !w->per_block && !w->offsets && B % 64 == 0 && w->K % 64 == 0 &&
-            !w->interleaved;
+    t->q8 = isa == 1 && (w->bits == 4 || w->bits == 2) && !w->per_block && !w->offsets && B % 64 == 0 &&
+            w->K % 64 == 0 && !w->interleaved;
     if (t->q8) {
         float most = 0.0f;
-        for (int c = 0; c < 16; c++) most = fabsf(t->book[c]) > most ? fabsf(t->book[c]) : most;
+        for (int c = 0; c < 16; c++) most = fabsf(t->tab16[c]) > most ? fabsf(t->tab16[c]) : most;
         t->q8_step = most > 0.0f ? most / 127.0f : 0.0f;
-        for (int c = 0; c < 16; c++) t->q8_book[c] = (int8_t)(most > 0.0f ? lrintf(t->book[c] / t->q8_step) : 0);
+        for (int c = 0; c < 16; c++) t->q8_book[c] = (int8_t)(most > 0.0f ? lrintf(t->tab16[c] / t->q8_step) : 0);
     }
     if (t->pt)
         for (int j = 0; j < 4 / w->bits; j++)
@@ -953,18 +953,20 @@ static int matmul_pt(const Wt *w, const uint16_t *x, int64_t M, const float *bia
 #endif
 
 #ifdef HILT_X86
-/* The int8 path (bfloat16 x, 4-bit codes, AVX2 without AVX-512): as llama.cpp's CPU matmuls do, x is rounded
+/* The int8 path (bfloat16 x, 2- and 4-bit codes, AVX2 without AVX-512): as llama.cpp's CPU matmuls do, x is rounded
  * to int8 in chunks of 64 columns (step = the chunk's largest |x| / 127) and the layer's 16 levels to int8
  * (step = the largest |level| / 127); 64 codes are two vpshufb lookups of the int8 levels and two
  * vpmaddubsw against x, summed in int32 and scaled once per chunk. Against the float32 path it trades the
  * rounding of x and of the levels, each at most half its step (tests/test_lut_cpu.py bounds the error by
  * exactly that), for about a third of the instructions per weight. x with a NaN or an infinity takes the
- * float32 path (they must propagate). Per chunk c of 64 columns, xq holds the 32 even columns, then the
- * 32 odd ones: the low and the high nibbles of the chunk's 32 code bytes. */
+ * float32 path (they must propagate). 2-bit codes take it the same way (16 code bytes a chunk, four
+ * phases, two to a register). Per chunk of 64 columns, xq holds phase after phase: the columns of code 0 of
+ * every code byte, then of code 1, ... (4 bits: the 32 even columns, then the 32 odd ones). */
 #define TQ8 __attribute__((target("avx2,fma")))
 
 /* 1 when x had a NaN or infinity (nothing usable then) */
-static int q8_prepare_x(const uint16_t *x, int64_t K, int8_t *xq, float *xs) {
+static int q8_prepare_x(const uint16_t *x, int64_t K, int bits, int8_t *xq, float *xs) {
+    const int cpb = 8 / bits, bytes = 64 / cpb;
     for (int64_t c = 0; c < K; c += 64) {
         float most = 0.0f, v[64];
         for (int i = 0; i < 64; i++) {
@@ -975,25 +977,38 @@ static int q8_prepare_x(const uint16_t *x, int64_t K, int8_t *xq, float *xs) {
         /* below 1e-30 (denormal steps) the chunk counts as zeros */
         const float step = most >= 1e-30f ? most / 127.0f : 0.0f, inv = most >= 1e-30f ? 127.0f / most : 0.0f;
         xs[c / 64] = step;
-        for (int i = 0; i < 32; i++) {
-            xq[c + i] = (int8_t)lrintf(v[2 * i] * inv);
-            xq[c + 32 + i] = (int8_t)lrintf(v[2 * i + 1] * inv);
-        }
+        for (int i = 0; i < bytes; i++)
+            for (int p = 0; p < cpb; p++) xq[c + p * bytes + i] = (int8_t)lrintf(v[i * cpb + p] * inv);
     }
     return 0;
 }
 
+/* the chunk's 64 codes as int8 levels, in xq's order, two registers of 32 */
+INLINE TQ8 void q8_levels(const uint8_t *p, __m256i book, int bits, __m256i *first, __m256i *second) {
+    if (bits == 4) {
+        const __m256i low = _mm256_set1_epi8(0x0f), codes = _mm256_loadu_si256((const __m256i *)p);
+        *first = _mm256_shuffle_epi8(book, _mm256_and_si256(codes, low));
+        *second = _mm256_shuffle_epi8(book, _mm256_and_si256(_mm256_srli_epi16(codes, 4), low));
+    } else { /* 2 bits: phases 0 and 1 in the first register's halves, 2 and 3 in the second's */
+        const __m128i three = _mm_set1_epi8(3), b = _mm_loadu_si128((const __m128i *)p);
+        const __m256i c01 = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(b, 2), three), _mm_and_si128(b, three));
+        const __m256i c23 = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(b, 6), three),
+                                             _mm_and_si128(_mm_srli_epi16(b, 4), three));
+        *first = _mm256_shuffle_epi8(book, c01);
+        *second = _mm256_shuffle_epi8(book, c23);
+    }
+}
+
 static TQ8 float q8_row(const Wt *w, int64_t n, const int8_t *xq, const float *xs) {
-    const int64_t K = w->w.K, per_block = w->w.block / 64;
+    const int64_t K = w->w.K, per_block = w->w.block / 64, chunk_bytes = 8 * w->w.bits;
     const uint8_t *row = w->w.codes + n * w->w.row_bytes;
     const __m256i book = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)w->q8_book));
-    const __m256i low = _mm256_set1_epi8(0x0f), ones = _mm256_set1_epi16(1);
+    const __m256i ones = _mm256_set1_epi16(1);
     __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
     for (int64_t c = 0; c < K / 64; c++) {
         const float scale = scale_at(w, n, c / per_block) * w->q8_step * xs[c];
-        const __m256i codes = _mm256_loadu_si256((const __m256i *)(row + 32 * c));
-        const __m256i we = _mm256_shuffle_epi8(book, _mm256_and_si256(codes, low));
-        const __m256i wo = _mm256_shuffle_epi8(book, _mm256_and_si256(_mm256_srli_epi16(codes, 4), low));
+        __m256i we, wo;
+        q8_levels(row + chunk_bytes * c, book, w->w.bits, &we, &wo);
         const __m256i xe = _mm256_loadu_si256((const __m256i *)(xq + 64 * c));
         const __m256i xo = _mm256_loadu_si256((const __m256i *)(xq + 64 * c + 32));
         /* |w| (unsigned) times x with w's sign: pairs of products stay within int16 (2 * 127 * 127) */
@@ -1021,7 +1036,7 @@ static int matmul_q8(const Wt *w, const uint16_t *x, int64_t M, const float *bia
         return 1;
     }
     for (int64_t m = 0; m < M; m++)
-        if (q8_prepare_x(x + m * K, K, xq + m * K, xs + m * (K / 64))) {
+        if (q8_prepare_x(x + m * K, K, w->w.bits, xq + m * K, xs + m * (K / 64))) {
             free(xq);
             free(xs);
             return 2;

@@ -161,7 +161,7 @@ def pair_path(w: PackedWeight, isa=None) -> bool:
 
 def int8_path(w: PackedWeight, isa=None) -> bool:
     """Whether bfloat16 x of at most INT8_ROWS rows takes the int8 path for ``w`` under ``isa``: x and the
-    codebook rounded to int8, as llama.cpp's CPU matmuls do (4-bit codes, one codebook per layer, AVX2)."""
+    codebook rounded to int8, as llama.cpp's CPU matmuls do (2- and 4-bit codes, one codebook per layer, AVX2)."""
     lib = library()
     if lib is None:
         return False

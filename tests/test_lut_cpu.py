@@ -238,7 +238,8 @@ def test_struct_matches_the_c_side():
 
 
 @pytest.mark.skipif(lut_cpu.machine_isa() < 1, reason="no AVX2 on this CPU")
-def test_int8_path_rounds_x_within_its_bound_at_the_bound():
+@pytest.mark.parametrize("bits", [2, 4])
+def test_int8_path_rounds_x_within_its_bound_at_the_bound(bits):
     """Levels exact on the int8 grid, every weight positive, and x in each 64-column chunk one value of 127
     steps and the others halfway between two steps (rounded to the even one, always down): every product errs
     the same way by the most the rounding of x allows, so the error is the bound's x term less one weight in
@@ -248,9 +249,10 @@ def test_int8_path_rounds_x_within_its_bound_at_the_bound():
     n, k = 37, 576
     # the largest level 127 int8 steps, the others whole steps: exact on the grid
     book = torch.tensor([127, 100, 80, 64, 50, 40, 32, 25, 20, 16, 12, 10, 8, 5, 3, 1], dtype=torch.float32) / 128
-    codes = torch.randint(0, 256, (n, k // 2), generator=torch.Generator().manual_seed(0), dtype=torch.uint8)
+    book = book[:: 16 >> bits] if bits < 4 else book  # 2 bits: 127, 50, 20, 8
+    codes = torch.randint(0, 256, (n, k * bits // 8), generator=torch.Generator().manual_seed(0), dtype=torch.uint8)
     w = PackedWeight(codes, book, torch.rand(n, k // 64, generator=torch.Generator().manual_seed(1)).to(torch.float16) + 0.5,
-                     None, 4, 64, k)
+                     None, bits, 64, k)
     assert lut_cpu.int8_path(w, "avx2") and not lut_cpu.int8_path(w, "scalar")
     unit = 2.0**-4
     halves = (2 * torch.randint(0, 2, (k,), generator=torch.Generator().manual_seed(2)) + 0.5) * unit  # 0.5, 2.5
@@ -275,8 +277,9 @@ def test_int8_path_rounds_x_within_its_bound_at_the_bound():
 def test_int8_path_takes_the_formats_it_claims_and_leaves_nan_to_the_float_path():
     assert lut_cpu.int8_path(_weights(8, 256, "kmeans-layer", 4, 64, 0).packed, "avx2")
     assert lut_cpu.int8_path(_weights(8, 256, "int", 4, 128, 0).packed, "avx2")
+    assert lut_cpu.int8_path(_weights(8, 256, "kmeans-layer", 2, 64, 0).packed, "avx2")
     for fmt, bits, block in (("kmeans-block", 4, 64), ("int-asym", 4, 64), ("kmeans-layer", 3, 64),
-                             ("kmeans-layer", 2, 64), ("kmeans-layer", 4, 32), ("int", 8, 64)):
+                             ("kmeans-layer", 1, 64), ("kmeans-layer", 4, 32), ("int", 8, 64)):
         assert not lut_cpu.int8_path(_weights(8, 256, fmt, bits, block, 0).packed, "avx2"), (fmt, bits, block)
     q = _weights(9, 128, "kmeans-layer", 4, 64, 0)
     for bad in (float("nan"), float("inf")):

@@ -318,7 +318,7 @@ def gemv_table(shapes=None, repeats: int = 10, formats=None, past_bytes: int | N
             # as QuantLinear keeps it: readied once, interleaved in place where the pair tables take it
             t = cycled(p.nbytes, lambda: lut_cpu.prepare(mk(), interleave=True), lambda c: c(x))
             kind = ("pair tables" if lut_cpu.pair_path(p) else "bf16 path" if lut_cpu.bf16_path(p)
-                    else f"{lut_cpu.layout(p)[0]} lanes")
+                    else "int8 path" if lut_cpu.int8_path(p) else f"{lut_cpu.layout(p)[0]} lanes")
             rows.append({"shape": f"{k}x{n}", "format": f"hilt {label} (lut_cpu, {kind})",
                          "bytes": p.nbytes, "us": t * 1e6, "gb_per_s": p.nbytes / t / 1e9})
             if int_cpu.supports(p):  # symmetric integer levels the int4/int8 kernels take
