@@ -159,11 +159,14 @@ static void setup(Wt *t, const LutWeight *w, int isa) {
     const int unit = w->bits >= 1 && w->bits <= 2 ? 16 / w->bits : 0;
     t->pt = t->bf && unit && !w->offsets && B % unit == 0 && w->N >= 16;
     t->n16 = w->N / 16 * 16;
-    /* int8 path: 2- and 4-bit codes, one codebook per layer, no offsets, blocks of whole 64-code chunks, on AVX2
+    /* int8 path: 2-, 4- and symmetric 8-bit codes, one codebook per layer, no offsets, blocks of whole 64-code chunks, on AVX2
      * (wider CPUs keep their float32 and bfloat16 paths) */
-    t->q8 = isa == 1 && (w->bits == 4 || w->bits == 2) && !w->per_block && !w->offsets && B % 64 == 0 &&
-            w->K % 64 == 0 && !w->interleaved;
-    if (t->q8) {
+    t->q8 = isa == 1 && (w->bits == 4 || w->bits == 2 || w->bits == 8) && !w->per_block && !w->offsets &&
+            B % 64 == 0 && w->K % 64 == 0 && !w->interleaved;
+    if (w->bits == 8) { /* symmetric integers: code c is level (c - 128) * step, an int8 as it is */
+        t->q8 &= t->uniform && t->base + 128.0f * t->step == 0.0f;
+        t->q8_step = t->step;
+    } else if (t->q8) {
         float most = 0.0f;
         for (int c = 0; c < 16; c++) most = fabsf(t->tab16[c]) > most ? fabsf(t->tab16[c]) : most;
         t->q8_step = most > 0.0f ? most / 127.0f : 0.0f;
@@ -953,14 +956,15 @@ static int matmul_pt(const Wt *w, const uint16_t *x, int64_t M, const float *bia
 #endif
 
 #ifdef HILT_X86
-/* The int8 path (bfloat16 x, 2- and 4-bit codes, AVX2 without AVX-512): as llama.cpp's CPU matmuls do, x is rounded
+/* The int8 path (bfloat16 x, 2-, 4- and symmetric 8-bit codes, AVX2 without AVX-512): as llama.cpp's CPU matmuls do, x is rounded
  * to int8 in chunks of 64 columns (step = the chunk's largest |x| / 127) and the layer's 16 levels to int8
  * (step = the largest |level| / 127); 64 codes are two vpshufb lookups of the int8 levels and two
  * vpmaddubsw against x, summed in int32 and scaled once per chunk. Against the float32 path it trades the
  * rounding of x and of the levels, each at most half its step (tests/test_lut_cpu.py bounds the error by
  * exactly that), for about a third of the instructions per weight. x with a NaN or an infinity takes the
  * float32 path (they must propagate). 2-bit codes take it the same way (16 code bytes a chunk, four
- * phases, two to a register). Per chunk of 64 columns, xq holds phase after phase: the columns of code 0 of
+ * phases, two to a register); symmetric 8-bit codes are int8 levels already (no rounding of the weight).
+ * Per chunk of 64 columns, xq holds phase after phase: the columns of code 0 of
  * every code byte, then of code 1, ... (4 bits: the 32 even columns, then the 32 odd ones). */
 #define TQ8 __attribute__((target("avx2,fma")))
 
@@ -985,7 +989,11 @@ static int q8_prepare_x(const uint16_t *x, int64_t K, int bits, int8_t *xq, floa
 
 /* the chunk's 64 codes as int8 levels, in xq's order, two registers of 32 */
 INLINE TQ8 void q8_levels(const uint8_t *p, __m256i book, int bits, __m256i *first, __m256i *second) {
-    if (bits == 4) {
+    if (bits == 8) { /* c - 128, the signed level */
+        const __m256i flip = _mm256_set1_epi8((char)0x80);
+        *first = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)p), flip);
+        *second = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(p + 32)), flip);
+    } else if (bits == 4) {
         const __m256i low = _mm256_set1_epi8(0x0f), codes = _mm256_loadu_si256((const __m256i *)p);
         *first = _mm256_shuffle_epi8(book, _mm256_and_si256(codes, low));
         *second = _mm256_shuffle_epi8(book, _mm256_and_si256(_mm256_srli_epi16(codes, 4), low));
@@ -1011,7 +1019,7 @@ static TQ8 float q8_row(const Wt *w, int64_t n, const int8_t *xq, const float *x
         q8_levels(row + chunk_bytes * c, book, w->w.bits, &we, &wo);
         const __m256i xe = _mm256_loadu_si256((const __m256i *)(xq + 64 * c));
         const __m256i xo = _mm256_loadu_si256((const __m256i *)(xq + 64 * c + 32));
-        /* |w| (unsigned) times x with w's sign: pairs of products stay within int16 (2 * 127 * 127) */
+        /* |w| (unsigned) times x with w's sign: pairs of products stay within int16 (2 * 128 * 127) */
         const __m256i pe = _mm256_maddubs_epi16(_mm256_sign_epi8(we, we), _mm256_sign_epi8(xe, we));
         const __m256i po = _mm256_maddubs_epi16(_mm256_sign_epi8(wo, wo), _mm256_sign_epi8(xo, wo));
         const __m256i sum = _mm256_add_epi32(_mm256_madd_epi16(pe, ones), _mm256_madd_epi16(po, ones));

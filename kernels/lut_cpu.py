@@ -161,7 +161,8 @@ def pair_path(w: PackedWeight, isa=None) -> bool:
 
 def int8_path(w: PackedWeight, isa=None) -> bool:
     """Whether bfloat16 x of at most INT8_ROWS rows takes the int8 path for ``w`` under ``isa``: x and the
-    codebook rounded to int8, as llama.cpp's CPU matmuls do (2- and 4-bit codes, one codebook per layer, AVX2)."""
+    codebook rounded to int8, as llama.cpp's CPU matmuls do (2- and 4-bit codes, one codebook per layer, and
+    symmetric 8-bit integers, whose levels are int8 already; AVX2)."""
     lib = library()
     if lib is None:
         return False
@@ -183,6 +184,8 @@ def int8_error_ratio(y: torch.Tensor, x: torch.Tensor, w: PackedWeight, ref: tor
     book = w.codebook.double()
     step = book.abs().max() / 127
     e = (book - torch.round(book / step) * step).abs().max() if step > 0 else torch.zeros((), dtype=torch.float64)
+    if w.bits == 8:  # symmetric integers: the levels are the int8 values themselves
+        e = torch.zeros((), dtype=torch.float64)
     x2 = x.double().reshape(-1, w.in_features)
     scales = w.scales.double().abs().repeat_interleave(w.block_size, dim=1)[:, :w.in_features]  # |s_k| (N, K)
     w_abs = dequantize_lut(w).double().abs()

@@ -238,7 +238,7 @@ def test_struct_matches_the_c_side():
 
 
 @pytest.mark.skipif(lut_cpu.machine_isa() < 1, reason="no AVX2 on this CPU")
-@pytest.mark.parametrize("bits", [2, 4])
+@pytest.mark.parametrize("bits", [2, 4, 8])
 def test_int8_path_rounds_x_within_its_bound_at_the_bound(bits):
     """Levels exact on the int8 grid, every weight positive, and x in each 64-column chunk one value of 127
     steps and the others halfway between two steps (rounded to the even one, always down): every product errs
@@ -250,7 +250,10 @@ def test_int8_path_rounds_x_within_its_bound_at_the_bound(bits):
     # the largest level 127 int8 steps, the others whole steps: exact on the grid
     book = torch.tensor([127, 100, 80, 64, 50, 40, 32, 25, 20, 16, 12, 10, 8, 5, 3, 1], dtype=torch.float32) / 128
     book = book[:: 16 >> bits] if bits < 4 else book  # 2 bits: 127, 50, 20, 8
-    codes = torch.randint(0, 256, (n, k * bits // 8), generator=torch.Generator().manual_seed(0), dtype=torch.uint8)
+    low = 0
+    if bits == 8:  # symmetric integers, codes of positive levels only
+        book, low = torch.arange(-128, 128, dtype=torch.float32) / 128, 129
+    codes = torch.randint(low, 256, (n, k * bits // 8), generator=torch.Generator().manual_seed(0), dtype=torch.uint8)
     w = PackedWeight(codes, book, torch.rand(n, k // 64, generator=torch.Generator().manual_seed(1)).to(torch.float16) + 0.5,
                      None, bits, 64, k)
     assert lut_cpu.int8_path(w, "avx2") and not lut_cpu.int8_path(w, "scalar")
@@ -278,8 +281,10 @@ def test_int8_path_takes_the_formats_it_claims_and_leaves_nan_to_the_float_path(
     assert lut_cpu.int8_path(_weights(8, 256, "kmeans-layer", 4, 64, 0).packed, "avx2")
     assert lut_cpu.int8_path(_weights(8, 256, "int", 4, 128, 0).packed, "avx2")
     assert lut_cpu.int8_path(_weights(8, 256, "kmeans-layer", 2, 64, 0).packed, "avx2")
+    assert lut_cpu.int8_path(_weights(8, 256, "int", 8, 256, 0).packed, "avx2")  # --embeddings 8: rows
     for fmt, bits, block in (("kmeans-block", 4, 64), ("int-asym", 4, 64), ("kmeans-layer", 3, 64),
-                             ("kmeans-layer", 1, 64), ("kmeans-layer", 4, 32), ("int", 8, 64)):
+                             ("kmeans-layer", 1, 64), ("kmeans-layer", 4, 32), ("kmeans-layer", 8, 64),
+                             ("int-asym", 8, 64)):
         assert not lut_cpu.int8_path(_weights(8, 256, fmt, bits, block, 0).packed, "avx2"), (fmt, bits, block)
     q = _weights(9, 128, "kmeans-layer", 4, 64, 0)
     for bad in (float("nan"), float("inf")):
