@@ -38,6 +38,12 @@ def test_quick_decode_runs_every_part(tmp_path, capsys):
     assert not list(work.glob("tmp*"))  # the work folder is cleaned up
 
 
+def test_the_cli_row_names_are_the_bench_rows():
+    from hilt.cli.bench_quant import DECODE_NAMES
+
+    assert DECODE_NAMES == tuple(decode_speed.NAMES) and set(decode_speed.NAMES.values()) == set(decode_speed.FORMATS)
+
+
 def test_a_file_as_work_folder_is_one_line(tmp_path, capsys):
     (tmp_path / "f").write_text("")
     assert main(["bench", "decode", "--quick", "--work", str(tmp_path / "f")]) == 1

@@ -29,6 +29,7 @@ DOMAINS = {
     "int 1..8": ["quantize --bits", "qat --bits", "certify --bits"],
     "int 2..8": ["bench ptq --bits"],
     "head format": ["quantize --embeddings"],
+    "decode rows": ["bench decode --formats"],
     "number>0": ["quantize --budget", "quantize --shard-size", "qat --lr", "hwa --lr", "certify --delta",
                  "bench qat --lr", "bench mixed --budgets"],
     "number>=0": ["train --eta", "hwa --eta"],
@@ -51,6 +52,7 @@ OUTSIDE = {
     "model": ["no-such-model", ""],
     "task list": ["", "next-line", "cloze,", "cloze,nope", "NEXT_LINE"],
     "head format": ["", "1", "9", "int9", "kmeans5", "kmeans1", "nf4", "int 4"],
+    "decode rows": ["", "kmeans4,", "kmeans5", "KMEANS4", "dense"],
 }
 
 
@@ -107,7 +109,8 @@ def test_values_inside_the_domain_parse():
     """The edges of each domain are accepted (a bound one off would refuse them)."""
     inside = {"int>=0": "0", "int>=1": "1", "int>=2": "2", "int 1..8": "8", "int 2..8": "2", "number>0": "1e-6",
               "number>=0": "0", "noise range": "0,0",
-              "task list": "continuation,cloze", "head format": "kmeans4"}
+              "task list": "continuation,cloze", "head format": "kmeans4",
+              "decode rows": "kmeans4,int4+int8emb"}
     for domain, value in inside.items():
         for flag in DOMAINS[domain]:
             *command, name = flag.split()

@@ -60,6 +60,12 @@ FORMATS = {"hilt int4 (block 64)": (QuantConfig("int", 4, 64), None),
            "hilt k-means 2 (block 64)": (QuantConfig("kmeans", 2, 64), None),
            "hilt binary (block 64)": (QuantConfig("binary", 1, 64), None),
            "hilt k-means 4 compensated": (QuantConfig("kmeans", 4, 64), "compensate")}
+# `hilt bench decode --formats`: short names of the FORMATS rows
+NAMES = {"int4": "hilt int4 (block 64)", "int4+int8emb": "hilt int4 + int8 embeddings",
+         "kmeans4": "hilt k-means 4 (block 64)", "kmeans4+int8head": "hilt k-means 4 + int8 head",
+         "kmeans2+int8head": "hilt k-means 2 + int8 head", "kmeans3": "hilt k-means 3 (block 64)",
+         "kmeans2": "hilt k-means 2 (block 64)", "binary": "hilt binary (block 64)",
+         "kmeans4-compensated": "hilt k-means 4 compensated"}
 QUICK_FORMATS = ("hilt k-means 4 (block 64)",)
 # the k-means 4-bit model again with q/k/v and gate/up called one layer at a time: what the grouped call gives
 APART = "hilt k-means 4 (block 64), a call per layer"

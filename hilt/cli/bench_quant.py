@@ -61,6 +61,23 @@ def cmd_bench_mixed(args) -> int:
     return 0
 
 
+# the rows of `hilt bench decode --formats` (bench.perf.decode_speed.NAMES; kept here so that parsing imports no torch)
+DECODE_NAMES = ("int4", "int4+int8emb", "kmeans4", "kmeans4+int8head", "kmeans2+int8head", "kmeans3", "kmeans2",
+                "binary", "kmeans4-compensated")
+
+
+def decode_formats(text: str) -> str:
+    """--formats of bench decode: names from DECODE_NAMES, checked while parsing."""
+    import argparse
+
+    names = [t.strip() for t in text.split(",")]
+    bad = [t for t in names if t not in DECODE_NAMES]
+    if bad or not text.strip():
+        raise argparse.ArgumentTypeError(f"{bad[0] if bad else text!r} is not a decode row; the rows are "
+                                         f"{', '.join(DECODE_NAMES)}")
+    return ",".join(names)
+
+
 def cmd_bench_decode(args) -> int:
     from hilt.bench.perf import decode_speed
 
@@ -68,8 +85,9 @@ def cmd_bench_decode(args) -> int:
         from hilt.atomic import check_out_folder
 
         check_out_folder(args.out)  # before minutes of benchmark, not after
+    formats = args.formats and tuple(decode_speed.NAMES[n] for n in args.formats.split(","))
     r = decode_speed.run(quick=args.quick, work=args.work, threads=args.threads, new_tokens=args.tokens,
-                         repeats=args.repeats, model=args.model)
+                         repeats=args.repeats, model=args.model, formats=formats)
     print(r["table"])
     if args.out:
         from hilt.atomic import write_json as write_json_file
@@ -190,7 +208,9 @@ def register(bsub) -> None:
                       "or a Hugging Face causal-LM folder")
     bdec.add_argument("--threads", type=POSITIVE, default=2, help="torch threads (default 2)")
     bdec.add_argument("--tokens", type=POSITIVE, help="new tokens per timed generate (default 64; --quick 4)")
-    bdec.add_argument("--repeats", type=POSITIVE, help="timed generates per model, the median kept (default 3)")
+    bdec.add_argument("--repeats", type=POSITIVE, help="timed generates per model, the median kept (default 5; --quick 1)")
+    bdec.add_argument("--formats", type=decode_formats, metavar="LIST",
+                      help="comma-separated quantized rows to time (default all): " + ", ".join(DECODE_NAMES))
     bdec.add_argument("--work", metavar="DIR", help="where the converted and quantized folders go while it runs")
     bdec.add_argument("--out", metavar="DIR", help="write decode.json and decode.md there")
     bdec.set_defaults(func=cmd_bench_decode)
