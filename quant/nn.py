@@ -351,7 +351,7 @@ class SharedInput:
 
     def __init__(self, layers: list[QuantLinear]):
         self.layers = layers
-        self._ahead: dict[int, tuple] = {}  # thread -> (input, {layer index: output}), taken once each
+        self._ahead: dict[int, tuple] = {}  # thread -> (input, its version, {id(layer): output}), taken once each
         self._run = None  # (the members' kernels, their PreparedGroup)
 
     def __getstate__(self):
@@ -363,10 +363,11 @@ class SharedInput:
     def output(self, layer: QuantLinear, x: torch.Tensor) -> torch.Tensor | None:
         """``layer``'s output for ``x`` from the group's call, or None (then the layer computes alone)."""
         thread = threading.get_ident()
+        version = None if x.is_inference() else x._version  # an input changed in place is another input
         ahead = self._ahead.get(thread)
-        if ahead is not None and ahead[0] is x:
-            out = ahead[1].pop(id(layer), None)
-            if not ahead[1]:
+        if ahead is not None and ahead[0] is x and ahead[1] == version:
+            out = ahead[2].pop(id(layer), None)
+            if not ahead[2]:
                 del self._ahead[thread]
             if out is not None:
                 return out
@@ -378,7 +379,7 @@ class SharedInput:
         if self._run is None or any(a is not b for a, b in zip(self._run[0], kernels)):
             self._run = (kernels, lut_cpu.PreparedGroup(kernels))
         outs = self._run[1](x, [m.bias for m in self.layers])
-        self._ahead[thread] = (x, {id(m): o for m, o in zip(self.layers, outs) if m is not layer})
+        self._ahead[thread] = (x, version, {id(m): o for m, o in zip(self.layers, outs) if m is not layer})
         return outs[self.layers.index(layer)]
 
 

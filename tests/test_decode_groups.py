@@ -72,10 +72,16 @@ def test_shared_input_gives_each_layer_its_own_output_once(monkeypatch):
         # a sibling given another input computes for that input, not the group's
         assert torch.equal(q(x), expected[0]) and torch.equal(k(other), k._matmul(other, None))
         assert torch.equal(k(x), expected[1])  # taken once: the group ran again for x
+    with torch.no_grad():  # an input changed in place after the group ran is another input
+        y = torch.randn(1, 128, generator=g)
+        q(y)
+        y.mul_(2)
+        assert torch.equal(k(y), k._matmul(y, None))
+    with torch.inference_mode():
         # more rows than the kernel runs itself (prefill): each layer alone
         prefill = torch.randn(40, 128, generator=g)
         assert torch.equal(q(prefill), q._matmul(prefill, None))
-    assert calls == [3, 3, 3, 3]
+    assert calls == [3] * 6  # the changed input ran the group again
 
 
 def test_state_dict_load_drops_outputs_computed_ahead():
