@@ -16,7 +16,8 @@ from torch import nn
 from hilt.errors import HiltError
 from hilt.kernels import byte_table, dequantize_lut, int_cpu, lut_cpu, lut_matmul, uses_byte_table
 from hilt.kernels.lut_matmul import PackedWeight
-from hilt.quant.checkpoint import KEEP_DENSE, embedding_config, load_checkpoint
+from hilt.quant.checkpoint import load_checkpoint
+from hilt.quant.targets import KEEP_DENSE, embedding_config
 from hilt.quant.quantize import QuantConfig, quantize_tensor
 from hilt.quant.qweight import QuantizedWeight
 

@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 from hilt.quant import QuantConfig, open_source, quantize_checkpoint
-from hilt.quant.checkpoint import select_targets
+from hilt.quant.targets import select_targets
 from hilt.quant.kmeans import SortedValues, kmeans_optimal
 from hilt.quant.quantize import normalise_blocks
 from hilt.progress import LOG

@@ -39,7 +39,7 @@ import torch
 from hilt.atomic import write_json, write_text
 from hilt.tasks import evaluate
 from hilt.quant import QuantConfig, open_source, quantize_checkpoint
-from hilt.quant.checkpoint import select_targets
+from hilt.quant.targets import select_targets
 from hilt.progress import LOG
 
 

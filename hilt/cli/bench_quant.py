@@ -4,7 +4,9 @@ import argparse
 from pathlib import Path
 
 from hilt.atomic import write_text
-from hilt.cli.common import NON_NEGATIVE, OUTPUT, PLOT, POSITIVE, POSITIVE_NUMBER, UsageError, command, integer
+from hilt.cli.common import (
+    NON_NEGATIVE, OUTPUT, PLOT, POSITIVE, POSITIVE_NUMBER, UsageError, command, integer, name_list,
+)
 from hilt.cli.output import write_json_option, write_outputs
 from hilt.errors import HiltError
 
@@ -66,16 +68,7 @@ DECODE_NAMES = ("int4", "int4+int8emb", "kmeans4", "kmeans4+int8head", "kmeans2+
                 "binary", "kmeans4-compensated")
 
 
-def decode_formats(text: str) -> str:
-    """--formats of bench decode: names from DECODE_NAMES, checked while parsing."""
-    import argparse
-
-    names = [t.strip() for t in text.split(",")]
-    bad = [t for t in names if t not in DECODE_NAMES]
-    if bad or not text.strip():
-        raise argparse.ArgumentTypeError(f"{bad[0] if bad else text!r} is not a decode row; the rows are "
-                                         f"{', '.join(DECODE_NAMES)}")
-    return ",".join(names)
+decode_formats = name_list(DECODE_NAMES, "a decode row", "rows")  # --formats of bench decode
 
 
 def cmd_bench_decode(args) -> int:

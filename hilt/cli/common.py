@@ -71,6 +71,21 @@ def integer(lo: int | None = None, hi: int | None = None):
     return parse
 
 
+def name_list(names, what: str, plural: str):
+    """A comma-separated list of names from ``names`` (a tuple, or a callable giving one, for names whose
+    module imports torch: read only when the flag is given), checked while parsing; the text normalised."""
+
+    def parse(text: str) -> str:
+        known = names() if callable(names) else names
+        chosen = [t.strip() for t in text.split(",")]
+        bad = [t for t in chosen if t not in known]
+        if bad or not text.strip():
+            raise argparse.ArgumentTypeError(f"{bad[0] if bad else text!r} is not {what}; the {plural} are "
+                                             f"{', '.join(known)}")
+        return ",".join(chosen)
+    return parse
+
+
 def number(positive: bool = False, non_negative: bool = False):
     what = "a positive number" if positive else "a number >= 0" if non_negative else "a number"
 

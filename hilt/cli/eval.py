@@ -1,20 +1,16 @@
 from __future__ import annotations
 
-from hilt.cli.common import OUTPUT, POSITIVE, command, group, integer
+from hilt.cli.common import OUTPUT, POSITIVE, command, group, integer, name_list
 from hilt.cli.output import write_json_option
 
 
-def task_list(text: str) -> str:
-    """--tasks: names from hilt.tasks.downstream.TASKS, checked while parsing."""
-    import argparse
-
+def _task_names() -> tuple:
     from hilt.tasks.downstream import TASKS
 
-    names = [t.strip() for t in text.split(",")]
-    bad = [t for t in names if t not in TASKS]
-    if bad or not text.strip():
-        raise argparse.ArgumentTypeError(f"{bad[0] if bad else text!r} is not a task; the tasks are {', '.join(TASKS)}")
-    return ",".join(names)
+    return tuple(TASKS)
+
+
+task_list = name_list(_task_names, "a task", "tasks")  # --tasks: names from hilt.tasks.downstream.TASKS
 
 
 def cmd_eval_ppl(args) -> int:

@@ -87,7 +87,7 @@ def load_subject(model: str, checkpoint=None, calibration=None, tokens: int = 20
                  images: int = 2048) -> Subject:
     """``model``: smollm2, gemma3, minilm, mlp, cnn, any causal LM hilt.models.lm loads or a BERT folder."""
     from hilt.tasks.compensate import bert_batches, llama_batches
-    from hilt.quant.checkpoint import select_targets
+    from hilt.quant.targets import select_targets
     from hilt.quant.sources import open_source
 
     if model in WORKLOAD_NAMES:
@@ -344,7 +344,7 @@ def budget_plan(src, budget: float, sensitivity=None, candidates=None, block_siz
     "rows": per tensor}.
     """
     from hilt.quant.allocate import allocate
-    from hilt.quant.checkpoint import select_targets
+    from hilt.quant.targets import select_targets
     from hilt.quant.sources import open_source
 
     if estimate not in ("full", "blocks"):
