@@ -158,6 +158,11 @@ PRESETS = {
 }
 
 
+# The chips a language model can be put on: the presets, and "afm", the Analog Foundation Models chip
+# (cim_sim/afm.py: its own noise model and forward, no drift).
+LM_CHIPS = (*PRESETS, "afm")
+
+
 def tile_unit(w: torch.Tensor, tile_size: int) -> torch.Tensor:
     """weight_mapping="tile": each weight's tile abs-max, shaped like ``w`` (out, in); tiles of
     ``tile_size`` inputs by ``tile_size`` outputs, cut into equal parts as :func:`array_bounds` cuts."""

@@ -146,9 +146,11 @@ def tuned_path(model: str, method: str, work) -> Path:
     return Path(work) / (f"{_stem(model)}-{method}.gguf" if as_gguf else f"{_stem(model)}-{method}")
 
 
-def tuned_copy(model: str, method: str, work: Path, steps: int, batch: int | None, context: int) -> tuple[str, dict]:
+def tuned_copy(model: str, method: str, work: Path, steps: int, batch: int | None, context: int,
+               options: dict | None = None) -> tuple[str, dict]:
     """The path of ``model`` tuned by ``method`` in ``work``, trained now or read back when a
-    previous run trained it with the same settings. -> (path, training record)."""
+    previous run trained it with the same settings. ``options``: more of `hwa.tune`'s arguments (``afm``: its
+    recipe's); the ``afm`` method tunes for its own chip. -> (path, training record)."""
     from hilt.atomic import write_json
     from hilt.tasks import hwa
 
@@ -157,8 +159,12 @@ def tuned_copy(model: str, method: str, work: Path, steps: int, batch: int | Non
     causal = model != "minilm" and causal_lm.is_language_model(model)
     out = tuned_path(model, method, work)
     record_path = work / f"{_stem(model)}-{method}.json"
-    settings = {"model": model, "method": method, "preset": TUNE_PRESET, "overrides": {"weight_mapping": "column"},
+    afm = method == "afm"
+    settings = {"model": model, "method": method, "preset": "afm" if afm else TUNE_PRESET,
+                "overrides": {} if afm else {"weight_mapping": "column"},
                 "steps": steps, "batch": batch or (4 if causal else 8), "context": context, "lr": LR}
+    if options:
+        settings["options"] = options
     if out.exists():
         try:
             record = json.loads(record_path.read_text())
@@ -171,9 +177,9 @@ def tuned_copy(model: str, method: str, work: Path, steps: int, batch: int | Non
         return str(out), record
     work.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
-    r = hwa.tune(model, out, method=method, preset_name=TUNE_PRESET, overrides=settings["overrides"],
-                 steps=steps, lr=LR, batch=settings["batch"], context=context, resume=out.with_name(
-                     out.name + ".hwa-state").exists())
+    r = hwa.tune(model, out, method=method, preset_name=settings["preset"], overrides=settings["overrides"],
+                 steps=steps, lr=LR, batch=settings["batch"], context=context, resume=(out.with_name(
+                     out.name + ".hwa-state") / "state.json").exists(), **(options or {}))
     record = {"settings": settings, "losses": r["losses"], "seconds": round(time.perf_counter() - start, 1)}
     write_json(record_path, record)
     return str(out), record

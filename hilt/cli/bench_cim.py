@@ -78,6 +78,15 @@ def cmd_bench_analog_lm(args) -> int:
     return 0
 
 
+def cmd_bench_afm(args) -> int:
+    from hilt.bench.studies import afm
+
+    models = args.models and [m.strip() for m in args.models.split(",") if m.strip()]
+    result = afm.study(quick=args.quick, models=models, draws=args.chips, work=args.work)
+    write_outputs(args, result, afm.plot, afm.render)
+    return 0
+
+
 def register(bsub) -> None:
     bc = command(bsub, "cim", "CIM simulator speed: each preset against the digital forward (batch 256), and "
                  "aihwkit's default configuration when it is installed",
@@ -141,3 +150,18 @@ def register(bsub) -> None:
     bl.add_argument("--no-aihwkit", action="store_true", help="skip the side-by-side run of aihwkit")
     bl.add_argument("--markdown", metavar="FILE", help="the tables as Markdown")
     bl.set_defaults(func=cmd_bench_analog_lm)
+    ba = command(bsub, "afm", "the Analog Foundation Models yardstick: SmolLM2 as released, tuned by noise injection "
+                 "and by their recipe (hilt hwa --method afm), each under their chip's noise beside float, W4 and "
+                 "W4A8 on held-out text, and on the pcm chip at 1 s, 1 d and 1 y",
+                 "hilt bench afm --quick --json afm.json --plot afm.png --markdown afm.md",
+                 [OUTPUT, PLOT], plot="each variant digital, on the afm chip and on pcm at a year, bars to the worst chip")
+    ba.add_argument("--quick", action="store_true",
+                    help="2 afm chips, one pcm chip at 1 y, 64 tokens, tuning of 2 steps (a few minutes)")
+    ba.add_argument("--models", help="comma-separated causal LMs: smollm2, gemma3, a GGUF file or a model folder "
+                    "(default smollm2)")
+    ba.add_argument("--chips", type=integer(1), help="chips per configuration (default 8; --quick: 2 afm, 1 pcm)")
+    ba.add_argument("--work", type=Path, default=Path("analog-lm-work"),
+                    help="where the tuned models are kept and read back by a rerun, shared with `hilt bench "
+                         "analog-lm` (default ./analog-lm-work)")
+    ba.add_argument("--markdown", metavar="FILE", help="the tables as Markdown")
+    ba.set_defaults(func=cmd_bench_afm)

@@ -144,6 +144,8 @@ class Names:
 # tests/test_package.py checks that they are the registry's methods.
 QUANT_METHODS = ("kmeans", "int", "int-asym", "binary")
 CIM_PRESETS = Names("hilt.cim_sim.config", "PRESETS")
+LM_CHIPS = Names("hilt.cim_sim.config", "LM_CHIPS")
+HWA_METHODS = Names("hilt.tasks.hwa", "HWA_METHODS")
 DRIFT_COMPENSATION = Names("hilt.cim_sim.model", "GDC_MODES")
 ENERGY_CHIPS = Names("hilt.cim_sim.energy", "CHIPS")
 WORKLOADS = Names("hilt.models.classifiers", "WORKLOADS")

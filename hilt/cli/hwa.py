@@ -1,7 +1,7 @@
 from __future__ import annotations
 
 from hilt.cli.common import (
-    CIM_PRESETS, NOISE_LEVEL, OUTPUT, POSITIVE, POSITIVE_NUMBER, SEED, WEIGHTINGS, command, config_overrides,
+    HWA_METHODS, LM_CHIPS, NOISE_LEVEL, OUTPUT, POSITIVE, POSITIVE_NUMBER, SEED, WEIGHTINGS, command, config_overrides,
     float_pair, integer,
 )
 from hilt.cli.output import write_json_option
@@ -13,7 +13,9 @@ def cmd_hwa(args) -> int:
     result = hwa.tune(args.model, args.out, args.method, args.preset, config_overrides(args.set), args.eta,
                       *args.eta_range, args.copies, args.weighting, args.steps, args.lr, args.batch,
                       args.context, args.save_every, args.seed, args.resume, args.overwrite, progress=True,
-                      times=args.times, teacher=args.teacher, periphery=args.periphery)
+                      times=args.times, teacher=args.teacher, periphery=args.periphery, synthetic=args.synthetic,
+                      clip_sigma=args.clip_sigma, weight_noise=args.weight_noise, out_noise=args.out_noise,
+                      learn_ranges=not args.fixed_ranges)
     write_json_option(args, result)
     return 0
 
@@ -22,18 +24,33 @@ def register(sub) -> None:
     h = command(sub, "hwa", "fine-tune a language model for a CIM chip: distilled from its digital self through "
                 "noisy device reads (noise injection or DWP), resumable; writes a GGUF (Llama) or a model folder (BERT)",
                 "hilt hwa smollm2 smollm2-pcm.gguf --method noise --set weight_mapping=column --steps 60\n  "
-                "hilt drift --model smollm2-pcm.gguf --preset pcm --set weight_mapping=column --times 1s,1y",
+                "hilt drift --model smollm2-pcm.gguf --preset pcm --set weight_mapping=column --times 1s,1y\n  "
+                "hilt hwa smollm2 smollm2-afm.gguf --method afm --synthetic 32768 --steps 200\n  "
+                "hilt drift --model smollm2-afm.gguf --preset afm --chips 8",
                 [OUTPUT, SEED])
     h.add_argument("model", help="smollm2, gemma3, a .gguf, a causal-LM folder (written out as a folder), minilm or a BERT folder")
     h.add_argument("out", help="the tuned model: a .gguf file for a causal LM, a folder for an encoder")
-    h.add_argument("--method", default="noise", choices=("noise", "dwp"),
+    h.add_argument("--method", default="noise", choices=HWA_METHODS,
                    help="noise: one device read per step at --eta; dwp: --copies reads at levels over "
-                        "--eta-range, samples weighted by their disagreement (default noise)")
-    h.add_argument("--preset", default="pcm", choices=CIM_PRESETS, help="the chip tuned for (default pcm)")
+                        "--eta-range, samples weighted by their disagreement; afm: the Analog Foundation Models "
+                        "recipe for their chip (8-bit converters, learned input ranges, weight noise, clipping) "
+                        "(default noise)")
+    h.add_argument("--preset", choices=LM_CHIPS, help="the chip tuned for (default pcm; --method afm: afm)")
     h.add_argument("--set", action="append", metavar="FIELD=VALUE",
-                   help="an AnalogConfig field over the preset (repeatable): weight_mapping=column maps the noise "
+                   help="a field of the chip over the preset (repeatable): weight_mapping=column maps the noise "
                         "per column; clip_std=K clips every column to K std after each step; devices_per_weight=N reads "
-                        "the mean of N devices per side")
+                        "the mean of N devices per side; --method afm: AfmConfig fields, e.g. dac_bits=8")
+    h.add_argument("--synthetic", type=integer(2), metavar="TOKENS",
+                   help="train on this many tokens the model writes itself (from its document start, top-50 "
+                        "sampling) instead of Shakespeare; causal LMs")
+    h.add_argument("--clip-sigma", type=POSITIVE_NUMBER, help="afm: clip every row to this many standard "
+                   "deviations after each step (default 2.5)")
+    h.add_argument("--weight-noise", type=NOISE_LEVEL, help="afm: Gaussian weight noise per row each forward, std "
+                   "over the row's abs-max (default 0.03)")
+    h.add_argument("--out-noise", type=NOISE_LEVEL, help="afm: Gaussian output noise each forward, std over the "
+                   "input range times the layer's abs-max (default 0)")
+    h.add_argument("--fixed-ranges", action="store_true",
+                   help="afm: keep the input ranges calibrated at the start instead of learning them")
     h.add_argument("--times", default="1s,1y", metavar="FROM,TO",
                    help="the device reads' times after programming, drawn log-uniformly between the two (default "
                         "1s,1y; e.g. 1d,1y to tune for the late part of a deployment)")

@@ -196,6 +196,42 @@ class CausalLM:
         return cache
 
     @cached_property
+    def document_start(self) -> int:
+        """The token a document starts after: the BOS where the tokenizer puts one, else its end-of-text token
+        (SmolLM2's <|endoftext|>), else its EOS."""
+        if self.bos is not None:
+            return self.bos
+        tok = self.tokenizer
+        if self.own:
+            found = tok.token_to_id("<|endoftext|>")
+            found = tok.eos_id if found is None else found
+        else:
+            found = tok.bos_token_id if tok.bos_token_id is not None else tok.eos_token_id
+        if found is None:
+            raise HiltError(f"{self.name}: its tokenizer has no BOS, end-of-text or EOS token to start a text with")
+        return found
+
+    @torch.no_grad()
+    def sample(self, rows: int, length: int, gen: torch.Generator, top_k: int = 50,
+               model: nn.Module | None = None) -> torch.Tensor:
+        """``rows`` texts of ``length`` tokens the model writes itself from :attr:`document_start` (kept as the
+        first token), each next token drawn from its ``top_k`` most likely at temperature 1: (rows, length)."""
+        ids = torch.full((rows, 1), self.document_start, dtype=torch.long)
+        saved, self.model = self.model, (self.model if model is None else model)
+        try:
+            logits, cache = self.extend(ids)
+            out = [ids]
+            for _ in range(length - 1):
+                top, where = logits[:, -1].float().topk(min(top_k, logits.shape[-1]), dim=-1)
+                pick = torch.multinomial(top.softmax(-1), 1, generator=gen)
+                out.append(where.gather(1, pick))
+                if len(out) < length:
+                    logits, cache = self.extend(out[-1], cache)
+        finally:
+            self.model = saved
+        return torch.cat(out, 1)
+
+    @cached_property
     def bos(self) -> int | None:
         """The token the tokenizer puts in front of a text (Gemma's <bos>), which every scored window then starts
         with; None where it puts none, and for hilt's own Llama (SmolLM2 adds none)."""

@@ -41,6 +41,7 @@ class LanguageModel:
     logits: Callable | None = None  # causal: (model, ids (B, T)) -> logits (B, T, vocab)
     hidden: Callable | None = None  # encoder: (model, ids, mask) -> last hidden states (B, T, d)
     bos: int | None = None  # causal: the token each scored window starts with (hilt.models.lm.split_windows)
+    causal: object | None = None  # causal: the hilt.models.lm.CausalLM (its cache-keeping forward, its tokenizer)
 
 
 def is_language_model(spec: str) -> bool:
@@ -87,7 +88,8 @@ def load_language_model(spec: str) -> LanguageModel:
 
 
 def _causal(lm) -> LanguageModel:
-    return LanguageModel("causal", lm.model, lm.name, lm.encode, logits=lambda m, ids: lm.logits(ids, m), bos=lm.bos)
+    return LanguageModel("causal", lm.model, lm.name, lm.encode, logits=lambda m, ids: lm.logits(ids, m), bos=lm.bos,
+                         causal=lm)
 
 
 def _read_text(text) -> tuple[str, str]:
@@ -205,9 +207,8 @@ def chip_config(preset_name: str, overrides: dict | None = None):
 def _field_value(name: str, value, hint):
     """``value`` as the AnalogConfig field ``name`` (type ``hint``) takes it, or a one-line error."""
     allowed = typing.get_args(hint) or (hint,)
-    if value is None or (isinstance(value, str) and value.lower() in ("none", "null")):
-        if type(None) in allowed:
-            return None
+    if (value is None or (isinstance(value, str) and value.lower() in ("none", "null"))) and type(None) in allowed:
+        return None
     elif bool in allowed:
         if isinstance(value, bool):
             return value
@@ -318,4 +319,102 @@ def lm_drift_study(model="smollm2", preset_name="pcm", times="1s,1h,1d,1mo,1y", 
     for t in labels:
         LOG.info(f"{t:>6} " + "".join(f"{r['gdc']:>8} {r['mean']:>10.4g} ±{r['std']:<8.3g} worst {r['worst']:<10.4g}"
                                       for r in rows if r["time"] == t))
+    return result
+
+
+def afm_config(overrides: dict | None = None):
+    """The ``afm`` chip's AfmConfig with ``overrides`` (``--set`` fields) in place of its own."""
+    from hilt.cim_sim.afm import AfmConfig
+
+    config = AfmConfig()
+    if not overrides:
+        return config
+    unknown = set(overrides) - {f.name for f in dataclasses.fields(config)}
+    if unknown:
+        raise HiltError(f"--set {', '.join(sorted(unknown))}: not a field of the afm chip (AfmConfig: "
+                        f"{', '.join(f.name for f in dataclasses.fields(config))})")
+    hints = typing.get_type_hints(AfmConfig)
+    values = {k: _field_value(k, v, hints[k]) for k, v in overrides.items()}
+    try:
+        return dataclasses.replace(config, **values)
+    except HiltError as e:
+        raise HiltError(f"--set {', '.join(f'{k}={v}' for k, v in overrides.items())}: {e}") from None
+
+
+def learned_ranges(spec: str) -> dict | None:
+    """The input ranges `hilt hwa --method afm` learned for the model at ``spec`` (the file beside or in it), or None."""
+    import json
+
+    from hilt.cim_sim.afm import RANGES_FILE
+
+    path = Path(spec)
+    where = path / RANGES_FILE if path.is_dir() else path.with_name(path.name + "." + RANGES_FILE)
+    if not where.is_file():
+        return None
+    try:
+        ranges = json.loads(where.read_text())
+    except (OSError, ValueError) as e:
+        raise HiltError(f"{where}: not a JSON file of input ranges ({e})") from None
+    if not isinstance(ranges, dict):
+        raise HiltError(f"{where}: expected an object of layer name -> input range")
+    return ranges
+
+
+def ranges_path(out) -> Path:
+    """Where the input ranges of a model written at ``out`` (a file or a folder) are kept."""
+    from hilt.cim_sim.afm import RANGES_FILE
+
+    out = Path(out)
+    return out / RANGES_FILE if out.is_dir() else out.with_name(out.name + "." + RANGES_FILE)
+
+
+def afm_study(model="smollm2", draws: int = 8, text=None, tokens: int = 256, context: int = 128,
+              sentences: int = 64, overrides: dict | None = None, progress: bool = False,
+              lm: LanguageModel | None = None, reference_model: nn.Module | None = None, seed: int = 0) -> dict:
+    """The model on the Analog Foundation Models chip (cim_sim.afm): ``draws`` chips, each its own programming
+    noise (chip k drawn with seed ``seed`` + k), no drift. Static input ranges are the ones `hilt hwa --method afm`
+    learned where the model has them, else calibrated on Macbeth as their training starts them."""
+    from hilt.cim_sim import afm
+
+    if draws < 1:
+        raise HiltError(f"--chips must be at least 1, got {draws}")
+    if tokens < 2 or context < 2:
+        raise HiltError(f"--tokens and --context must be at least 2, got {tokens} and {context}")
+    config = afm_config(overrides)
+    _read_text(text)
+    ranges = learned_ranges(model) if isinstance(model, (str, Path)) else None
+    lm = lm or load_language_model(model)
+    data, data_name = eval_data(lm, text, tokens, context, sentences)
+    metric = "perplexity" if lm.kind == "causal" else "cosine"
+    reference = None
+    if lm.kind == "encoder":
+        reference = chip_metric(lm, lm.model if reference_model is None else reference_model, data)[0]
+        digital = 1.0 if reference_model is None else chip_metric(lm, lm.model, data, reference)[0]
+    else:
+        digital = chip_metric(lm, lm.model, data)[0]
+    chip = afm.to_afm(lm.model, config)
+    if ranges is not None:
+        afm.set_ranges(chip, ranges, f"{model}: its learned input ranges")
+    else:
+        afm.calibrate_ranges(chip, calibration_run(lm))
+    start = time.perf_counter()
+    values = []
+    steps = Progress(draws, "afm", "chip", enabled=progress)
+    for k in range(draws):
+        afm.program(chip, torch.Generator().manual_seed(seed + k))
+        values.extend(chip_metric(lm, chip, data, reference))
+        steps.done(f"chip {k}", f"{metric} {values[-1]:.4g}")
+    steps.close()
+    worst = max if metric == "perplexity" else min
+    v = torch.tensor(values, dtype=torch.float64)
+    row = {"time": "programmed", "metric": metric, "mean": float(v.mean()),
+           "std": float(v.std()) if draws > 1 else 0.0, "worst": float(worst(values)), "all": values}
+    result = {"workload": lm.name, "model": lm.name, "kind": lm.kind, "metric": metric, "data": data_name,
+              "preset": "afm", "config": dataclasses.asdict(config), "chips": draws, "digital": digital,
+              "input_ranges": "learned" if ranges is not None else "calibrated",
+              "analog_layers": len(afm.afm_layers(chip)), "seconds": round(time.perf_counter() - start, 1),
+              "rows": [row]}
+    LOG.info(f"{lm.name} on the afm chip ({config.noise} noise, {result['input_ranges']} input ranges): digital "
+             f"{metric} {digital:.4g} on {data_name}; {draws} chips: mean {row['mean']:.4g} ±{row['std']:.3g}, "
+             f"worst {row['worst']:.4g}")
     return result
