@@ -158,6 +158,12 @@ PRESETS = {
 }
 
 
+# How a language model goes on a preset's chip unless asked otherwise: each output column mapped to its own
+# conductance range and SmoothQuant-style smoothing 0.5 of the inputs, calibrated on text (the diagnosis in
+# docs/results/cim_lm.md: a language model's outlier columns and channels collapse it under the presets' own,
+# aihwkit's, layer mapping and dynamic input scaling).
+LM_DEPLOYMENT = {"weight_mapping": "column", "smoothing": 0.5}
+
 # The chips a language model can be put on: the presets, and "afm", the Analog Foundation Models chip
 # (cim_sim/afm.py: its own noise model and forward, no drift).
 LM_CHIPS = (*PRESETS, "afm")

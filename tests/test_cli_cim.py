@@ -42,7 +42,7 @@ def assert_bad_flag(result, command, flag, needle):
 
 
 @pytest.mark.parametrize("command,args,flag,needle", [
-    ("drift", ["--preset", "pcmx"], "--preset", "expected one of ideal, pcm, pcm-scaled, pcm-hwa, rram, got 'pcmx'"),
+    ("drift", ["--preset", "pcmx"], "--preset", "expected one of ideal, pcm, pcm-scaled, pcm-hwa, rram, afm, got 'pcmx'"),
     ("drift", ["--gdc", "half"], "--gdc", "expected one of global, column, exact, aihwkit, none, got 'half'"),
     ("drift", ["--workload", "vit"], "--workload", "expected one of mlp, cnn or PKG.MODULE:FACTORY, got 'vit'"),
     ("drift", ["--model", "vit"], "--model", "expected one of mlp, cnn or PKG.MODULE:FACTORY, got 'vit'"),

@@ -23,22 +23,24 @@ DOMAINS = {
                "qat --steps", "qat --batch", "qat --save-every", "hwa --steps", "hwa --batch", "hwa --save-every",
                "drift --repeats", "drift --chips", "drift --test-images", "drift --sentences", "sweep --workers",
                "certify --block-size", "certify --n", "eval embed --sentences", "bench startup --repeats",
-               "bench decode --threads", "bench decode --tokens", "bench decode --repeats", "bench analog-lm --chips"],
+               "bench decode --threads", "bench decode --tokens", "bench decode --repeats", "bench analog-lm --chips",
+               "bench afm --chips"],
     "int>=2": ["sensitivity --chips", "qat --context", "hwa --copies", "hwa --context", "eval ppl --tokens",
-               "eval ppl --context", "drift --tokens", "drift --context", "bench analog-lm-diagnosis --tokens"],
+               "eval ppl --context", "drift --tokens", "drift --context", "bench analog-lm-diagnosis --tokens",
+               "hwa --synthetic"],
     "int 1..8": ["quantize --bits", "qat --bits", "certify --bits"],
     "int 2..8": ["bench ptq --bits"],
     "head format": ["quantize --embeddings"],
     "decode rows": ["bench decode --formats"],
     "number>0": ["quantize --budget", "quantize --shard-size", "qat --lr", "hwa --lr", "certify --delta",
-                 "bench qat --lr", "bench mixed --budgets"],
-    "number>=0": ["train --eta", "hwa --eta"],
+                 "bench qat --lr", "bench mixed --budgets", "hwa --clip-sigma", "hwa --range-lr"],
+    "number>=0": ["train --eta", "hwa --eta", "hwa --weight-noise", "hwa --out-noise"],
     "noise range": ["train --eta-range", "hwa --eta-range"],
     "model": ["drift --model", "drift --workload"],
     "task list": ["eval tasks --tasks"],
 }
 # typed flags whose values are paths the command checks when it runs (tests/test_request_checks.py)
-PATHS = {"bench analog-lm --work"}
+PATHS = {"bench analog-lm --work", "bench afm --work"}
 
 OUTSIDE = {
     "int>=0": ["-1", "1.5", "abc", ""],

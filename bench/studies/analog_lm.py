@@ -34,10 +34,11 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from hilt.cim_sim.config import LM_DEPLOYMENT
 from hilt.errors import HiltError
 from hilt.progress import LOG
 
-DEPLOY = {"weight_mapping": "column", "smoothing": 0.5}
+DEPLOY = LM_DEPLOYMENT
 PEER_MAPPING = {"weight_mapping": "tile"}  # beside aihwkit: its programming scale, one per tile
 TUNE_PRESET = "pcm"
 VARIANTS = ("as trained", "noise", "dwp")

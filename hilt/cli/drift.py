@@ -38,6 +38,8 @@ def cmd_drift(args) -> int:
         from hilt.tasks import drift_lm
 
         if args.preset == "afm":
+            if args.preset_as_is:
+                raise UsageError("--preset-as-is: the afm chip has one configuration (its fields by --set)")
             if args.times is not None or args.gdc is not None:
                 raise UsageError("--times and --gdc: the afm chip has no drift; it is read as programmed")
             if args.plot:
@@ -46,11 +48,12 @@ def cmd_drift(args) -> int:
                                         config_overrides(args.set), progress=True)
             write_outputs(args, result)
             return 0
+        overrides = drift_lm.lm_deployment(config_overrides(args.set), args.preset_as_is)
         result = drift_lm.lm_drift_study(args.model, args.preset, args.times or DEFAULT_TIMES, chips or 2,
                                          args.gdc or "global", args.text, args.tokens, args.context, args.sentences,
-                                         config_overrides(args.set), progress=True)
+                                         overrides, progress=True)
     else:
-        for flag, value in (("--text", args.text), ("--set", args.set)):
+        for flag, value in (("--text", args.text), ("--set", args.set), ("--preset-as-is", args.preset_as_is)):
             if value:
                 raise UsageError(f"{flag} applies to a language model (--model smollm2, minilm or a folder)")
         if args.preset == "afm":
@@ -83,6 +86,9 @@ def register(sub) -> None:
     d.add_argument("--set", action="append", metavar="FIELD=VALUE",
                    help="language model: an AnalogConfig field over the preset (repeatable), e.g. weight_mapping=column, "
                         "smoothing=0.5, clip_std=3, input_range=static, adc_bits=10")
+    d.add_argument("--preset-as-is", action="store_true",
+                   help="language model: the preset's own mapping and input handling (aihwkit's) instead of a "
+                        "language model's deployment (column mapping, smoothing 0.5)")
     d.add_argument("--times", help=f"comma-separated times after programming (default {DEFAULT_TIMES})")
     d.add_argument("--repeats", type=POSITIVE, help="programmed chips (default 5; a language model 2)")
     d.add_argument("--chips", type=POSITIVE, help="the same as --repeats")

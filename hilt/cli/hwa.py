@@ -1,8 +1,10 @@
 from __future__ import annotations
 
+import math
+
 from hilt.cli.common import (
     HWA_METHODS, LM_CHIPS, NOISE_LEVEL, OUTPUT, POSITIVE, POSITIVE_NUMBER, SEED, WEIGHTINGS, command, config_overrides,
-    float_pair, integer,
+    UsageError, float_pair, integer,
 )
 from hilt.cli.output import write_json_option
 
@@ -10,12 +12,20 @@ from hilt.cli.output import write_json_option
 def cmd_hwa(args) -> int:
     from hilt.tasks import hwa
 
-    result = hwa.tune(args.model, args.out, args.method, args.preset, config_overrides(args.set), args.eta,
+    from hilt.tasks.drift_lm import lm_deployment
+
+    overrides = config_overrides(args.set)
+    if args.method == "afm":
+        if args.preset_as_is:
+            raise UsageError("--preset-as-is: the afm chip has one configuration (its fields by --set)")
+    else:
+        overrides = lm_deployment(overrides, args.preset_as_is)
+    result = hwa.tune(args.model, args.out, args.method, args.preset, overrides, args.eta,
                       *args.eta_range, args.copies, args.weighting, args.steps, args.lr, args.batch,
                       args.context, args.save_every, args.seed, args.resume, args.overwrite, progress=True,
                       times=args.times, teacher=args.teacher, periphery=args.periphery, synthetic=args.synthetic,
                       clip_sigma=args.clip_sigma, weight_noise=args.weight_noise, out_noise=args.out_noise,
-                      learn_ranges=not args.fixed_ranges)
+                      learn_ranges=not args.fixed_ranges, range_lr=args.range_lr)
     write_json_option(args, result)
     return 0
 
@@ -40,17 +50,25 @@ def register(sub) -> None:
                    help="a field of the chip over the preset (repeatable): weight_mapping=column maps the noise "
                         "per column; clip_std=K clips every column to K std after each step; devices_per_weight=N reads "
                         "the mean of N devices per side; --method afm: AfmConfig fields, e.g. dac_bits=8")
+    h.add_argument("--preset-as-is", action="store_true",
+                   help="tune for the preset's own mapping (aihwkit's) instead of a language model's deployment "
+                        "(column mapping, smoothing 0.5)")
     h.add_argument("--synthetic", type=integer(2), metavar="TOKENS",
                    help="train on this many tokens the model writes itself (from its document start, top-50 "
                         "sampling) instead of Shakespeare; causal LMs")
     h.add_argument("--clip-sigma", type=POSITIVE_NUMBER, help="afm: clip every row to this many standard "
-                   "deviations after each step (default 2.5)")
+                   "deviations after each step (default 2.5, theirs)")
+    h.add_argument("--no-clip", dest="clip_sigma", action="store_const", const=math.inf,
+                   help="afm: no clipping (a model with large outlier weights, such as SmolLM2, loses them to a clip)")
     h.add_argument("--weight-noise", type=NOISE_LEVEL, help="afm: Gaussian weight noise per row each forward, std "
                    "over the row's abs-max (default 0.03)")
     h.add_argument("--out-noise", type=NOISE_LEVEL, help="afm: Gaussian output noise each forward, std over the "
                    "input range times the layer's abs-max (default 0)")
     h.add_argument("--fixed-ranges", action="store_true",
                    help="afm: keep the input ranges calibrated at the start instead of learning them")
+    h.add_argument("--range-lr", type=POSITIVE_NUMBER,
+                   help="afm: the learning rate of the input ranges (default --lr, theirs; AdamW moves a range by about "
+                        "this much a step)")
     h.add_argument("--times", default="1s,1y", metavar="FROM,TO",
                    help="the device reads' times after programming, drawn log-uniformly between the two (default "
                         "1s,1y; e.g. 1d,1y to tune for the late part of a deployment)")

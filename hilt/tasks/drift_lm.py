@@ -197,11 +197,41 @@ def chip_config(preset_name: str, overrides: dict | None = None):
             raise HiltError(f"--set {', '.join(sorted(unknown))}: not a field of AnalogConfig")
         hints = typing.get_type_hints(AnalogConfig)
         values = {k: _field_value(k, v, hints[k]) for k, v in overrides.items()}
-        try:
-            config = dataclasses.replace(config, **values)
-        except HiltError as e:  # a value out of its field's range: name the flag the user wrote
-            raise HiltError(f"--set {', '.join(f'{k}={v}' for k, v in overrides.items())}: {e}") from None
+        config = _replaced(config, values, overrides)
     return config
+
+
+def _replaced(config, values: dict, overrides: dict):
+    """``config`` with ``values``; a value out of its field's range names the ``--set`` the user wrote for it (all
+    of them where only their combination is refused)."""
+    try:
+        return dataclasses.replace(config, **values)
+    except HiltError as e:
+        for k in values:
+            try:
+                dataclasses.replace(config, **{k: values[k]})
+            except HiltError:
+                raise HiltError(f"--set {k}={overrides[k]}: {e}") from None
+        raise HiltError(f"--set {', '.join(f'{k}={v}' for k, v in overrides.items())}: {e}") from None
+
+
+def lm_deployment(overrides: dict | None, as_is: bool = False) -> dict:
+    """The AnalogConfig fields a language model goes on a preset's chip with: cim_sim.config.LM_DEPLOYMENT under
+    ``overrides`` (the user's ``--set``), or ``overrides`` alone where ``as_is`` (the preset as aihwkit configures
+    it)."""
+    from hilt.cim_sim.config import LM_DEPLOYMENT
+
+    return dict(overrides or {}) if as_is else {**LM_DEPLOYMENT, **(overrides or {})}
+
+
+def chip_name(preset_name: str, config) -> str:
+    """The preset and the fields ``config`` sets over it, e.g. "pcm (weight_mapping=column, smoothing=0.5)"."""
+    from hilt.cim_sim import preset
+
+    base = preset(preset_name)
+    changed = [f"{f.name}={getattr(config, f.name)}" for f in dataclasses.fields(config)
+               if getattr(config, f.name) != getattr(base, f.name)]
+    return preset_name + (f" ({', '.join(changed)})" if changed else " (as the preset is)")
 
 
 def _field_value(name: str, value, hint):
@@ -313,7 +343,7 @@ def lm_drift_study(model="smollm2", preset_name="pcm", times="1s,1h,1d,1mo,1y", 
               "digital_layers": analog.digital_layers, "clipped_share": clipped_share(analog),
               "memory_per_chip": memory, "chips_per_pass": per_pass, "seconds": round(time.perf_counter() - start, 1),
               "rows": rows}
-    LOG.info(f"{lm.name} on {preset_name}: digital {metric} {digital:.4g} on {data_name}; {chips} chips, "
+    LOG.info(f"{lm.name} on {chip_name(preset_name, config)}: digital {metric} {digital:.4g} on {data_name}; {chips} chips, "
              f"{len(analog_layers(analog))} analog layers, {memory['bytes_per_chip'] / 2**20:.0f} MiB per chip"
              + (f", {100 * result['clipped_share']:.3f}% of weights clipped" if result["clipped_share"] else ""))
     for t in labels:
@@ -334,11 +364,7 @@ def afm_config(overrides: dict | None = None):
         raise HiltError(f"--set {', '.join(sorted(unknown))}: not a field of the afm chip (AfmConfig: "
                         f"{', '.join(f.name for f in dataclasses.fields(config))})")
     hints = typing.get_type_hints(AfmConfig)
-    values = {k: _field_value(k, v, hints[k]) for k, v in overrides.items()}
-    try:
-        return dataclasses.replace(config, **values)
-    except HiltError as e:
-        raise HiltError(f"--set {', '.join(f'{k}={v}' for k, v in overrides.items())}: {e}") from None
+    return _replaced(config, {k: _field_value(k, v, hints[k]) for k, v in overrides.items()}, overrides)
 
 
 def learned_ranges(spec: str) -> dict | None:

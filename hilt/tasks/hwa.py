@@ -222,11 +222,12 @@ def tune(model: str, out, method: str = "noise", preset_name: str | None = None,
          resume: bool = False, overwrite: bool = False, progress: bool = True, times: str = "1s,1y",
          teacher: str | None = None, periphery: bool = False, synthetic: int | None = None,
          clip_sigma: float | None = None, weight_noise: float | None = None, out_noise: float | None = None,
-         learn_ranges: bool = True) -> dict:
+         learn_ranges: bool = True, range_lr: float | None = None) -> dict:
     """Fine-tune ``model`` for the chip of ``preset_name`` (+ ``overrides``, AnalogConfig fields; default pcm) by
     ``method`` noise or dwp, or for the Analog Foundation Models chip (``method="afm"``, ``overrides`` AfmConfig
     fields) by their recipe: ``weight_noise`` and ``out_noise`` drawn every forward (defaults 0.03 and 0), input
-    ranges learned unless not ``learn_ranges``, rows clipped to ``clip_sigma`` std after each step (default 2.5).
+    ranges learned (at ``range_lr``, default ``lr``) unless not ``learn_ranges``, rows clipped to ``clip_sigma`` std
+    after each step (default 2.5; ``math.inf``: no clipping).
     ``synthetic``: train on this many tokens the model writes itself instead of Shakespeare (causal LMs).
     ``times``: "FROM,TO", the range the device reads' times are drawn from; ``teacher``: the model distilled from
     (default ``model`` itself); ``periphery``: the reads also pass the chip's converters and output noise
@@ -237,7 +238,9 @@ def tune(model: str, out, method: str = "noise", preset_name: str | None = None,
     )
     from hilt.cim_sim.model import parse_time
     from hilt.models import bert, hf, llama
-    from hilt.tasks.drift_lm import afm_config, calibration_run, chip_config, load_language_model, ranges_path
+    from hilt.tasks.drift_lm import (
+        afm_config, calibration_run, chip_config, chip_name, load_language_model, ranges_path,
+    )
     from hilt.tasks.training_state import claim_state, load_state, save_state, state_meta
 
     out = Path(out)
@@ -256,17 +259,20 @@ def tune(model: str, out, method: str = "noise", preset_name: str | None = None,
             raise HiltError(f"--preset {preset_name}: --method afm tunes for the afm chip (its fields by --set)")
         preset_name, config = "afm", afm_config(overrides)
         clip_sigma = 2.5 if clip_sigma is None else clip_sigma
-        if not (clip_sigma > 0 and math.isfinite(clip_sigma)):
+        if not clip_sigma > 0:
             raise HiltError(f"--clip-sigma {clip_sigma}: rows are clipped at a positive number of standard deviations")
         recipe = afm.AfmTraining(weight_noise=0.03 if weight_noise is None else weight_noise,
                                  out_noise=0.0 if out_noise is None else out_noise, learn_ranges=learn_ranges)
         if not (recipe.weight_noise >= 0 and recipe.out_noise >= 0):
             raise HiltError(f"--weight-noise and --out-noise must be 0 or more; got {recipe.weight_noise}, "
                             f"{recipe.out_noise}")
+        if range_lr is not None and not (range_lr > 0 and learn_ranges):
+            raise HiltError(f"--range-lr {range_lr}: a positive rate for learned ranges (not with --fixed-ranges)")
         cfg = NoisyTraining(method="noise", noise_model="pcm", eta=1.0).validate()
     else:
         given = [f for f, v in (("--clip-sigma", clip_sigma), ("--weight-noise", weight_noise),
-                                ("--out-noise", out_noise), ("--fixed-ranges", not learn_ranges or None)) if v is not None]
+                                ("--out-noise", out_noise), ("--fixed-ranges", not learn_ranges or None),
+                                ("--range-lr", range_lr)) if v is not None]
         if given:
             raise HiltError(f"{', '.join(given)}: the afm recipe's options; they apply to --method afm")
         preset_name = preset_name or "pcm"
@@ -286,7 +292,8 @@ def tune(model: str, out, method: str = "noise", preset_name: str | None = None,
                 "training": dataclasses.asdict(cfg), "times": read_times, "steps": steps, "lr": lr, "batch": batch,
                 "context": context, "seed": seed, "teacher": teacher, "periphery": periphery}
     if recipe is not None:
-        settings["recipe"] = {**dataclasses.asdict(recipe), "clip_sigma": clip_sigma}
+        settings["recipe"] = {**dataclasses.asdict(recipe), "clip_sigma": clip_sigma if math.isfinite(clip_sigma) else None,
+                              "range_lr": range_lr or lr}
     if synthetic is not None:
         settings["synthetic"] = synthetic
     source = _source(model)
@@ -304,7 +311,10 @@ def tune(model: str, out, method: str = "noise", preset_name: str | None = None,
         for _, m in afm.afm_layers(student):
             m.training_noise = recipe
             m.input_range.requires_grad_(recipe.learn_ranges)
-    opt = torch.optim.AdamW(student.parameters(), lr=lr, weight_decay=0.0)
+    ranges_of = [m.input_range for _, m in afm.afm_layers(student)] if recipe is not None else []
+    weights = [p for p in student.parameters() if all(p is not r for r in ranges_of)]
+    opt = torch.optim.AdamW([{"params": weights}] + ([{"params": ranges_of, "lr": range_lr or lr}] if ranges_of else []),
+                            lr=lr, weight_decay=0.0)
     start = 0
     if meta is not None:
         start = load_state(state_dir, meta, student, opt)
@@ -331,7 +341,7 @@ def tune(model: str, out, method: str = "noise", preset_name: str | None = None,
         torch.nn.utils.clip_grad_norm_(student.parameters(), 1.0)
         opt.step()
         if recipe is not None:
-            clipped = afm.clip_rows_(student, clip_sigma)
+            clipped = afm.clip_rows_(student, clip_sigma) if math.isfinite(clip_sigma) else 0.0
         elif config.clip_std:
             clipped = clip_columns_(student, config.clip_std)
         losses.append(float(loss.detach()))
@@ -355,7 +365,8 @@ def tune(model: str, out, method: str = "noise", preset_name: str | None = None,
         ranges_path(out).unlink(missing_ok=True)  # an earlier afm run's ranges belong to the weights just replaced
     shutil.rmtree(state_dir, ignore_errors=True)
     synthetic_path(state_dir).unlink(missing_ok=True)
-    LOG.info(f"wrote {out}: {lm.kind} model tuned for {preset_name} by {method}; distillation loss "
+    chip = preset_name if recipe is not None else chip_name(preset_name, config)
+    LOG.info(f"wrote {out}: {lm.kind} model tuned for {chip} by {method}; distillation loss "
              + (f"{losses[0]:.4g} -> {losses[-1]:.4g}" if losses else "(no step left to run)")
              + (f"; {100 * clipped:.2f}% of weights at the clip" if recipe is not None or config.clip_std else "")
              + (f"; input ranges in {ranges_path(out)}" if ranges is not None else ""))
