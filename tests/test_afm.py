@@ -198,3 +198,30 @@ def test_hwa_afm_options_refused_in_one_line_before_work(tiny_gguf, tmp_path, ar
     r = run_hilt("hwa", tiny_gguf, out, *args)
     assert r.returncode != 0 and words in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
     assert not out.exists() and not any(tmp_path.iterdir())
+
+
+def test_quick_study_on_a_tiny_llama(tiny_gguf, tmp_path):
+    from hilt.bench.studies import afm as afm_study
+
+    work = tmp_path / "work"
+    result = json.loads(json.dumps(afm_study.study(quick=True, models=[str(tiny_gguf)], work=work)))
+    entry = result["models"][str(tiny_gguf)]
+    assert list(entry["variants"]) == list(afm_study.VARIANTS)
+    for variant, row in entry["variants"].items():
+        assert set(row["digital"]) == {"float", "w4", "w4a8", "w4a8_token"}
+        assert len(row["afm"]["all"]) == afm_study.QUICK["draws"] and row["afm"]["worst"] == max(row["afm"]["all"])
+        assert row["afm"]["input_ranges"] == ("learned" if variant == "afm recipe" else "calibrated")
+        assert set(row["pcm"]) == {"1"} and set(row["pcm"]["1"]["times"]) == set(afm_study.QUICK["times"])
+    assert (work / "tiny-afm.gguf").is_file() and (work / "tiny-afm.gguf.afm_input_ranges.json").is_file()
+    goals = result["goals"][str(tiny_gguf)]
+    assert goals["afm_recipe_over_w4a8"] == pytest.approx(entry["variants"]["afm recipe"]["afm"]["mean"] / goals["w4a8"])
+    text = afm_study.render(result)
+    assert "| afm recipe |" in text and "W4A8 per token" in text and "afm chip: the recipe's mean" in text
+    afm_study.plot(result, tmp_path / "afm.png")
+    assert (tmp_path / "afm.png").stat().st_size > 0
+
+
+def test_bench_afm_refuses_an_encoder_in_one_line(tmp_path):
+    r = run_hilt("bench", "afm", "--models", "minilm", "--work", tmp_path / "w")
+    assert r.returncode == 1 and "encoder" in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
+    assert not (tmp_path / "w").exists()

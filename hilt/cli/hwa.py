@@ -1,7 +1,5 @@
 from __future__ import annotations
 
-import math
-
 from hilt.cli.common import (
     HWA_METHODS, LM_CHIPS, NOISE_LEVEL, OUTPUT, POSITIVE, POSITIVE_NUMBER, SEED, WEIGHTINGS, command, config_overrides,
     UsageError, float_pair, integer,
@@ -25,7 +23,7 @@ def cmd_hwa(args) -> int:
                       args.context, args.save_every, args.seed, args.resume, args.overwrite, progress=True,
                       times=args.times, teacher=args.teacher, periphery=args.periphery, synthetic=args.synthetic,
                       clip_sigma=args.clip_sigma, weight_noise=args.weight_noise, out_noise=args.out_noise,
-                      learn_ranges=not args.fixed_ranges, range_lr=args.range_lr)
+                      learn_ranges=not args.fixed_ranges, range_lr=args.range_lr, clip=not args.no_clip)
     write_json_option(args, result)
     return 0
 
@@ -58,7 +56,7 @@ def register(sub) -> None:
                         "sampling) instead of Shakespeare; causal LMs")
     h.add_argument("--clip-sigma", type=POSITIVE_NUMBER, help="afm: clip every row to this many standard "
                    "deviations after each step (default 2.5, theirs)")
-    h.add_argument("--no-clip", dest="clip_sigma", action="store_const", const=math.inf,
+    h.add_argument("--no-clip", action="store_true",
                    help="afm: no clipping (a model with large outlier weights, such as SmolLM2, loses them to a clip)")
     h.add_argument("--weight-noise", type=NOISE_LEVEL, help="afm: Gaussian weight noise per row each forward, std "
                    "over the row's abs-max (default 0.03)")

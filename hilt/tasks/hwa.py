@@ -222,12 +222,12 @@ def tune(model: str, out, method: str = "noise", preset_name: str | None = None,
          resume: bool = False, overwrite: bool = False, progress: bool = True, times: str = "1s,1y",
          teacher: str | None = None, periphery: bool = False, synthetic: int | None = None,
          clip_sigma: float | None = None, weight_noise: float | None = None, out_noise: float | None = None,
-         learn_ranges: bool = True, range_lr: float | None = None) -> dict:
+         learn_ranges: bool = True, range_lr: float | None = None, clip: bool = True) -> dict:
     """Fine-tune ``model`` for the chip of ``preset_name`` (+ ``overrides``, AnalogConfig fields; default pcm) by
     ``method`` noise or dwp, or for the Analog Foundation Models chip (``method="afm"``, ``overrides`` AfmConfig
     fields) by their recipe: ``weight_noise`` and ``out_noise`` drawn every forward (defaults 0.03 and 0), input
     ranges learned (at ``range_lr``, default ``lr``) unless not ``learn_ranges``, rows clipped to ``clip_sigma`` std
-    after each step (default 2.5; ``math.inf``: no clipping).
+    after each step (default 2.5) unless not ``clip``.
     ``synthetic``: train on this many tokens the model writes itself instead of Shakespeare (causal LMs).
     ``times``: "FROM,TO", the range the device reads' times are drawn from; ``teacher``: the model distilled from
     (default ``model`` itself); ``periphery``: the reads also pass the chip's converters and output noise
@@ -258,6 +258,8 @@ def tune(model: str, out, method: str = "noise", preset_name: str | None = None,
         if preset_name not in (None, "afm"):
             raise HiltError(f"--preset {preset_name}: --method afm tunes for the afm chip (its fields by --set)")
         preset_name, config = "afm", afm_config(overrides)
+        if not clip and clip_sigma is not None:
+            raise HiltError("--clip-sigma and --no-clip: choose one")
         clip_sigma = 2.5 if clip_sigma is None else clip_sigma
         if not clip_sigma > 0:
             raise HiltError(f"--clip-sigma {clip_sigma}: rows are clipped at a positive number of standard deviations")
@@ -272,7 +274,7 @@ def tune(model: str, out, method: str = "noise", preset_name: str | None = None,
     else:
         given = [f for f, v in (("--clip-sigma", clip_sigma), ("--weight-noise", weight_noise),
                                 ("--out-noise", out_noise), ("--fixed-ranges", not learn_ranges or None),
-                                ("--range-lr", range_lr)) if v is not None]
+                                ("--range-lr", range_lr), ("--no-clip", not clip or None)) if v is not None]
         if given:
             raise HiltError(f"{', '.join(given)}: the afm recipe's options; they apply to --method afm")
         preset_name = preset_name or "pcm"
@@ -292,7 +294,7 @@ def tune(model: str, out, method: str = "noise", preset_name: str | None = None,
                 "training": dataclasses.asdict(cfg), "times": read_times, "steps": steps, "lr": lr, "batch": batch,
                 "context": context, "seed": seed, "teacher": teacher, "periphery": periphery}
     if recipe is not None:
-        settings["recipe"] = {**dataclasses.asdict(recipe), "clip_sigma": clip_sigma if math.isfinite(clip_sigma) else None,
+        settings["recipe"] = {**dataclasses.asdict(recipe), "clip_sigma": clip_sigma if clip else None,
                               "range_lr": range_lr or lr}
     if synthetic is not None:
         settings["synthetic"] = synthetic
@@ -341,7 +343,7 @@ def tune(model: str, out, method: str = "noise", preset_name: str | None = None,
         torch.nn.utils.clip_grad_norm_(student.parameters(), 1.0)
         opt.step()
         if recipe is not None:
-            clipped = afm.clip_rows_(student, clip_sigma) if math.isfinite(clip_sigma) else 0.0
+            clipped = afm.clip_rows_(student, clip_sigma) if clip else 0.0
         elif config.clip_std:
             clipped = clip_columns_(student, config.clip_std)
         losses.append(float(loss.detach()))
