@@ -169,6 +169,11 @@ def test_hwa_afm_recipe_writes_weights_and_learned_ranges_and_resumes(tiny_gguf,
     with pytest.raises(HiltError, match="other settings"):
         hwa.tune(str(tiny_gguf), again, method="afm", steps=3, batch=1, context=16, synthetic=64, resume=True,
                  progress=False, weight_noise=0.1)
+    other = tmp_path / "other.gguf"  # another model resumed into this one's state
+    other.write_bytes(tiny_gguf.read_bytes())
+    with pytest.raises(HiltError, match="other settings"):
+        hwa.tune(str(other), again, method="afm", steps=3, batch=1, context=16, save_every=1, synthetic=64,
+                 resume=True, progress=False)
     resumed = hwa.tune(str(tiny_gguf), again, method="afm", steps=3, batch=1, context=16, save_every=1,
                        synthetic=64, resume=True, progress=False)
     whole = hwa.tune(str(tiny_gguf), tmp_path / "whole.gguf", method="afm", steps=3, batch=1, context=16,

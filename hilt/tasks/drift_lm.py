@@ -155,6 +155,15 @@ def chip_metric(lm: LanguageModel, model: nn.Module, data, reference=None) -> li
     return F.cosine_similarity(emb.double(), reference.double().unsqueeze(0), dim=-1).mean(1).tolist()
 
 
+def digital_reading(lm: LanguageModel, data, reference_model: nn.Module | None = None):
+    """(metric name, the encoder's reference embeddings or None, the digital model's metric) on ``data``: an
+    encoder is compared with ``reference_model``'s embeddings (default: its own, cosine 1)."""
+    if lm.kind == "causal":
+        return "perplexity", None, chip_metric(lm, lm.model, data)[0]
+    reference = chip_metric(lm, lm.model if reference_model is None else reference_model, data)[0]
+    return "cosine", reference, 1.0 if reference_model is None else chip_metric(lm, lm.model, data, reference)[0]
+
+
 def calibration_run(lm: LanguageModel, tokens: int = 256, context: int = 128) -> Callable:
     """``run(model)``: the model over the calibration text, Macbeth (causal: ``tokens`` tokens in windows of
     ``context``; encoder: 64 sentences), never the evaluation text."""
@@ -298,13 +307,7 @@ def lm_drift_study(model="smollm2", preset_name="pcm", times="1s,1h,1d,1mo,1y", 
     lm = lm or load_language_model(model)
     available = available_bytes()  # before the chips' copy of the model
     data, data_name = eval_data(lm, text, tokens, context, sentences)
-    metric = "perplexity" if lm.kind == "causal" else "cosine"
-    reference = None
-    if lm.kind == "encoder":
-        reference = chip_metric(lm, lm.model if reference_model is None else reference_model, data)[0]
-        digital = 1.0 if reference_model is None else chip_metric(lm, lm.model, data, reference)[0]
-    else:
-        digital = chip_metric(lm, lm.model, data)[0]
+    metric, reference, digital = digital_reading(lm, data, reference_model)
     analog = convert_to_analog(lm.model, config)
     if needs_calibration(analog):
         calibrate(lm, analog)
@@ -411,13 +414,7 @@ def afm_study(model="smollm2", draws: int = 8, text=None, tokens: int = 256, con
     ranges = learned_ranges(model) if isinstance(model, (str, Path)) else None
     lm = lm or load_language_model(model)
     data, data_name = eval_data(lm, text, tokens, context, sentences)
-    metric = "perplexity" if lm.kind == "causal" else "cosine"
-    reference = None
-    if lm.kind == "encoder":
-        reference = chip_metric(lm, lm.model if reference_model is None else reference_model, data)[0]
-        digital = 1.0 if reference_model is None else chip_metric(lm, lm.model, data, reference)[0]
-    else:
-        digital = chip_metric(lm, lm.model, data)[0]
+    metric, reference, digital = digital_reading(lm, data, reference_model)
     chip = afm.to_afm(lm.model, config)
     if ranges is not None:
         afm.set_ranges(chip, ranges, f"{model}: its learned input ranges")

@@ -9,7 +9,15 @@ late part of a deployment), mapped to conductances as the configuration says
 
 - ``noise``: one read per step at noise level ``eta`` (1 = the published device);
 - ``dwp``: ``copies`` reads per step at levels spread over [eta_min, eta_max], each token (or
-  sentence) weighted by how much the reads disagree on it.
+  sentence) weighted by how much the reads disagree on it;
+- ``afm``: the Analog Foundation Models recipe (cim_sim/afm.py, docs/references.md §12) for their chip: every
+  chip Linear becomes an AfmLinear whose forward clips and rounds its input to a static range (calibrated on
+  Macbeth, then learned), rounds its output to 8 bits and draws weight (and optionally output) noise each step;
+  rows are clipped to ``clip_sigma`` std after each step. The learned ranges are written beside the model
+  (``afm_input_ranges.json``), where `hilt drift --preset afm` reads them.
+
+Causal LMs may train on text the model writes itself (``synthetic`` tokens, their recipe's data) instead of
+Shakespeare.
 
 Causal LMs minimise KL(digital || noisy) per token on Shakespeare's works but Hamlet; encoders
 minimise 1 - cosine of the sentence embeddings on their sentences. The digital side (the teacher)
