@@ -58,29 +58,25 @@ class AfmConfig:
     def __post_init__(self):
         for f in fields(self):
             value = getattr(self, f.name)
-            hint = typing.get_args(_HINTS[f.name]) or (_HINTS[f.name],)
-            if value is None and type(None) in hint:
+            kind = (typing.get_args(_HINTS[f.name]) or (_HINTS[f.name],))[0]
+            if value is None and f.name in ("dac_bits", "adc_bits"):
                 continue
-            ok = isinstance(value, hint[0]) and not isinstance(value, bool) if hint[0] is not str else isinstance(value, str)
-            if hint[0] is float and isinstance(value, int) and not isinstance(value, bool):
-                ok = True
-            if not ok:
-                raise HiltError(f"AfmConfig.{f.name}: expected {hint[0].__name__}, got {value!r}")
+            number = isinstance(value, (int, float)) and not isinstance(value, bool)
+            if not (isinstance(value, str) if kind is str else number and (kind is float or isinstance(value, int))):
+                raise HiltError(f"AfmConfig.{f.name}: expected {kind.__name__}, got {value!r}")
             if f.name in RANGES:
-                lo, hi = RANGES[f.name]
-                if not (lo <= value and (hi is None or value <= hi)) or (isinstance(value, float) and not math.isfinite(value)):
-                    raise HiltError(f"AfmConfig.{f.name}: at least {lo:g}" + (f" and at most {hi:g}" if hi else "")
-                                    + f"; got {value!r}")
+                lo, hi, open_low = RANGES[f.name]
+                if not math.isfinite(value) or (value <= lo if open_low else value < lo) or (hi is not None and value > hi):
+                    raise HiltError(f"AfmConfig.{f.name}: {'above' if open_low else 'at least'} {lo:g}"
+                                    + (f" and at most {hi:g}" if hi is not None else "") + f"; got {value!r}")
         if self.noise not in NOISE_KINDS:
             raise HiltError(f"AfmConfig.noise: {self.noise!r}; choose {', '.join(NOISE_KINDS)}")
-        if self.out_bound <= 0 or self.range_std_alpha <= 0:
-            raise HiltError(f"AfmConfig: out_bound and range_std_alpha must be above 0; got {self.out_bound}, "
-                            f"{self.range_std_alpha}")
 
 
 _HINTS = typing.get_type_hints(AfmConfig)
-RANGES = {"additive_std": (0.0, None), "tile_inputs": (0, None), "dac_bits": (2, 24), "adc_bits": (2, 24),
-          "out_bound": (0.0, None), "range_std_alpha": (0.0, None)}
+# Each numeric field's range: (lowest, highest or None, whether the lowest itself is excluded)
+RANGES = {"additive_std": (0.0, None, False), "tile_inputs": (0, None, False), "dac_bits": (2, 24, False),
+          "adc_bits": (2, 24, False), "out_bound": (0.0, None, True), "range_std_alpha": (0.0, None, True)}
 
 
 def _row_parts(w: torch.Tensor, tile_inputs: int) -> torch.Tensor:
@@ -186,15 +182,16 @@ class AfmLinear(nn.Module):
         x = _RangeClip.apply(x, r if learn else r.detach(), train.range_decay if learn else 0.0,
                              train.min_unclipped if learn else 0.0)
         r = r.detach()
+        tiny = torch.finfo(x.dtype).tiny  # a zero range or an all-zero row reads 0, as their rounding has it
         if cfg.dac_bits is not None:
-            step = 2 * r / (2**cfg.dac_bits - 2)
+            step = (2 * r / (2**cfg.dac_bits - 2)).clamp_min(tiny)
             x = _ste_round(x / step) * step
         y = F.linear(x, w.to(x.dtype))
         if train is not None and train.out_noise > 0:
             y = y + train.out_noise * w_max.max() * r * torch.randn(y.shape, generator=self.gen)
         if cfg.adc_bits is not None:
             bound = (r * cfg.out_bound * w_max).to(y.dtype)
-            step = 2 * bound / (2**cfg.adc_bits - 2)
+            step = (2 * bound / (2**cfg.adc_bits - 2)).clamp_min(tiny)
             y = torch.minimum(torch.maximum(_ste_round(y / step) * step, -bound), bound)
         return y if self.bias is None else y + self.bias
 

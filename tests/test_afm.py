@@ -96,6 +96,9 @@ def test_forward_is_their_computation_with_clipping_at_both_ends(dtype):
         assert torch.allclose(y, torch.full((1, 11), 1.5 * 0.5))
         out = afm.AfmLinear(lin.to(dtype), afm.AfmConfig())(x.to(dtype))
         assert out.dtype == dtype and torch.isfinite(out).all()
+        lin.weight[3] = 0.0  # an all-zero row reads its bias, not NaN
+        out = afm.AfmLinear(lin, afm.AfmConfig())(x.to(dtype))
+        assert torch.isfinite(out).all() and torch.equal(out[:, 3], lin.bias[3].expand(5))
 
 
 def test_range_gradient_follows_their_rule():
@@ -124,7 +127,8 @@ def test_calibrated_range_is_alpha_times_the_mean_std():
 
 
 @pytest.mark.parametrize("field,value", [("noise", "gauss"), ("dac_bits", 1), ("out_bound", 0.0),
-                                         ("tile_inputs", -1), ("additive_std", -0.1), ("adc_bits", 2.5)])
+                                         ("tile_inputs", -1), ("additive_std", -0.1), ("adc_bits", 2.5),
+                                         ("range_std_alpha", float("inf")), ("dac_bits", True), ("noise", 3)])
 def test_bad_config_is_one_line_naming_the_field(field, value):
     with pytest.raises(HiltError, match=field):
         afm.AfmConfig(**{field: value})
