@@ -2,6 +2,7 @@
 evaluated; chips in one pass equal one at a time; the mapping and input-range options do what they say."""
 
 import dataclasses
+import json
 import subprocess
 import sys
 
@@ -277,3 +278,21 @@ def test_compensation_ahead_of_the_adc_does_not_scale_the_periphery(dac_bits):
     step = 2 * 12.0 / (2**9 - 2) * rows
     err = {ahead: float(((run(ahead, out_noise=0.0) - exact) / step).abs().max()) for ahead in (False, True)}
     assert err[True] <= 0.5 + 1e-3 < 1.0 < err[False] <= 1.25 + 1e-3, err
+
+
+def test_a_language_model_goes_on_a_preset_with_its_deployment_unless_asked(tiny_gguf, tmp_path):
+    """`hilt drift` puts a language model on the preset with column mapping and smoothing 0.5 (the log names them);
+    `--set` changes one, `--preset-as-is` keeps the preset's own."""
+    from hilt.tasks.drift_lm import chip_name, lm_deployment
+    from hilt.cim_sim import preset
+
+    assert lm_deployment({"smoothing": 0.0}) == {"weight_mapping": "column", "smoothing": 0.0}
+    assert lm_deployment({"tile_size": 64}, as_is=True) == {"tile_size": 64}
+    out = tmp_path / "r.json"
+    r = subprocess.run([sys.executable, "-m", "hilt", "drift", "--model", str(tiny_gguf), "--times", "1s", "--chips", "1",
+                        "--tokens", "32", "--context", "16", "--json", str(out)], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    config = json.loads(out.read_text())["config"]
+    assert config["weight_mapping"] == "column" and config["smoothing"] == 0.5
+    assert "on pcm (weight_mapping=column, smoothing=0.5)" in r.stdout
+    assert chip_name("pcm", preset("pcm")) == "pcm (as the preset is)"

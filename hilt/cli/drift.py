@@ -69,7 +69,7 @@ def register(sub) -> None:
                 "hardware over time after programming",
                 "hilt drift --model cnn --preset pcm --times 1s,1h,1d,1mo,1y --repeats 5 --plot drift.png\n  "
                 "hilt drift --model mynets:resnet8 --checkpoint resnet8.safetensors --data test.npz --repeats 10\n  "
-                "hilt drift --model smollm2 --preset pcm --chips 2 --set weight_mapping=column --set clip_std=3\n  "
+                "hilt drift --model smollm2 --preset pcm --chips 2 --set gdc_before_adc=true --set clip_std=3\n  "
                 "hilt drift --model smollm2 --preset afm --chips 8 --set noise=additive",
                 [OUTPUT, PLOT], plot="the metric against log time, bands over chips")
     d.add_argument("--model", default="cnn", type=drift_model, metavar="NAME|PKG.MODULE:FACTORY|FOLDER",

@@ -31,9 +31,9 @@ def cmd_hwa(args) -> int:
 def register(sub) -> None:
     h = command(sub, "hwa", "fine-tune a language model for a CIM chip: distilled from its digital self through "
                 "noisy device reads (noise injection or DWP), resumable; writes a GGUF (Llama) or a model folder (BERT)",
-                "hilt hwa smollm2 smollm2-pcm.gguf --method noise --set weight_mapping=column --steps 60\n  "
-                "hilt drift --model smollm2-pcm.gguf --preset pcm --set weight_mapping=column --times 1s,1y\n  "
-                "hilt hwa smollm2 smollm2-afm.gguf --method afm --synthetic 32768 --steps 200\n  "
+                "hilt hwa smollm2 smollm2-pcm.gguf --method noise --steps 60\n  "
+                "hilt drift --model smollm2-pcm.gguf --preset pcm --times 1s,1y\n  "
+                "hilt hwa smollm2 smollm2-afm.gguf --method afm --synthetic 32768 --no-clip --range-lr 1e-2 --steps 200\n  "
                 "hilt drift --model smollm2-afm.gguf --preset afm --chips 8",
                 [OUTPUT, SEED])
     h.add_argument("model", help="smollm2, gemma3, a .gguf, a causal-LM folder (written out as a folder), minilm or a BERT folder")
