@@ -280,7 +280,7 @@ def test_compensation_ahead_of_the_adc_does_not_scale_the_periphery(dac_bits):
     assert err[True] <= 0.5 + 1e-3 < 1.0 < err[False] <= 1.25 + 1e-3, err
 
 
-def test_a_language_model_goes_on_a_preset_with_its_deployment_unless_asked(tiny_gguf, tmp_path):
+def test_a_language_model_goes_on_a_preset_with_its_deployment_unless_asked(tiny_gguf, tmp_path, capsys):
     """`hilt drift` puts a language model on the preset with column mapping and smoothing 0.5 (the log names them);
     `--set` changes one, `--preset-as-is` keeps the preset's own."""
     from hilt.tasks.drift_lm import chip_name, lm_deployment
@@ -289,10 +289,12 @@ def test_a_language_model_goes_on_a_preset_with_its_deployment_unless_asked(tiny
     assert lm_deployment({"smoothing": 0.0}) == {"weight_mapping": "column", "smoothing": 0.0}
     assert lm_deployment({"tile_size": 64}, as_is=True) == {"tile_size": 64}
     out = tmp_path / "r.json"
-    r = subprocess.run([sys.executable, "-m", "hilt", "drift", "--model", str(tiny_gguf), "--times", "1s", "--chips", "1",
-                        "--tokens", "32", "--context", "16", "--json", str(out)], capture_output=True, text=True)
-    assert r.returncode == 0, r.stderr
+    from hilt.cli import main
+
+    capsys.readouterr()
+    assert main(["drift", "--model", str(tiny_gguf), "--times", "1s", "--chips", "1", "--tokens", "32", "--context",
+                 "16", "--json", str(out)]) == 0
     config = json.loads(out.read_text())["config"]
     assert config["weight_mapping"] == "column" and config["smoothing"] == 0.5
-    assert "on pcm (weight_mapping=column, smoothing=0.5)" in r.stdout
+    assert "on pcm (weight_mapping=column, smoothing=0.5)" in "".join(capsys.readouterr())
     assert chip_name("pcm", preset("pcm")) == "pcm (as the preset is)"
