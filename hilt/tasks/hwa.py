@@ -44,7 +44,6 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import math
 import shutil
 from pathlib import Path
 
@@ -193,7 +192,8 @@ def synthetic_path(state_dir: Path) -> Path:
     return state_dir.with_name(state_dir.name + "-synthetic.safetensors")
 
 
-def _synthetic_data(lm, model: str, tokens: int, context: int, seed: int, kept: Path) -> torch.Tensor:
+def _synthetic_data(lm, model: str, tokens: int, context: int, seed: int, kept: Path,
+                    progress: bool = True) -> torch.Tensor:
     """``tokens`` tokens the float model writes itself (in texts of ``context`` tokens, each led by its document
     start; their recipe's synthetic data at this scale), kept at ``kept`` until the run ends so that a resumed
     run trains on the same text."""
@@ -212,7 +212,7 @@ def _synthetic_data(lm, model: str, tokens: int, context: int, seed: int, kept: 
             pass
     rows = -(-tokens // context)
     gen = torch.Generator().manual_seed(seed)
-    bar = Progress(rows, "synthetic text", "text")
+    bar = Progress(-(-rows // 16), "synthetic text", "batch of 16 texts", enabled=progress)
     texts = []
     for k in range(0, rows, 16):
         texts.append(lm.causal.sample(min(16, rows - k), context, gen))
@@ -330,7 +330,7 @@ def tune(model: str, out, method: str = "noise", preset_name: str | None = None,
         start = load_state(state_dir, meta, student, opt)
         LOG.info(f"resuming at step {start} of {steps} from {state_dir}")
     if synthetic is not None:
-        data = _synthetic_data(lm, model, synthetic, context, seed, synthetic_path(state_dir))
+        data = _synthetic_data(lm, model, synthetic, context, seed, synthetic_path(state_dir), progress)
     else:
         data = _training_data(lm)
     chip_periphery = Periphery.calibrated(lm.model, config, calibration_run(lm)) if periphery else None
