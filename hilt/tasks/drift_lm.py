@@ -374,10 +374,7 @@ def learned_ranges(spec: str) -> dict | None:
     """The input ranges `hilt hwa --method afm` learned for the model at ``spec`` (the file beside or in it), or None."""
     import json
 
-    from hilt.cim_sim.afm import RANGES_FILE
-
-    path = Path(spec)
-    where = path / RANGES_FILE if path.is_dir() else path.with_name(path.name + "." + RANGES_FILE)
+    where = ranges_path(spec)
     if not where.is_file():
         return None
     try:
